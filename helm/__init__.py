@@ -1,0 +1,9 @@
+"""HELM model zoo: fully hyperbolic (Lorentz) LLMs for Hugging Face ``transformers``."""
+
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"geoopt(\..*)?")
+
+from . import manifold  # noqa: E402
+
+__version__ = "0.1.0"

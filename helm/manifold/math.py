@@ -1,0 +1,243 @@
+"""Functional Lorentz-model math.
+
+Conventions (shared/DESIGN.md §2):
+
+* A point of the hyperboloid ``H^n_k`` is a tensor ``[..., 1+n]`` with the *time* coordinate first and
+  ``<x, x>_L = -k``, ``x_t > 0``. ``k > 0`` is geoopt's parameter; the paper's signed curvature is
+  ``K = -1/k`` (see :func:`curvature_to_k`, the only place the two are converted).
+* ``k`` is keyword-only everywhere. It is a Python float or a tensor broadcastable against ``x[..., :1]``.
+* Minkowski norms, time coordinates and normalisations are accumulated in at least fp32: bf16/fp16 inputs
+  are promoted, so points returned by :func:`lift` and friends are fp32 under autocast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+
+Curv = Union[float, torch.Tensor]
+
+__all__ = [
+    "curvature_to_k",
+    "k_to_curvature",
+    "check_k",
+    "inner",
+    "sqnorm",
+    "lift",
+    "origin",
+    "sqdist",
+    "dist",
+    "expmap0",
+    "logmap0",
+    "normalize",
+    "centroid",
+    "rescale",
+    "hcat",
+    "manifold_error",
+]
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Promote half-precision tensors to fp32 for accumulation; leave fp32/fp64 alone."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _kt(k: Curv, like: torch.Tensor) -> Union[float, torch.Tensor]:
+    """``k`` in the accumulation dtype of ``like`` (floats stay floats: no device transfer)."""
+    if isinstance(k, torch.Tensor):
+        return k.to(dtype=_acc(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
+    return float(k)
+
+
+def _sqrt(k: Union[float, torch.Tensor]):
+    return k.sqrt() if isinstance(k, torch.Tensor) else math.sqrt(k)
+
+
+def check_k(k: Curv, name: str = "k") -> None:
+    """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite float."""
+    if isinstance(k, torch.Tensor):
+        return  # tensors come from a parametrisation that keeps them positive; never synchronise on them
+    if not (isinstance(k, (int, float)) and math.isfinite(k) and k > 0):
+        raise ValueError(f"{name} must be a positive finite number (geoopt's k = -1/K > 0), got {k!r}")
+
+
+def curvature_to_k(curvature: float) -> float:
+    """Paper curvature ``K < 0`` (``<x,x>_L = 1/K``) to geoopt's ``k = -1/K > 0``.
+
+    This is the one place where the paper's signed curvature is converted; configs speak ``K``.
+    """
+    if not (isinstance(curvature, (int, float)) and math.isfinite(curvature) and curvature < 0):
+        raise ValueError(f"curvature must be a negative finite number (paper convention K < 0), got {curvature!r}")
+    return -1.0 / float(curvature)
+
+
+def k_to_curvature(k: float) -> float:
+    """Inverse of :func:`curvature_to_k`: ``K = -1/k``."""
+    check_k(k)
+    return -1.0 / float(k)
+
+
+def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+    """Lorentz inner product ``<x, y>_L = -x_t y_t + x_s · y_s`` over the last dim (accumulated in >= fp32).
+
+    Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (or ``[..., 1]`` with ``keepdim``).
+    """
+    x, y = _acc(x), _acc(y)
+    out = (x[..., 1:] * y[..., 1:]).sum(-1, keepdim=True) - x[..., :1] * y[..., :1]
+    return out if keepdim else out.squeeze(-1)
+
+
+def sqnorm(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+    """Squared Minkowski norm ``<x, x>_L`` (``-k`` on ``H^n_k``; negative for time-like vectors)."""
+    return inner(x, x, keepdim=keepdim)
+
+
+def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
+    """Space part to point: ``lift(x_s) = [sqrt(|x_s|^2 + k), x_s]``.
+
+    The "HRC" pattern: any Euclidean op on the space part followed by ``lift`` stays on ``H^n_k``.
+    Shapes: ``[..., n] -> [..., 1+n]``; the result dtype is at least fp32 so the time coordinate keeps
+    its precision under bf16 autocast.
+    """
+    x_s = _acc(x_s)
+    kk = _kt(k, x_s)
+    x_t = (x_s.pow(2).sum(-1, keepdim=True) + kk).sqrt()
+    return torch.cat([x_t, x_s], dim=-1)
+
+
+def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """The origin ``(sqrt(k), 0, ..., 0)`` of ``H^n_k``; ``size`` includes the time coordinate (``1+n``)."""
+    out = torch.zeros(*size, dtype=dtype, device=device)
+    out[..., 0] = _sqrt(_kt(k, out))
+    return out
+
+
+def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
+    """Squared Lorentz distance ``d²(x, y) = <x-y, x-y>_L = -2k - 2<x, y>_L`` (paper: ``2/K - 2<x,y>_L``).
+
+    Evaluated as the Minkowski norm of the difference, which has no cancellation for nearby points, and
+    clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
+    ``k`` is accepted for a uniform signature; the difference form does not need it.
+    """
+    return sqnorm(_acc(x) - _acc(y), keepdim=keepdim).clamp_min(0)
+
+
+def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
+    """Geodesic distance ``sqrt(k) · arcosh(-<x, y>_L / k)``.
+
+    Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
+    exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
+    """
+    kk = _kt(k, _acc(x))
+    d2 = sqdist(x, y, k=k, keepdim=keepdim)
+    tiny = torch.finfo(d2.dtype).tiny
+    return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
+
+
+def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
+    """Exponential map at the origin for a tangent vector ``u = [0, u_s]`` (``u_t`` is ignored).
+
+    ``exp_o(u) = [sqrt(k) cosh(|u_s|/sqrt k), sqrt(k) sinh(|u_s|/sqrt k) u_s / |u_s|]``; the space part
+    uses ``sinh(θ)/θ`` (exactly 1 at ``θ = 0``) and the time part is recomputed by :func:`lift`.
+    Shapes: ``[..., 1+n] -> [..., 1+n]``.
+    """
+    u_s = _acc(u[..., 1:])
+    kk = _kt(k, u_s)
+    theta = u_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
+    small = theta < 1e-4
+    safe = torch.where(small, torch.ones_like(theta), theta)
+    ratio = torch.where(small, 1 + theta.pow(2) / 6, torch.sinh(safe) / safe)
+    return lift(ratio * u_s, k=k)
+
+
+def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
+    """Logarithmic map at the origin: ``[0, (θ / sinh θ) x_s]`` with ``θ = asinh(|x_s| / sqrt k)``.
+
+    Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``.
+    """
+    x_s = _acc(x[..., 1:])
+    kk = _kt(k, x_s)
+    r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
+    small = r < 1e-4
+    safe = torch.where(small, torch.ones_like(r), r)
+    ratio = torch.where(small, 1 - r.pow(2) / 6, torch.asinh(safe) / safe)
+    return torch.cat([torch.zeros_like(r), ratio * x_s], dim=-1)
+
+
+def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, None] = None,
+              norm2: torch.Tensor | None = None) -> torch.Tensor:
+    """Project a future-pointing time-like vector onto ``H^n_k``: ``sqrt(k) · s / sqrt(|<s, s>_L|)``.
+
+    ``norm2`` is ``|<s, s>_L|`` when the caller knows a better-conditioned expression for it (see
+    :func:`centroid`); otherwise it is computed from ``s``. ``floor`` is a lower bound on it known from the
+    math. The time coordinate of the result is recomputed from its space part, so the output is on the
+    manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``.
+    """
+    s = _acc(s)
+    if norm2 is None:
+        norm2 = sqnorm(s, keepdim=True).abs()
+    if floor is not None:
+        norm2 = norm2.clamp_min(floor) if not isinstance(floor, torch.Tensor) else torch.maximum(norm2, floor)
+    kk = _kt(k, s)
+    return lift(s[..., 1:] * (_sqrt(kk) * norm2.rsqrt()), k=k)
+
+
+def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: int = -2) -> torch.Tensor:
+    """Weighted Lorentz centroid (paper Eq. 3): ``sqrt(k) · s / sqrt(|<s, s>_L|)``, ``s = Σ w_i x_i``.
+
+    ``x``: points ``[..., N, ..., 1+n]`` stacked along ``dim``; ``w``: non-negative weights broadcastable to
+    ``x``'s shape minus the last dim (default: uniform ``1/N``).
+
+    For points of ``H_k``, ``<x_i, x_j>_L = -k - d²_ij / 2``, hence
+    ``|<s, s>_L| = k (Σ w)² + ½ Σ_ij w_i w_j d²(x_i, x_j)``. That form is used: it is exact for points on the
+    manifold, never below the bound ``k (Σ w)²`` (so no clamp is needed), and, with ``d²`` from the
+    difference form, free of the cancellation ``-s_t² + |s_s|²`` suffers far from the origin (at
+    ``|x_s| = 1e4`` in fp32 that cancellation alone is larger than ``k``). Costs ``O(N² n)``: meant for few
+    points (residuals, expert mixtures); attention normalises its softmax-weighted sums directly.
+    """
+    x = _acc(x)
+    dim = dim if dim >= 0 else x.dim() + dim
+    if dim == x.dim() - 1:
+        raise ValueError("centroid: dim must index the points, not the coordinate (last) dim")
+    if w is None:
+        w = torch.full(x.shape[:-1], 1.0 / x.shape[dim], dtype=x.dtype, device=x.device)
+    w = _acc(w).to(x.dtype).expand(x.shape[:-1])
+    xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
+    s = (wm.unsqueeze(-1) * xm).sum(-2)
+    d2 = sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3), k=k)
+    norm2 = _kt(k, s) * wm.sum(-1).pow(2) + 0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2))
+    return normalize(s, k=k, norm2=norm2.unsqueeze(-1))
+
+
+def rescale(x: torch.Tensor, *, k_in: Curv, k_out: Curv) -> torch.Tensor:
+    """Curvature change ``x ↦ sqrt(k_out / k_in) · x``: maps ``H_{k_in}`` onto ``H_{k_out}`` (MiCE experts)."""
+    return x * _sqrt(_kt(k_out, x) / _kt(k_in, x))
+
+
+def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int = -2) -> torch.Tensor:
+    """Lorentz concatenation (HCat): concatenate the space parts, recompute one time coordinate.
+
+    ``xs`` is a sequence of points ``[..., 1+n_i]`` or one tensor stacking them along ``dim``
+    (e.g. heads ``[..., H, 1+d] -> [..., 1+H·d]``). ``hcat(lift(a), lift(b)) = lift(cat(a, b))``.
+    """
+    if isinstance(xs, torch.Tensor):
+        dim = dim if dim >= 0 else xs.dim() + dim
+        space = xs[..., 1:].movedim(dim, -2)
+        return lift(space.reshape(*space.shape[:-2], -1), k=k)
+    return lift(torch.cat([x[..., 1:] for x in xs], dim=-1), k=k)
+
+
+def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
+    """Relative violation of ``<x, x>_L = -k``: ``|<x,x>_L + k| / (x_t² + |x_s|²)`` per point, in fp64.
+
+    Measures the tensor as stored (upcast to fp64 before any arithmetic). The denominator is the
+    Euclidean squared norm, the natural scale of rounding in ``<x,x>_L``; it equals ``k`` at the origin.
+    A negative time coordinate (the other sheet) counts as an error of at least 1.
+    """
+    x64 = x.detach().double()
+    kk = k.detach().double().to(x64.device) if isinstance(k, torch.Tensor) else float(k)
+    err = (sqnorm(x64) + (kk.squeeze(-1) if isinstance(kk, torch.Tensor) and kk.dim() == x64.dim() else kk)).abs()
+    err = err / x64.pow(2).sum(-1)
+    return torch.where(x64[..., 0] > 0, err, torch.ones_like(err) + err)

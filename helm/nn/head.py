@@ -1,0 +1,57 @@
+"""Language-model heads on Lorentz features."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..manifold.lorentz import Lorentz
+from ..manifold.math import _acc
+from ._checks import check_choice, check_dim, check_k, check_positive
+from .embedding import wrapped_normal_
+
+HEAD_MODES = ("linear", "distance")
+
+
+class LorentzLMHead(nn.Module):
+    """Logits from points ``x`` of ``H^n_k`` (apply the final ``LorentzRMSNorm`` before it).
+
+    Modes:
+        ``linear`` (paper code): a Euclidean linear map on the full vector, ``logits = W x (+ b)``.
+        ``distance`` (fully hyperbolic): class prototypes ``p_c`` on ``H^n_k`` (a ``ManifoldParameter``),
+            ``logits_c = -d²(x, p_c) / τ + b_c = (2k + 2<x, p_c>_L) / τ + b_c`` with learnable ``τ > 0``.
+
+    Shapes: ``[..., 1+n] -> [..., V]``; logits in at least fp32.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, k: float = 1.0, mode: str = "linear",
+                 bias: bool = False, init_std: float = 0.02, tau: float = 1.0):
+        super().__init__()
+        check_dim(hidden_size, "hidden_size", minimum=2)
+        check_dim(vocab_size, "vocab_size")
+        check_k(k, "k")
+        check_choice(mode, "mode", HEAD_MODES)
+        check_positive(tau, "tau")
+        self.k, self.mode, self.init_std = float(k), mode, init_std
+        if mode == "linear":
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+            nn.init.normal_(self.weight, 0.0, init_std)
+        else:
+            import geoopt
+
+            self.weight = geoopt.ManifoldParameter(torch.empty(vocab_size, hidden_size), manifold=Lorentz(self.k))
+            wrapped_normal_(self.weight, k=self.k, std=init_std)
+            self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "linear":
+            logits = nn.functional.linear(x.to(self.weight.dtype), self.weight)
+        else:
+            w = self.weight
+            jw = torch.cat([-w[:, :1], w[:, 1:]], dim=-1).to(x.dtype)
+            logits = (2 * self.k + 2 * (x @ jw.T)) / self.log_tau.exp()
+        logits = _acc(logits)
+        return logits if self.bias is None else logits + self.bias.to(logits.dtype)

@@ -1,0 +1,48 @@
+"""Hyperbolic SwiGLU (paper App. B.3)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..manifold.math import lift
+from ._checks import check_dim, check_k
+from .activation import get_activation
+from .linear import LorentzLinear
+
+
+class LorentzSwiGLU(nn.Module):
+    """``y = act(HLT_gate(x)_s) ⊙ HLT_up(x)_s``, ``out = HLT_down(lift(y))``.
+
+    The space part of a lifted HLT output is ``W x + b`` itself, so the gate and up projections are
+    never lifted (same result, no wasted square roots). Llama's names: ``gate_proj``, ``up_proj``,
+    ``down_proj``.
+
+    Args:
+        hidden_size: ambient dim ``1+n``.
+        intermediate_size: ambient dim ``1+m`` of the inner point.
+        k: curvature parameter; ``forward(x, k=...)`` overrides it (MiCE experts on their own curvature).
+        hidden_act: gate activation (default ``silu``).
+        bias: biases in the three HLTs (the official code uses them).
+
+    Shapes: ``[..., 1+n] -> [..., 1+n]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, k: float = 1.0, hidden_act: str = "silu",
+                 bias: bool = True):
+        super().__init__()
+        check_dim(hidden_size, "hidden_size", minimum=2)
+        check_dim(intermediate_size, "intermediate_size", minimum=2)
+        check_k(k, "k")
+        self.k = float(k)
+        self.act = get_activation(hidden_act)
+        self.gate_proj = LorentzLinear(hidden_size, intermediate_size, k=k, bias=bias)
+        self.up_proj = LorentzLinear(hidden_size, intermediate_size, k=k, bias=bias)
+        self.down_proj = LorentzLinear(intermediate_size, hidden_size, k=k, bias=bias)
+
+    def forward(self, x: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kk = self.k if k is None else k
+        y = self.act(self.gate_proj.space(x)) * self.up_proj.space(x)
+        return self.down_proj(lift(y, k=kk), k=k)

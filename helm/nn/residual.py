@@ -1,0 +1,54 @@
+"""LResNet: the Lorentz residual connection (paper Eq. 2)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..manifold.math import _acc, lift, normalize, sqdist
+from ._checks import check_k, check_positive
+
+
+class LorentzResidual(nn.Module):
+    """``x ⊕ f(x) = centroid([x, f(x)], [1, w])`` with a learnable weight ``w > 0``.
+
+    ``w = softplus(ρ)`` stays positive under any optimiser step, as the centroid needs. ``space_scale`` reproduces the official code's
+    constant: when set, the output's space part is multiplied by it and the time coordinate recomputed,
+    pushing the residual stream away from the origin (official runs: ``4·sqrt(d)`` dense, ``sqrt(d)``
+    MiCE). The pre-norms are scale invariant (Prop. 4.5), so it only changes how strongly the stream
+    dominates the next centroid; ``None`` (default) leaves the centroid untouched.
+
+    Shapes: ``x, fx`` ``[..., 1+n] -> [..., 1+n]``.
+    """
+
+    def __init__(self, *, k: float = 1.0, weight: float = 1.0, space_scale: Optional[float] = None):
+        super().__init__()
+        check_k(k, "k")
+        check_positive(weight, "weight")
+        if space_scale is not None:
+            check_positive(space_scale, "space_scale")
+        self.k = float(k)
+        self.space_scale = space_scale
+        # softplus^{-1}(w) so that the initial weight is exactly ``weight``.
+        self.raw_weight = nn.Parameter(torch.tensor(math.log(math.expm1(weight)), dtype=torch.float32))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return F.softplus(_acc(self.raw_weight))
+
+    def forward(self, x: torch.Tensor, fx: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kk = self.k if k is None else k
+        w = self.weight
+        # |<x + w fx, x + w fx>_L| = k (1 + w)² + w d²(x, fx): the centroid's well-conditioned form for two points
+        norm2 = kk * (1 + w) ** 2 + w * sqdist(x, fx, k=kk, keepdim=True)
+        out = normalize(_acc(x) + w * _acc(fx), k=kk, norm2=norm2)
+        if self.space_scale is not None:
+            out = lift(out[..., 1:] * self.space_scale, k=kk)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"k={self.k:g}, space_scale={self.space_scale}"

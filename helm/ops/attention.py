@@ -1,0 +1,277 @@
+"""Lorentz (distance-based) attention, paper Eq. 3, behind one entry point with swappable implementations.
+
+For queries ``q_i``, keys ``k_j`` and values ``v_j`` on ``H_k`` (per head)::
+
+    ν_ij = softmax_j(-d²(q_i, k_j) / τ + b_ij)        d²(q, k) = -2k - 2<q, k>_L
+    o_i  = centroid({v_j}, ν_i) = sqrt(k) · Σ_j ν_ij v_j / sqrt(|<Σ ν v, Σ ν v>_L|)
+
+Since softmax ignores the per-row constant ``2k/τ``, ``softmax(-d²/τ) = softmax((J q)·k · 2/τ)`` with
+``J = diag(-1, 1, ..., 1)``: Eq. 3 is SDPA on ``(J q · 2/τ, k, v)`` with ``scale=1`` followed by the
+centroid normalisation. Implementations:
+
+* ``eager``  explicit ``-d²/τ`` scores, masks and softmax: the readable spec (use it in float64 in tests).
+* ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above.
+* ``triton`` the fused kernel of :mod:`kernels` (loaded lazily; CUDA, or the Triton interpreter).
+* ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
+
+Scores, softmax and the normalisation are computed in at least fp32 (bf16 inputs are promoted and autocast
+is switched off inside), so the time coordinate's cancellation in ``<q, k>_L`` never happens in bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Dict, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..manifold.math import _acc, normalize
+
+logger = logging.getLogger("helm")
+
+Tau = Union[float, torch.Tensor]
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "lorentz_attention",
+    "register_attention_impl",
+    "available_attention_impls",
+    "build_attention_mask",
+    "alibi_bias",
+]
+
+
+def _logit_scale(tau: Tau, num_heads: int, like: torch.Tensor) -> torch.Tensor:
+    """``2/τ`` as a ``[1, H, 1, 1]`` tensor (τ: scalar or ``[H]``), in the accumulation dtype."""
+    tau = torch.as_tensor(tau, device=like.device).to(like.dtype)
+    if tau.dim() == 0:
+        tau = tau.expand(num_heads)
+    return (2.0 / tau).view(1, num_heads, 1, 1)
+
+
+def build_attention_mask(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    attention_mask: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    device=None,
+) -> Optional[torch.Tensor]:
+    """Boolean keep-mask ``[B, 1, Tq, Tk]`` (True = may attend), or None when nothing is masked.
+
+    Queries are the *last* ``Tq`` of the ``Tk`` positions (bottom-right alignment, as in cached decoding).
+    ``attention_mask`` ``[B, Tk]``: 1 for real tokens (Hugging Face convention). ``segment_ids`` ``[B, Tk]``:
+    document ids of packed rows; a query attends only to keys of its own document. Rows that would mask
+    every key (a padding query under left padding) are unmasked entirely: their output is ignored by
+    the caller and this keeps the softmax finite without a host-side check.
+    """
+    keep = None
+    if causal:
+        qi = torch.arange(kv_len - q_len, kv_len, device=device).view(q_len, 1)
+        kj = torch.arange(kv_len, device=device).view(1, kv_len)
+        keep = (kj <= qi).view(1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len)
+    if attention_mask is not None:
+        pad = attention_mask.to(device=device, dtype=torch.bool).view(batch, 1, 1, kv_len)
+        keep = pad if keep is None else keep & pad
+    if segment_ids is not None:
+        seg = segment_ids.to(device)
+        same = seg[:, -q_len:].view(batch, 1, q_len, 1) == seg.view(batch, 1, 1, kv_len)
+        keep = same if keep is None else keep & same
+    if keep is None:
+        return None
+    keep = keep.expand(batch, 1, q_len, kv_len)
+    return keep | ~keep.any(-1, keepdim=True)
+
+
+def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """ALiBi logits bias ``-m_h · (i - j)`` as ``[1, H, Tq, Tk]`` (queries are the last ``Tq`` positions)."""
+    qi = torch.arange(kv_len - q_len, kv_len, device=slopes.device).view(q_len, 1)
+    kj = torch.arange(kv_len, device=slopes.device).view(1, kv_len)
+    return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
+
+
+def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, position_bias, alibi_slopes):
+    """Promote to the accumulation dtype and build the additive logits bias shared by eager and sdpa."""
+    q, kk, v = _acc(query), _acc(key), _acc(value)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, kk.dtype), v.dtype)
+    q, kk, v = q.to(dtype), kk.to(dtype), v.to(dtype)
+    B, H, Tq, _ = q.shape
+    Tk = kk.shape[-2]
+    keep = build_attention_mask(
+        B, Tq, Tk, causal=causal, attention_mask=attention_mask, segment_ids=segment_ids, device=q.device
+    )
+    bias = None
+    if position_bias is not None:
+        bias = position_bias.to(dtype)
+    if alibi_slopes is not None:
+        ab = alibi_bias(alibi_slopes, Tq, Tk).to(dtype)
+        bias = ab if bias is None else bias + ab
+    return q, kk, v, _logit_scale(tau, H, q), keep, bias
+
+
+def eager_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
+                    position_bias=None, alibi_slopes=None) -> torch.Tensor:
+    """Reference: explicit squared Lorentz distances, ``ν = softmax(-d²/τ + b)``, Lorentz centroid of values."""
+    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
+                                           position_bias, alibi_slopes)
+    curv = torch.as_tensor(k, dtype=q.dtype, device=q.device)
+    lorentz_inner = q[..., 1:] @ kk[..., 1:].transpose(-1, -2) - q[..., :1] * kk[..., :1].transpose(-1, -2)
+    sqd = -2 * curv - 2 * lorentz_inner
+    scores = -sqd * (scale / 2)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    weights = scores.softmax(-1)
+    return normalize(weights @ v, k=k, floor=k)
+
+
+def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
+                   position_bias=None, alibi_slopes=None) -> torch.Tensor:
+    """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`."""
+    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
+                                           position_bias, alibi_slopes)
+    q = torch.cat([-q[..., :1], q[..., 1:]], dim=-1) * scale
+    mask = keep
+    if bias is not None:
+        mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+    Tq, Tk = q.shape[-2], kk.shape[-2]
+    use_causal_flag = causal and mask is None and Tq == Tk
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(
+            q, kk, v, attn_mask=None if use_causal_flag else mask, is_causal=use_causal_flag, scale=1.0
+        )
+    return normalize(out, k=k, floor=k)
+
+
+def _triton_available(device: torch.device) -> Optional[str]:
+    """None if the Triton kernel can run on ``device``; otherwise the reason it cannot."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type != "cuda" and not interpret:
+        return (f"impl='triton' needs CUDA tensors (got device {device.type!r}); set TRITON_INTERPRET=1 "
+                "before importing the kernels to run them in the Triton interpreter, or use impl='sdpa'")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "impl='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
+    try:
+        from kernels.lorentz_attention import lorentz_flash_attention  # noqa: F401
+    except ImportError as err:
+        return f"impl='triton': the Lorentz attention kernel is not available ({err})"
+    return None
+
+
+def triton_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
+                     position_bias=None, alibi_slopes=None) -> torch.Tensor:
+    """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`)."""
+    reason = _triton_available(query.device)
+    if reason is not None:
+        raise ValueError(reason)
+    if position_bias is not None:
+        raise ValueError("impl='triton' supports ALiBi slopes but not a dense position_bias; use impl='sdpa'")
+    from kernels.lorentz_attention import lorentz_flash_attention
+
+    return lorentz_flash_attention(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
+                                   segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+
+
+ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {
+    "eager": eager_attention,
+    "sdpa": sdpa_attention,
+    "triton": triton_attention,
+}
+_AUTO_LOGGED: set = set()
+
+
+def register_attention_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Add or replace an implementation under ``name`` (same keyword signature as :func:`eager_attention`)."""
+    ATTENTION_IMPLS[name] = fn
+
+
+def available_attention_impls() -> tuple:
+    return tuple(ATTENTION_IMPLS) + ("auto",)
+
+
+def _resolve_impl(impl: str, device: torch.device, needs_dense_bias: bool) -> str:
+    if impl != "auto":
+        return impl
+    choice = "triton" if device.type == "cuda" and not needs_dense_bias and _triton_available(device) is None \
+        else "sdpa"
+    if (choice, device.type) not in _AUTO_LOGGED:
+        _AUTO_LOGGED.add((choice, device.type))
+        logger.info("helm attention impl='auto' uses %r on %s", choice, device.type)
+    return choice
+
+
+def _validate(query, key, value, tau, attention_mask, segment_ids, position_bias, alibi_slopes, impl):
+    if impl not in ATTENTION_IMPLS and impl != "auto":
+        raise ValueError(f"impl must be one of {available_attention_impls()}, got {impl!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, H, T, 1+d], got shape {tuple(t.shape)}")
+    B, H, Tq, D = query.shape
+    if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
+        raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-1] != D:
+        raise ValueError(f"query and key must have the same head dim 1+d: got {D} and {key.shape[-1]}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"key and value must have the same length: got {key.shape[-2]} and {value.shape[-2]}")
+    if Tq > key.shape[-2]:
+        raise ValueError(f"query length {Tq} exceeds key length {key.shape[-2]}")
+    Tk = key.shape[-2]
+    if isinstance(tau, (int, float)):
+        if not tau > 0:
+            raise ValueError(f"tau must be positive, got {tau!r}")
+    elif tau.dim() > 1 or (tau.dim() == 1 and tau.numel() not in (1, H)):
+        raise ValueError(f"tau must be a scalar or have shape [H={H}], got {tuple(tau.shape)}")
+    for name, m in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+        if m is not None and tuple(m.shape) != (B, Tk):
+            raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
+    if position_bias is not None and (position_bias.dim() != 4 or position_bias.shape[-2:] != (Tq, Tk)):
+        raise ValueError(f"position_bias must be [B|1, H|1, Tq, Tk] with Tq, Tk = {(Tq, Tk)}, "
+                         f"got {tuple(position_bias.shape)}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (H,):
+        raise ValueError(f"alibi_slopes must be [H={H}], got {tuple(alibi_slopes.shape)}")
+
+
+def lorentz_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    k: Union[float, torch.Tensor],
+    tau: Tau,
+    causal: bool = True,
+    attention_mask: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    position_bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Multi-head Lorentz attention (paper Eq. 3).
+
+    Args:
+        query: ``[B, H, Tq, 1+d]`` points of ``H_k``; the queries are the last ``Tq`` of the ``Tk`` positions.
+        key: ``[B, H, Tk, 1+d]`` points.
+        value: ``[B, H, Tk, 1+dv]`` points.
+        k: curvature parameter ``k = -1/K > 0`` (float or scalar tensor).
+        tau: temperature ``τ > 0``, scalar or ``[H]`` (learnable; gradients flow).
+        causal: mask keys after each query.
+        attention_mask: ``[B, Tk]``, 1 for real tokens, 0 for padding (left or right).
+        segment_ids: ``[B, Tk]`` document ids of packed rows; attention never crosses documents.
+        position_bias: additive logits ``[B|1, H|1, Tq, Tk]`` (e.g. a positional encoding's score bias).
+        alibi_slopes: ``[H]`` ALiBi slopes, bias ``-m_h (i - j)``; supported by every implementation.
+        impl: ``eager``, ``sdpa``, ``triton`` or ``auto``.
+
+    Returns:
+        ``[B, H, Tq, 1+dv]`` points of ``H_k`` (fp32 for half-precision inputs, else the input dtype).
+    """
+    _validate(query, key, value, tau, attention_mask, segment_ids, position_bias, alibi_slopes, impl)
+    name = _resolve_impl(impl, query.device, position_bias is not None)
+    return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
+                                 segment_ids=segment_ids, position_bias=position_bias, alibi_slopes=alibi_slopes)
