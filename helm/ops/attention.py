@@ -45,7 +45,8 @@ __all__ = [
 
 def _logit_scale(tau: Tau, num_heads: int, like: torch.Tensor) -> torch.Tensor:
     """``2/τ`` as a ``[1, H, 1, 1]`` tensor (τ: scalar or ``[H]``), in the accumulation dtype."""
-    tau = torch.as_tensor(tau, device=like.device).to(like.dtype)
+    tau = tau.to(device=like.device, dtype=like.dtype) if isinstance(tau, torch.Tensor) else \
+        torch.tensor(float(tau), device=like.device, dtype=like.dtype)
     if tau.dim() == 0:
         tau = tau.expand(num_heads)
     return (2.0 / tau).view(1, num_heads, 1, 1)

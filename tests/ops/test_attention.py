@@ -1,0 +1,161 @@
+import pytest
+import torch
+
+from helm.manifold import lift, manifold_error
+from helm.ops import alibi_bias, build_attention_mask, lorentz_attention
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def qkv(B=2, H=3, Tq=63, Tk=63, d=16, dv=12, k=0.5, dtype=torch.float64, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda T, n: lift(scale * torch.randn(B, H, T, n, generator=g, dtype=torch.float64), k=k).to(dtype)
+    return mk(Tq, d).requires_grad_(), mk(Tk, d).requires_grad_(), mk(Tk, dv).requires_grad_()
+
+
+def case_kwargs(case, B, Tq, Tk, H, dtype):
+    g = torch.Generator().manual_seed(1)
+    kw = {"causal": True}
+    if case == "noncausal":
+        kw["causal"] = False
+    if case in ("left_padding", "mixed"):
+        m = torch.ones(B, Tk, dtype=torch.long)
+        m[1, :7] = 0
+        kw["attention_mask"] = m
+    if case == "right_padding":
+        m = torch.ones(B, Tk, dtype=torch.long)
+        m[0, -9:] = 0
+        kw["attention_mask"] = m
+    if case in ("packed", "mixed"):
+        seg = torch.zeros(B, Tk, dtype=torch.long)
+        seg[:, 20:] = 1
+        seg[0, 45:] = 2
+        kw["segment_ids"] = seg
+    if case in ("alibi", "mixed"):
+        kw["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125][:H], dtype=dtype)
+    if case == "bias":
+        kw["position_bias"] = torch.randn(1, H, Tq, Tk, generator=g, dtype=torch.float64).to(dtype)
+    return kw
+
+
+CASES = ["causal", "noncausal", "left_padding", "right_padding", "packed", "alibi", "bias", "mixed", "decode"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", CASES)
+def test_eager_and_sdpa_agree_on_outputs_and_gradients(case, dtype):
+    B, H = 2, 3
+    Tq, Tk = (3, 63) if case == "decode" else (63, 63)
+    q, k, v = qkv(B, H, Tq, Tk, dtype=dtype)
+    tau = torch.tensor([0.7, 1.3, 2.9], dtype=dtype, requires_grad=True)
+    kw = case_kwargs(case, B, Tq, Tk, H, dtype)
+    results = {}
+    for impl in ("eager", "sdpa"):
+        out = lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl, **kw)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
+        grads = torch.autograd.grad((out * weights).sum(), [q, k, v, tau])
+        results[impl] = (out, grads)
+        assert manifold_error(out, 0.5).max() <= (1e-12 if dtype == torch.float64 else 1e-5)
+    (o_e, g_e), (o_s, g_s) = results["eager"], results["sdpa"]
+    assert rel_err(o_s, o_e) <= TOL[dtype]
+    for name, a, b in zip("qkvτ", g_s, g_e):
+        assert rel_err(a, b) <= TOL[dtype] * 10, f"grad {name}"
+
+
+def test_matches_explicit_paper_formula():
+    """Eq. 3 written out with the geodesic machinery: softmax(-d²/τ), then the centroid of the values."""
+    from helm.manifold import centroid, sqdist
+
+    q, k, v = qkv(1, 2, 9, 9, d=5, dv=4)
+    tau = 1.7
+    d2 = sqdist(q.unsqueeze(-2), k.unsqueeze(-3), k=0.5)  # [B, H, Tq, Tk]
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    w = (-d2 / tau).masked_fill(~mask, float("-inf")).softmax(-1)
+    ref = centroid(v.unsqueeze(-3).expand(1, 2, 9, 9, 5), w, k=0.5, dim=-2)
+    for impl in ("eager", "sdpa"):
+        assert rel_err(lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl), ref) <= 1e-12
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_packed_documents_do_not_interact(impl):
+    q, k, v = qkv(1, 2, 50, 50, dtype=torch.float32)
+    seg = torch.zeros(1, 50, dtype=torch.long)
+    seg[:, 30:] = 1
+    out = lorentz_attention(q, k, v, k=0.5, tau=1.0, segment_ids=seg, impl=impl)
+    # change the first document entirely: the second document's outputs must not move
+    q2, k2, v2 = (t.detach().clone() for t in (q, k, v))
+    fresh = qkv(1, 2, 50, 50, dtype=torch.float32, seed=9)
+    for t, f in zip((q2, k2, v2), fresh):
+        t[:, :, :30] = f.detach()[:, :, :30]
+    out2 = lorentz_attention(q2, k2, v2, k=0.5, tau=1.0, segment_ids=seg, impl=impl)
+    assert torch.equal(out[:, :, 30:], out2[:, :, 30:])
+    assert not torch.allclose(out[:, :, :30], out2[:, :, :30])
+
+
+def test_padding_queries_stay_finite_and_real_tokens_ignore_padding():
+    q, k, v = qkv(2, 2, 20, 20, dtype=torch.float32)
+    m = torch.ones(2, 20, dtype=torch.long)
+    m[1, :6] = 0
+    out = lorentz_attention(q, k, v, k=0.5, tau=1.0, attention_mask=m, impl="sdpa")
+    assert torch.isfinite(out).all()
+    ref = lorentz_attention(q[1:, :, 6:], k[1:, :, 6:], v[1:, :, 6:], k=0.5, tau=1.0, impl="sdpa")
+    assert rel_err(out[1:, :, 6:], ref) <= 1e-5
+
+
+def test_mask_builder_and_alibi_bias():
+    keep = build_attention_mask(1, 2, 5, causal=True, device="cpu")
+    assert keep[0, 0].tolist() == [[True, True, True, True, False], [True] * 5]
+    bias = alibi_bias(torch.tensor([1.0, 0.5]), 3, 3)
+    assert bias[0, 0].tolist() == [[0, 1, 2], [-1, 0, 1], [-2, -1, 0]]
+    assert torch.allclose(bias[0, 1], bias[0, 0] * 0.5)
+
+
+def test_scores_stay_fp32_under_bf16_autocast():
+    """Points with bf16 space parts (as the layers make them) give the fp32 result under autocast: the op
+    switches autocast off and never rounds scores, time coordinates or norms to bf16."""
+    q, k, v = (lift(t.detach()[..., 1:].bfloat16(), k=0.5) for t in qkv(1, 2, 17, 17, dtype=torch.float32, scale=3.0))
+    ref = lorentz_attention(q.double(), k.double(), v.double(), k=0.5, tau=1.0, impl="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa")
+    assert out.dtype == torch.float32 and manifold_error(out, 0.5).max() <= 1e-5
+    assert torch.equal(out, lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa"))
+    assert rel_err(out.double(), ref) < 1e-4
+
+
+BAD = [
+    (dict(impl="flash"), "impl must be one of"),
+    (dict(impl="triton"), "impl='triton'"),
+    (dict(tau=0.0), "tau must be positive"),
+    (dict(tau=-1.0), "tau must be positive"),
+    (dict(tau=torch.ones(5)), "tau must be a scalar or have shape"),
+    (dict(attention_mask=torch.ones(2, 7)), "attention_mask must be"),
+    (dict(segment_ids=torch.ones(1, 9)), "segment_ids must be"),
+    (dict(position_bias=torch.zeros(9, 9)), "position_bias must be"),
+    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes must be"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD, ids=[m for _, m in BAD])
+def test_bad_inputs_raise(kw, match, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv(2, 3, 9, 9, dtype=torch.float32)
+    kw = {"tau": 1.0, **kw}
+    with pytest.raises(ValueError, match=match):
+        lorentz_attention(q, k, v, k=0.5, **kw)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((2, 3, 9, 17), (2, 3, 9, 16), (2, 3, 9, 5)), "same head dim"),
+    (((2, 3, 9, 17), (2, 2, 9, 17), (2, 2, 9, 5)), "share"),
+    (((2, 3, 9, 17), (2, 3, 9, 17), (2, 3, 8, 5)), "same length"),
+    (((2, 3, 10, 17), (2, 3, 9, 17), (2, 3, 9, 5)), "exceeds"),
+    (((3, 9, 17), (3, 9, 17), (3, 9, 5)), r"\[B, H, T, 1\+d\]"),
+])
+def test_mismatched_shapes_raise(shapes, match):
+    q, k, v = (torch.randn(*s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        lorentz_attention(q, k, v, k=1.0, tau=1.0, impl="sdpa")
