@@ -47,6 +47,7 @@ class LorentzEmbedding(nn.Module):
         if mode == "lorentz":
             import geoopt
 
+            self._manifold_parameters = ("weight",)
             self.weight = geoopt.ManifoldParameter(torch.empty(num_embeddings, embedding_dim),
                                                    manifold=Lorentz(self.k))
         else:

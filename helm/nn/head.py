@@ -34,17 +34,27 @@ class LorentzLMHead(nn.Module):
         check_k(k, "k")
         check_choice(mode, "mode", HEAD_MODES)
         check_positive(tau, "tau")
-        self.k, self.mode, self.init_std = float(k), mode, init_std
+        self.k, self.mode, self.init_std, self.init_tau = float(k), mode, init_std, float(tau)
         if mode == "linear":
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-            nn.init.normal_(self.weight, 0.0, init_std)
         else:
             import geoopt
 
+            self._manifold_parameters = ("weight",)
             self.weight = geoopt.ManifoldParameter(torch.empty(vocab_size, hidden_size), manifold=Lorentz(self.k))
-            wrapped_normal_(self.weight, k=self.k, std=init_std)
-            self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+            self.log_tau = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(vocab_size)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.mode == "linear":
+                nn.init.normal_(self.weight, 0.0, self.init_std)
+            else:
+                wrapped_normal_(self.weight, k=self.k, std=self.init_std)
+                self.log_tau.fill_(math.log(self.init_tau))
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "linear":

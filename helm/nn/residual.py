@@ -33,8 +33,13 @@ class LorentzResidual(nn.Module):
             check_positive(space_scale, "space_scale")
         self.k = float(k)
         self.space_scale = space_scale
-        # softplus^{-1}(w) so that the initial weight is exactly ``weight``.
-        self.raw_weight = nn.Parameter(torch.tensor(math.log(math.expm1(weight)), dtype=torch.float32))
+        self.init_weight = float(weight)
+        self.raw_weight = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():  # softplus^{-1}(w) so that the initial weight is exactly ``weight``
+            self.raw_weight.fill_(math.log(math.expm1(self.init_weight)))
 
     @property
     def weight(self) -> torch.Tensor:

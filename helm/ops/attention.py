@@ -95,14 +95,21 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
     return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
 
 
-def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, position_bias, alibi_slopes):
-    """Promote to the accumulation dtype and build the additive logits bias shared by eager and sdpa."""
+def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, position_bias, alibi_slopes,
+             causal_flag_ok=False):
+    """Promote to the accumulation dtype; build the keep-mask and the additive logits bias.
+
+    With ``causal_flag_ok`` (sdpa) a plain causal square problem returns no mask, so the fused kernels run
+    with ``is_causal=True`` and never materialise a ``T × T`` mask.
+    """
     q, kk, v = _acc(query), _acc(key), _acc(value)
     dtype = torch.promote_types(torch.promote_types(q.dtype, kk.dtype), v.dtype)
     q, kk, v = q.to(dtype), kk.to(dtype), v.to(dtype)
     B, H, Tq, _ = q.shape
     Tk = kk.shape[-2]
-    keep = build_attention_mask(
+    plain_causal = attention_mask is None and segment_ids is None and position_bias is None \
+        and alibi_slopes is None and Tq == Tk
+    keep = None if (causal_flag_ok and plain_causal) else build_attention_mask(
         B, Tq, Tk, causal=causal, attention_mask=attention_mask, segment_ids=segment_ids, device=q.device
     )
     bias = None
@@ -135,7 +142,7 @@ def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=Non
                    position_bias=None, alibi_slopes=None) -> torch.Tensor:
     """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`."""
     q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
-                                           position_bias, alibi_slopes)
+                                           position_bias, alibi_slopes, causal_flag_ok=True)
     q = torch.cat([-q[..., :1], q[..., 1:]], dim=-1) * scale
     mask = keep
     if bias is not None:
