@@ -46,9 +46,6 @@ class LorentzAttentionBase(nn.Module):
         self.pe = build_positional_encoding(positional, head_dim=pe_dim, num_heads=num_heads,
                                             max_position_embeddings=max_position_embeddings,
                                             rope_theta=rope_theta, **pe_options)
-        # ALiBi goes to the attention op as slopes (every impl, the Triton kernel included, supports them).
-        slopes = torch.tensor(self.pe.slopes, dtype=torch.float32) if isinstance(self.pe, ALiBi) else None
-        self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.pe_offset = 0
         self.reset_parameters()
 
@@ -68,8 +65,8 @@ class LorentzAttentionBase(nn.Module):
         """Scores with the encoding's bias (ALiBi as slopes so every impl supports it), Lorentz attention."""
         B, _, Tq, _ = q.shape
         slopes, bias = None, None
-        if self.alibi_slopes is not None:
-            slopes = self.alibi_slopes
+        if isinstance(self.pe, ALiBi):  # as slopes: every impl, the Triton kernel included, supports them
+            slopes = self.pe.slopes_tensor(q.device, torch.float32)
         elif self.pe.has_score_bias:
             q_pos, k_pos = _index_positions(B, Tq, key.shape[-2], q.device)
             start = 1 + self.pe_offset  # the encoding sees only the coordinates it was built for (HMLA: rope part)

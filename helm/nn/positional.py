@@ -72,8 +72,8 @@ _MIN_DECAY_GAP = 1e-4  # learnable θ' >= (1 + 1e-4)·max θ_l
 
 def rope_frequencies(head_dim: int, base: float, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """RoPE angles ``θ_l = base^(-2l/d)`` for ``l = 0 .. d/2 - 1`` (so ``max θ_l = θ_0 = 1``). Shape ``[d/2]``."""
-    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64) * (-2.0 / head_dim)
-    return torch.pow(torch.tensor(float(base), dtype=torch.float64), exponents).to(dtype)
+    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64, device="cpu") * (-2.0 / head_dim)
+    return torch.pow(torch.tensor(float(base), dtype=torch.float64, device="cpu"), exponents).to(dtype)
 
 
 def alibi_slopes(num_heads: int) -> tuple[float, ...]:
@@ -215,8 +215,9 @@ class _AngleTable:
     def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (device, dtype)
         if key not in self._cache:
-            digit = torch.arange(1 << _DIGIT_BITS, dtype=torch.float64)
-            place = torch.tensor([float(1 << (_DIGIT_BITS * k)) for k in range(_NUM_DIGITS)], dtype=torch.float64)
+            digit = torch.arange(1 << _DIGIT_BITS, dtype=torch.float64, device="cpu")
+            place = torch.tensor([float(1 << (_DIGIT_BITS * k)) for k in range(_NUM_DIGITS)], dtype=torch.float64,
+                                 device="cpu")
             # reduce each place value's angle first so the digit product stays small and exact
             step = torch.remainder(place[:, None] * self.freqs[None, :], 2 * math.pi)  # [D, P]
             angle = torch.remainder(digit[None, :, None] * step[:, None, :], 2 * math.pi)  # [D, 256, P]
@@ -385,7 +386,7 @@ class ALiBi(PositionalEncoding):
         self.slopes = alibi_slopes(num_heads)
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def _slopes(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def slopes_tensor(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         if key not in self._cache:
             self._cache[key] = torch.tensor(self.slopes, dtype=dtype, device=device)
@@ -395,7 +396,7 @@ class ALiBi(PositionalEncoding):
         if q_s.shape[-3] != self.num_heads:
             raise ValueError(f"alibi was built for num_heads={self.num_heads}, got q_s with {q_s.shape[-3]} heads")
         dtype = torch.promote_types(q_s.dtype, torch.float32)
-        return alibi_bias(q_pos.to(q_s.device), k_pos.to(q_s.device), self._slopes(q_s.device, dtype))
+        return alibi_bias(q_pos.to(q_s.device), k_pos.to(q_s.device), self.slopes_tensor(q_s.device, dtype))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}"

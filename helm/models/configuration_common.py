@@ -1,0 +1,41 @@
+"""Validation shared by the HELM configs (kept free of torch so configs load fast)."""
+
+from __future__ import annotations
+
+import math
+
+EMBEDDING_MODES = ("lorentz", "space")
+LM_HEAD_MODES = ("linear", "distance")
+POSITIONALS = ("hope", "learned", "none", "alibi", "rope3d", "hope_boost")
+ATTN_IMPLS = ("eager", "sdpa", "triton", "auto")
+
+
+def _choice(value, name, accepted):
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {accepted}, got {value!r}")
+
+
+def _positive_int(value, name, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def validate_helm_common(cfg) -> None:
+    """Checks every HELM config needs: dims (ambient, counting the time coordinate), curvature, choices."""
+    _positive_int(cfg.vocab_size, "vocab_size")
+    _positive_int(cfg.hidden_size, "hidden_size", 2)
+    _positive_int(cfg.num_hidden_layers, "num_hidden_layers")
+    _positive_int(cfg.num_attention_heads, "num_attention_heads")
+    _positive_int(cfg.max_position_embeddings, "max_position_embeddings")
+    if not (isinstance(cfg.curvature, (int, float)) and math.isfinite(cfg.curvature) and cfg.curvature < 0):
+        raise ValueError(f"curvature must be a negative number (paper convention K < 0), got {cfg.curvature!r}")
+    _choice(cfg.embedding_mode, "embedding_mode", EMBEDDING_MODES)
+    _choice(cfg.lm_head_mode, "lm_head_mode", LM_HEAD_MODES)
+    _choice(cfg.positional, "positional", POSITIONALS)
+    _choice(cfg.attn_impl, "attn_impl", ATTN_IMPLS)
+    if cfg.residual_space_scale is not None and not cfg.residual_space_scale > 0:
+        raise ValueError(f"residual_space_scale must be positive or None, got {cfg.residual_space_scale!r}")
+    if not cfg.residual_weight > 0:
+        raise ValueError(f"residual_weight must be positive, got {cfg.residual_weight!r}")
+    if cfg.tau_init is not None and not cfg.tau_init > 0:
+        raise ValueError(f"tau_init must be positive or None, got {cfg.tau_init!r}")

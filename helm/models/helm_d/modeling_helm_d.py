@@ -1,0 +1,100 @@
+"""HELM-D: dense fully hyperbolic decoder (hyperbolic self-attention + hyperbolic SwiGLU), paper §4."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ...manifold.math import curvature_to_k
+from ...nn.mlp import LorentzSwiGLU
+from ...nn.norm import LorentzRMSNorm
+from ..modeling_common import (
+    HelmCausalLMMixin,
+    HelmDecoderStack,
+    HelmEmbeddings,
+    HelmPreTrainedModel,
+    build_attention,
+    build_lm_head,
+    build_residual,
+)
+from .configuration_helm_d import HelmDConfig
+
+
+class HelmDDecoderLayer(nn.Module):
+    """``x ← x ⊕ Attn(RMSNorm_L(x))``, then ``x ← x ⊕ SwiGLU_L(RMSNorm_L(x))`` (⊕: Lorentz residual)."""
+
+    def __init__(self, config: HelmDConfig, layer_idx: int):
+        super().__init__()
+        k = curvature_to_k(config.curvature)
+        self.input_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+        self.self_attn = build_attention(config, k, layer_idx, "mha")
+        self.attn_residual = build_residual(config, k)
+        self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+        self.mlp = LorentzSwiGLU(config.hidden_size, config.intermediate_size, k=k, hidden_act=config.hidden_act,
+                                 bias=config.mlp_bias)
+        self.mlp_residual = build_residual(config, k)
+
+    def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+        x = self.attn_residual(x, self.self_attn(self.input_layernorm(x), **attn_kwargs))
+        return self.mlp_residual(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+class HelmDPreTrainedModel(HelmPreTrainedModel):
+    config_class = HelmDConfig
+    config: HelmDConfig
+
+
+class HelmDModel(HelmDPreTrainedModel, HelmDecoderStack):
+    """Embeddings, ``num_hidden_layers`` decoder layers and the final RMSNorm_L; returns points ``[B, T, 1+n]``."""
+
+    def __init__(self, config: HelmDConfig):
+        super().__init__(config)
+        k = curvature_to_k(config.curvature)
+        self.embed = HelmEmbeddings(config, k)
+        self.layers = nn.ModuleList(HelmDDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed.embed_tokens
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        x, hidden, cache = self.run(self, input_ids, attention_mask, position_ids, segment_ids, past_key_values,
+                                    inputs_embeds, use_cache)
+        return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache if use_cache else None,
+                                       hidden_states=tuple(hidden) if output_hidden_states else None)
+
+
+class HelmDForCausalLM(HelmDPreTrainedModel, HelmCausalLMMixin, GenerationMixin):
+    """HELM-D with the LM head; ``segment_ids`` (document ids of packed rows) keep attention within documents."""
+
+    def __init__(self, config: HelmDConfig):
+        super().__init__(config)
+        self.model = HelmDModel(config)
+        self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
+        self.post_init()
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
+                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         segment_ids=segment_ids, output_hidden_states=output_hidden_states)
+        logits, loss = self._logits_and_loss(out.last_hidden_state, labels, logits_to_keep, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states)
+
+
+__all__ = ["HelmDPreTrainedModel", "HelmDModel", "HelmDForCausalLM", "HelmDDecoderLayer"]

@@ -1,0 +1,209 @@
+"""Pieces shared by the HELM-D and HELM-MiCE models: base class, embeddings, input checks, the decoder loop."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+
+from ..manifold.lorentz import Lorentz
+from ..manifold.math import lift
+from ..nn.attention import LorentzSelfAttention
+from ..nn.embedding import LorentzEmbedding
+from ..nn.head import LorentzLMHead
+from ..nn.hmla import HMLA
+from ..nn.linear import LorentzLinear
+from ..nn.norm import LorentzRMSNorm
+from ..nn.positional import LearnedPositionalEncoding
+from ..nn.residual import LorentzResidual
+
+
+class HelmPreTrainedModel(PreTrainedModel):
+    """Weight init and geometry bookkeeping common to every HELM model."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["HelmDDecoderLayer", "HelmMiCEDecoderLayer"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (LorentzEmbedding, LearnedPositionalEncoding)):
+            module.reset_parameters()
+        elif isinstance(module, LorentzLMHead):
+            module.reset_parameters()
+        elif isinstance(module, LorentzRMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, LorentzResidual):
+            module.reset_parameters()
+        elif isinstance(module, (LorentzSelfAttention, HMLA)):
+            module.reset_parameters()
+        elif hasattr(module, "reset_geometry"):
+            module.reset_geometry()
+
+    def restore_geometry(self) -> "HelmPreTrainedModel":
+        """Re-wrap manifold parameters and re-freeze fixed curvatures after loading.
+
+        ``transformers`` materialises checkpoints into plain ``nn.Parameter`` objects (and may flip
+        ``requires_grad``); a Lorentz embedding table left as a plain parameter would silently be optimised
+        as a Euclidean one, so every module that owns geometry restores it here.
+        """
+        import geoopt
+
+        for module in self.modules():
+            for name in getattr(module, "_manifold_parameters", ()):
+                p = getattr(module, name)
+                if not isinstance(p, geoopt.ManifoldParameter):
+                    setattr(module, name, geoopt.ManifoldParameter(p.data, manifold=Lorentz(module.k),
+                                                                   requires_grad=p.requires_grad))
+            if hasattr(module, "restore_frozen"):
+                module.restore_frozen()
+        return self
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        return model.restore_geometry()
+
+
+
+class HelmEmbeddings(nn.Module):
+    """Token embedding (``lorentz`` or ``space`` mode) plus the ``learned`` absolute positions when chosen."""
+
+    def __init__(self, config, k: float):
+        super().__init__()
+        self.k = k
+        self.embed_tokens = LorentzEmbedding(config.vocab_size, config.hidden_size, k=k,
+                                             mode=config.embedding_mode, init_std=config.initializer_range)
+        self.embed_positions = None
+        if config.positional == "learned":
+            self.embed_positions = LearnedPositionalEncoding(config.max_position_embeddings, config.hidden_size - 1,
+                                                             init_std=config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            x = lift(self.embed_positions.embed(x[..., 1:], position_ids), k=self.k)
+        return x
+
+
+def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds, past_len: int, seq_len: int) -> None:
+    """Clear errors for ids outside the vocabulary and lengths the positional encoding cannot reach.
+
+    The vocabulary check reads one boolean back from the device per forward (skipped while compiling);
+    ``config.validate_inputs = False`` turns it off.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None and config.validate_inputs and not torch.compiler.is_compiling():
+        if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= config.vocab_size)).any()):
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size}); got values in [{lo}, {hi}]"
+                             " (is the tokenizer's vocabulary larger than the model's?)")
+    if config.positional == "learned" and past_len + seq_len > config.max_position_embeddings:
+        raise ValueError(f"sequence length {past_len + seq_len} exceeds max_position_embeddings="
+                         f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
+                         "beyond its table; use a relative encoding (e.g. positional='hope') for longer inputs")
+
+
+def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, seq_len: int,
+                         batch: int, device) -> torch.Tensor:
+    """``[B, T]`` positions: from the padding mask (left padding starts real tokens at 0) or a plain range."""
+    if attention_mask is not None:
+        pos = attention_mask.long().cumsum(-1) - 1
+        return pos.clamp_min(0)[:, -seq_len:]
+    return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
+
+
+class HelmDecoderStack(nn.Module):
+    """Embedding → decoder layers → final RMSNorm_L, with cache and mask plumbing shared by both families."""
+
+    def run(self, model, input_ids, attention_mask, position_ids, segment_ids, past_key_values, inputs_embeds,
+            use_cache):
+        config = model.config
+        B, T = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+        past_len = past_key_values.get_seq_length() if isinstance(past_key_values, Cache) else 0
+        check_inputs(config, input_ids, inputs_embeds, past_len, T)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, past_len, T, B, device)
+        x = model.embed(input_ids, position_ids) if inputs_embeds is None else inputs_embeds
+        if attention_mask is not None and bool(attention_mask.dim() != 2):
+            raise ValueError(f"attention_mask must be a [B, T_past+T] padding mask, got {tuple(attention_mask.shape)}")
+        if attention_mask is not None and attention_mask.shape[-1] != past_len + T:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions; expected past+new = "
+                             f"{past_len + T}")
+        if segment_ids is not None and segment_ids.shape[-1] != past_len + T:
+            raise ValueError(f"segment_ids covers {segment_ids.shape[-1]} positions; expected {past_len + T}")
+        hidden_states = []
+        for layer in model.layers:
+            x = layer(x, position_ids=position_ids, attention_mask=attention_mask, segment_ids=segment_ids,
+                      past_key_values=past_key_values)
+            hidden_states.append(x)
+        return model.norm(x), hidden_states, past_key_values
+
+
+def build_attention(config, k: float, layer_idx: int, kind: str) -> nn.Module:
+    """``mha`` (Eq. 3 self-attention) or ``hmla`` (§4.3) from a config; ``learned`` positions live in the embedding."""
+    positional = "none" if config.positional == "learned" else config.positional
+    common = dict(k=k, positional=positional, max_position_embeddings=config.max_position_embeddings,
+                  rope_theta=config.rope_theta, tau_init=config.tau_init, attn_impl=config.attn_impl,
+                  layer_idx=layer_idx, bias=config.attention_bias, pe_options=dict(config.pe_options or {}))
+    if kind == "hmla":
+        return HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+                    q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
+                    qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                    rms_norm_eps=config.rms_norm_eps, **common)
+    return LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim, **common)
+
+
+def build_residual(config, k: float) -> LorentzResidual:
+    return LorentzResidual(k=k, weight=config.residual_weight, space_scale=config.residual_space_scale)
+
+
+def build_lm_head(config, k: float) -> LorentzLMHead:
+    return LorentzLMHead(config.hidden_size, config.vocab_size, k=k, mode=config.lm_head_mode,
+                         init_std=config.initializer_range)
+
+
+class HelmCausalLMMixin:
+    """``forward`` of the causal-LM wrappers: logits for the kept positions, shifted cross-entropy loss."""
+
+    def get_input_embeddings(self):
+        return self.model.embed.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def _logits_and_loss(self, hidden: torch.Tensor, labels, logits_to_keep, **kwargs):
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep else slice(None)
+        logits = self.lm_head(hidden[:, keep])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return logits, loss
+
+
+__all__ = [
+    "HelmPreTrainedModel",
+    "HelmEmbeddings",
+    "HelmDecoderStack",
+    "HelmCausalLMMixin",
+    "build_attention",
+    "build_residual",
+    "build_lm_head",
+    "check_inputs",
+    "default_position_ids",
+    "LorentzLinear",
+]

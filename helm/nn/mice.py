@@ -1,0 +1,151 @@
+"""Mixture-of-Curvature Experts, MiCE (paper §4.2, Eq. 5–6)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..manifold.math import curvature_to_k, normalize, rescale
+from ._checks import check_choice, check_dim, check_k
+from .mlp import LorentzSwiGLU
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+# log k is clamped to this range in the forward pass: any optimiser step leaves k finite and positive
+# (K between -1e-4 and -1e4 covers every curvature the paper or its ablations use by orders of magnitude).
+LOG_K_RANGE = (math.log(1e-4), math.log(1e4))
+
+
+class CurvatureExpert(nn.Module):
+    """A SwiGLU_L expert living on its own hyperboloid ``H_{k_j}``.
+
+    ``y = rescale_{k_j → k}(SwiGLU_{L, k_j}(rescale_{k → k_j}(x)))``; ``k_j = exp(clamp(log k_j))`` is an fp32
+    parameter when ``trainable`` and a fixed float otherwise.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, k: float, k_expert: float,
+                 trainable: bool, hidden_act: str = "silu", bias: bool = True):
+        super().__init__()
+        check_k(k, "k")
+        check_k(k_expert, "k_expert")
+        self.k, self.k_expert_init, self.trainable = float(k), float(k_expert), trainable
+        self.mlp = LorentzSwiGLU(hidden_size, intermediate_size, k=k_expert, hidden_act=hidden_act, bias=bias)
+        self.log_k = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=trainable)
+        self.reset_geometry()
+
+    def reset_geometry(self) -> None:
+        with torch.no_grad():
+            self.log_k.fill_(math.log(self.k_expert_init))
+        self.log_k.requires_grad_(self.trainable)
+
+    def restore_frozen(self) -> None:
+        """Loading may flip ``requires_grad``; a fixed curvature must stay fixed."""
+        self.log_k.requires_grad_(self.trainable)
+
+    @property
+    def k_expert(self) -> torch.Tensor:
+        return self.log_k.float().clamp(*LOG_K_RANGE).exp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kj = self.k_expert
+        y = self.mlp(rescale(x, k_in=self.k, k_out=kj), k=kj)
+        return rescale(y, k_in=kj, k_out=self.k)
+
+
+class MiCE(nn.Module):
+    """Gate, bias-adjusted top-k routing, curvature experts, shared experts, one centroid (paper Eq. 5–6).
+
+    * scores ``s_j = act(x_s · y_j)`` (``act``: sigmoid as in DeepSeek-V3, or softmax);
+    * selection: top-``num_experts_per_tok`` of ``s_j + b_j`` (``b``: the aux-loss-free routing bias, a
+      buffer updated by :meth:`update_bias`, never by gradients); weights ``g_j`` = selected scores,
+      renormalised over the selected when ``norm_topk_prob``;
+    * output ``centroid({E_j(x)} ∪ {S_i(x)}, {g_j} ∪ {1})`` — routed experts on their own curvatures, shared
+      experts on the layer's curvature. The Lorentz residual is applied by the decoder layer.
+
+    All experts are evaluated on all tokens and combined with zero weights for unselected ones: no
+    Python loop over tokens, no data-dependent shapes, no host synchronisation. (Sparse dispatch would save
+    ``(N_r - K_r)/N_r`` of the expert FLOPs; it needs grouped GEMMs to stay sync-free.)
+
+    After each forward the layer keeps ``last_expert_load`` (tokens routed to each expert, ``[N_r]``) and, in
+    training, ``aux_loss``: the DeepSeek-V3 sequence-wise balance loss
+    ``α Σ_j f_j P_j``, ``f_j = N_r/(K_r T) Σ_t 1[j ∈ TopK(t)]``, ``P_j = 1/T Σ_t s_{j,t} / Σ_i s_{i,t}``,
+    averaged over sequences.
+
+    Shapes: ``[B, T, 1+n] -> [B, T, 1+n]``.
+    """
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, *, n_routed_experts: int,
+                 num_experts_per_tok: int, n_shared_experts: int = 1, k: float = 1.0,
+                 routed_curvatures: Optional[Sequence[float]] = None, trainable_curvatures: bool = True,
+                 scoring_func: str = "sigmoid", norm_topk_prob: bool = True, aux_loss_alpha: float = 1e-4,
+                 bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True,
+                 initializer_range: float = 0.02):
+        super().__init__()
+        check_dim(hidden_size, "hidden_size", minimum=2)
+        check_dim(moe_intermediate_size, "moe_intermediate_size", minimum=2)
+        check_dim(n_routed_experts, "n_routed_experts")
+        check_dim(num_experts_per_tok, "num_experts_per_tok")
+        check_dim(n_shared_experts, "n_shared_experts", minimum=0)
+        check_k(k, "k")
+        check_choice(scoring_func, "scoring_func", SCORING_FUNCS)
+        if num_experts_per_tok > n_routed_experts:
+            raise ValueError(f"num_experts_per_tok={num_experts_per_tok} exceeds n_routed_experts={n_routed_experts}")
+        if routed_curvatures is None:
+            routed_curvatures = [-1.0] * n_routed_experts
+        if len(routed_curvatures) != n_routed_experts:
+            raise ValueError(f"routed_curvatures must have n_routed_experts={n_routed_experts} entries, "
+                             f"got {len(routed_curvatures)}")
+        self.k, self.top_k, self.n_routed = float(k), num_experts_per_tok, n_routed_experts
+        self.scoring_func, self.norm_topk_prob = scoring_func, norm_topk_prob
+        self.aux_loss_alpha, self.bias_update_speed = aux_loss_alpha, bias_update_speed
+        self.initializer_range = initializer_range
+        self.gate = nn.Linear(hidden_size - 1, n_routed_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_routed_experts, dtype=torch.float32))
+        self.register_buffer("last_expert_load", torch.zeros(n_routed_experts, dtype=torch.float32), persistent=False)
+        self.experts = nn.ModuleList(
+            CurvatureExpert(hidden_size, moe_intermediate_size, k=k, k_expert=curvature_to_k(K),
+                            trainable=trainable_curvatures, hidden_act=hidden_act, bias=bias)
+            for K in routed_curvatures)
+        self.shared_experts = nn.ModuleList(
+            LorentzSwiGLU(hidden_size, moe_intermediate_size, k=k, hidden_act=hidden_act, bias=bias)
+            for _ in range(n_shared_experts))
+        self.aux_loss: Optional[torch.Tensor] = None
+
+    def route(self, x: torch.Tensor) -> tuple:
+        """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""
+        logits = F.linear(x[..., 1:].to(self.gate.weight.dtype), self.gate.weight).float()
+        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
+        chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+        selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        weights = scores * selected
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        return weights, scores, selected
+
+    def balance_loss(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Sequence-wise balance loss (DeepSeek-V3), averaged over the batch; ``scores, selected [B, T, N_r]``."""
+        T = scores.shape[1]
+        f = selected.float().sum(1) * (self.n_routed / (self.top_k * T))
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+        return self.aux_loss_alpha * (f * p).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Aux-loss-free balancing: ``b_j += γ · sign(mean load - load_j)`` from the last batch's load."""
+        load = self.last_expert_load
+        self.e_score_correction_bias.add_(self.bias_update_speed * torch.sign(load.mean() - load))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, scores, selected = self.route(x)
+        with torch.no_grad():
+            self.last_expert_load.copy_(selected.float().sum((0, 1)))
+        self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
+        outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
+        points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
+        w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
+        # one centroid; with non-negative weights |<s,s>_L| >= k (Σw)^2, the bound used as the clamp
+        s = (w.unsqueeze(-1) * points).sum(-2)
+        return normalize(s, k=self.k, floor=self.k * w.sum(-1, keepdim=True).pow(2))
