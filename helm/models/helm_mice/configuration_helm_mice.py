@@ -108,7 +108,7 @@ class HelmMiCEConfig(PreTrainedConfig):
         if self.attention_type == "hmla" and rotary and (self.qk_rope_head_dim - 1) % 2:
             raise ValueError(f"qk_rope_head_dim must be 1 + an even number for positional={self.positional!r}, "
                              f"got {self.qk_rope_head_dim}")
-        if self.head_dim is None:
+        if self.head_dim is None and self.attention_type == "mha":
             if (self.hidden_size - 1) % self.num_attention_heads:
                 raise ValueError(f"hidden_size - 1 = {self.hidden_size - 1} is not divisible by "
                                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
