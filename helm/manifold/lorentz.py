@@ -14,7 +14,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import geoopt
 
-from . import math as lm
+from .math import centroid, check_k, dist, expmap0, lift, logmap0, manifold_error, sqdist
 
 
 class Lorentz(geoopt.Lorentz):
@@ -25,29 +25,29 @@ class Lorentz(geoopt.Lorentz):
     """
 
     def __init__(self, k: float = 1.0, learnable: bool = False):
-        lm.check_k(k)
+        check_k(k)
         super().__init__(k=k, learnable=learnable)
 
     def dist(self, x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False, dim: int = -1) -> torch.Tensor:
-        return lm.dist(x, y, k=self.k, keepdim=keepdim)
+        return dist(x, y, k=self.k, keepdim=keepdim)
 
     def expmap0(self, u: torch.Tensor, *, project: bool = True, dim: int = -1) -> torch.Tensor:
-        return lm.expmap0(u, k=self.k)
+        return expmap0(u, k=self.k)
 
     def logmap0(self, x: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
-        return lm.logmap0(x, k=self.k)
+        return logmap0(x, k=self.k)
 
     def sqdist(self, x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
-        return lm.sqdist(x, y, k=self.k, keepdim=keepdim)
+        return sqdist(x, y, k=self.k, keepdim=keepdim)
 
     def lift(self, x_s: torch.Tensor) -> torch.Tensor:
-        return lm.lift(x_s, k=self.k)
+        return lift(x_s, k=self.k)
 
     def centroid(self, x: torch.Tensor, w: torch.Tensor | None = None, *, dim: int = -2) -> torch.Tensor:
-        return lm.centroid(x, w, k=self.k, dim=dim)
+        return centroid(x, w, k=self.k, dim=dim)
 
     def manifold_error(self, x: torch.Tensor) -> torch.Tensor:
-        return lm.manifold_error(x, self.k)
+        return manifold_error(x, self.k)
 
     def extra_repr(self) -> str:
         return f"k={float(self.k):g}"

@@ -74,6 +74,15 @@ class HelmPreTrainedModel(PreTrainedModel):
         model = super().from_pretrained(*args, **kwargs)
         return model.restore_geometry()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``transformers``' save plus a flattened copy of the code and ``auto_map`` (see :mod:`.remote_code`), so
+        the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            from .remote_code import write_remote_code
+
+            write_remote_code(save_directory, type(self))
+
 
 
 class HelmEmbeddings(nn.Module):

@@ -156,21 +156,27 @@ def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=Non
     return normalize(out, k=k, floor=k)
 
 
+def _load_kernel():
+    """The Triton kernel's public function, or the reason it cannot be imported (imports stay inside ``try``:
+    remote-code loading must not list ``triton`` or our ``kernels`` folder as hard requirements)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None, "impl='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
+    try:
+        from kernels.lorentz_attention import lorentz_flash_attention
+    except ImportError as err:
+        return None, f"impl='triton': the Lorentz attention kernel is not available ({err})"
+    return lorentz_flash_attention, None
+
+
 def _triton_available(device: torch.device) -> Optional[str]:
     """None if the Triton kernel can run on ``device``; otherwise the reason it cannot."""
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not interpret:
         return (f"impl='triton' needs CUDA tensors (got device {device.type!r}); set TRITON_INTERPRET=1 "
                 "before importing the kernels to run them in the Triton interpreter, or use impl='sdpa'")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "impl='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
-    try:
-        from kernels.lorentz_attention import lorentz_flash_attention  # noqa: F401
-    except ImportError as err:
-        return f"impl='triton': the Lorentz attention kernel is not available ({err})"
-    return None
+    return _load_kernel()[1]
 
 
 def triton_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
@@ -181,10 +187,9 @@ def triton_attention(query, key, value, *, k, tau, causal=True, attention_mask=N
         raise ValueError(reason)
     if position_bias is not None:
         raise ValueError("impl='triton' supports ALiBi slopes but not a dense position_bias; use impl='sdpa'")
-    from kernels.lorentz_attention import lorentz_flash_attention
-
-    return lorentz_flash_attention(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                                   segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+    kernel, _ = _load_kernel()
+    return kernel(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
+                  segment_ids=segment_ids, alibi_slopes=alibi_slopes)
 
 
 ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {

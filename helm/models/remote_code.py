@@ -1,0 +1,106 @@
+"""Make a saved HELM directory self-contained for ``trust_remote_code=True`` (and hence ``push_to_hub``).
+
+``transformers`` copies a custom model's module file and the files it imports with single-dot relative
+imports (``from .x import y``) into its module cache. Our code is a package (``helm.models`` imports
+``helm.nn``, ``helm.manifold``, ...), so the saved directory gets a *flattened* copy instead: every module the
+configuration and modeling files reach through relative imports is written next to them under a flat name
+(``helm.nn.linear`` → ``helm_nn_linear.py``) with its relative imports rewritten to single-dot form.
+Absolute imports (``torch``, ``geoopt``, ``transformers``) are left as they are: the loading environment
+needs those packages, not ``helm``. The ``auto_map`` in ``config.json`` points at the flattened files.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+from pathlib import Path
+from typing import Dict
+
+PACKAGE = "helm"
+
+
+def _module_file(name: str) -> Path:
+    return Path(importlib.import_module(name).__file__)
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """Absolute dotted name of a relative ``from ... import`` inside ``module``."""
+    is_pkg = _module_file(module).name == "__init__.py"
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    if not node.module:
+        raise ValueError(f"{module}: 'from . import x' is not supported in remote code; import from the module")
+    return ".".join(base + node.module.split("."))
+
+
+def _flat_name(module: str, entries: Dict[str, str]) -> str:
+    return entries.get(module) or module.replace(".", "_")
+
+
+def _collect(entries: Dict[str, str]) -> Dict[str, str]:
+    """All modules reachable from ``entries`` through relative imports, mapped to their flat file stems."""
+    seen: Dict[str, str] = {}
+    todo = list(entries)
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen[mod] = _flat_name(mod, entries)
+        tree = ast.parse(_module_file(mod).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                todo.append(_resolve(mod, node))
+    return seen
+
+
+def _rewrite(module: str, flat: Dict[str, str]) -> str:
+    """Source of ``module`` with each relative import turned into ``from .<flat name> import ...``."""
+    source = _module_file(module).read_text()
+    lines = source.splitlines(keepends=True)
+    edits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            target = flat[_resolve(module, node)]
+            names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+            indent = lines[node.lineno - 1][: node.col_offset]
+            edits.append((node.lineno, node.end_lineno, f"{indent}from .{target} import {names}\n"))
+    for start, end, text in sorted(edits, reverse=True):
+        lines[start - 1:end] = [text]
+    return "".join(lines)
+
+
+def write_remote_code(save_directory, model_class) -> list:
+    """Write the flattened code for ``model_class`` into ``save_directory`` and set ``auto_map`` there.
+
+    Returns the written file names. ``model_class`` is a HELM ``*Model`` or ``*ForCausalLM``; both, and its
+    ``config_class``, are mapped (they live in the same modeling module).
+    """
+    save_directory = Path(save_directory)
+    modeling = model_class.__module__
+    config_class = model_class.config_class
+    configuration = config_class.__module__
+    entries = {modeling: modeling.rsplit(".", 1)[-1], configuration: configuration.rsplit(".", 1)[-1]}
+    flat = _collect(entries)
+    written = []
+    for module, stem in sorted(flat.items()):
+        (save_directory / f"{stem}.py").write_text(_rewrite(module, flat))
+        written.append(f"{stem}.py")
+    modeling_stem, config_stem = entries[modeling], entries[configuration]
+    name = model_class.__name__
+    causal_name = name if name.endswith("ForCausalLM") else name[: -len("Model")] + "ForCausalLM"
+    auto_map = {
+        "AutoConfig": f"{config_stem}.{config_class.__name__}",
+        "AutoModel": f"{modeling_stem}.{causal_name.replace('ForCausalLM', 'Model')}",
+        "AutoModelForCausalLM": f"{modeling_stem}.{causal_name}",
+    }
+    config_path = save_directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = auto_map
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return written
+
+
+__all__ = ["write_remote_code"]
