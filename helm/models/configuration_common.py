@@ -39,3 +39,12 @@ def validate_helm_common(cfg) -> None:
         raise ValueError(f"residual_weight must be positive, got {cfg.residual_weight!r}")
     if cfg.tau_init is not None and not cfg.tau_init > 0:
         raise ValueError(f"tau_init must be positive or None, got {cfg.tau_init!r}")
+
+
+class RemoteCodeConfigMixin:
+    """Saved HELM configs get ``auto_map`` from the model's code bundle; see ``HelmPreTrainedModel``."""
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        if (auto_class if isinstance(auto_class, str) else auto_class.__name__) != "AutoConfig":
+            raise ValueError(f"auto_class must be 'AutoConfig', got {auto_class!r}")

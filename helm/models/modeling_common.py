@@ -74,6 +74,17 @@ class HelmPreTrainedModel(PreTrainedModel):
         model = super().from_pretrained(*args, **kwargs)
         return model.restore_geometry()
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """Every saved HELM directory already carries its code and ``auto_map`` (see :meth:`save_pretrained`).
+
+        ``transformers``' own copier follows only single-dot relative imports and would fail on our package
+        layout, so this only validates the name and leaves saving to :mod:`.remote_code`.
+        """
+        name = auto_class if isinstance(auto_class, str) else auto_class.__name__
+        if name not in ("AutoModel", "AutoModelForCausalLM"):
+            raise ValueError(f"auto_class must be 'AutoModel' or 'AutoModelForCausalLM', got {auto_class!r}")
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``transformers``' save plus a flattened copy of the code and ``auto_map`` (see :mod:`.remote_code`), so
         the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed."""

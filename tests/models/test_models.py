@@ -153,6 +153,8 @@ def test_save_and_load_round_trip_keeps_geometry(tmp_path, family, overrides):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_remote_code_loads_without_helm(tmp_path, family):
     model = tiny(family).eval()
+    type(model).register_for_auto_class("AutoModelForCausalLM")
+    type(model.config).register_for_auto_class()
     model.save_pretrained(tmp_path)
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}

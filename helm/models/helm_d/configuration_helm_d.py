@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from ..configuration_common import validate_helm_common
+from ..configuration_common import RemoteCodeConfigMixin, validate_helm_common
 
 
-class HelmDConfig(PreTrainedConfig):
+class HelmDConfig(RemoteCodeConfigMixin, PreTrainedConfig):
     r"""Configuration of a dense HELM model (hyperbolic self-attention + hyperbolic SwiGLU, paper §4).
 
     Dimensions are *ambient*: they count the time coordinate, like the paper (the 115M model has

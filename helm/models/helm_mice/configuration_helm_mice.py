@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from ..configuration_common import _choice, _positive_int, validate_helm_common
+from ..configuration_common import RemoteCodeConfigMixin, _choice, _positive_int, validate_helm_common
 
 
-class HelmMiCEConfig(PreTrainedConfig):
+class HelmMiCEConfig(RemoteCodeConfigMixin, PreTrainedConfig):
     r"""Configuration of HELM-MiCE (HMLA attention + Mixture-of-Curvature Experts, paper §4.2–4.3).
 
     Dimensions are ambient (they count the time coordinate): the 120M preset has ``hidden_size=390``,
