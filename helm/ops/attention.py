@@ -95,6 +95,17 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
     return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
 
 
+def _floor(k):
+    """Floor for ``|<s, s>_L|`` of a softmax-weighted sum of values.
+
+    The exact bound is ``k (Σν)² = k``, and a row with a single key attains it, so rounding can put the norm
+    a hair below ``k``; clamping there would zero that row's gradient at random. Half the bound never binds
+    for valid inputs and still keeps degenerate ones (e.g. values off the manifold) finite; the Triton
+    kernel uses the same rule.
+    """
+    return k / 2
+
+
 def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, position_bias, alibi_slopes,
              causal_flag_ok=False):
     """Promote to the accumulation dtype; build the keep-mask and the additive logits bias.
@@ -135,7 +146,7 @@ def eager_attention(query, key, value, *, k, tau, causal=True, attention_mask=No
     if keep is not None:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = scores.softmax(-1)
-    return normalize(weights @ v, k=k, floor=k)
+    return normalize(weights @ v, k=k, floor=_floor(k))
 
 
 def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
@@ -153,7 +164,7 @@ def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=Non
         out = F.scaled_dot_product_attention(
             q, kk, v, attn_mask=None if use_causal_flag else mask, is_causal=use_causal_flag, scale=1.0
         )
-    return normalize(out, k=k, floor=k)
+    return normalize(out, k=k, floor=_floor(k))
 
 
 def _load_kernel():

@@ -1,0 +1,272 @@
+"""Pieces shared by the Lorentz attention kernels: host-side input preparation and Triton helpers.
+
+Notation (per batch row ``b`` and head ``h``; queries are the *last* ``Tq`` of ``Tk`` positions, so query
+row ``i`` sits at position ``pos_i = Tk - Tq + i``)::
+
+    z_ij = c_h <q_i, k_j>_L - slope_h (pos_i - j)      c_h = 2 / τ_h,   <x, y>_L = -x_t y_t + x_s · y_s
+    P_ij = softmax_j(z_ij)  over the kept keys            S_i = Σ_j P_ij v_j
+    O_i  = lift(sqrt(k) S_i,s / sqrt(max(|<S_i, S_i>_L|, k)))
+
+The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
+``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` (converted to fp32 at once) and
+the space part ``[BT, BLOCK_D]``, so a head of ``1+64`` or ``1+128`` coordinates needs no padding.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
+           "launch_args", "needs_grad", "prepare"]
+
+# ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
+# same decision so launchers choose interpreter-friendly blocks and fp32 dots consistently.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Debug switch for tests: allocate every kernel output with NaN (or 1 for integer flags) instead of
+# ``torch.empty``, so a read of memory no kernel wrote shows up as a NaN or a wrong result.
+DEBUG_NAN_FILL = False
+
+# A Triton constexpr so the kernels can read it as a global.
+LOG2E = tl.constexpr(1.4426950408889634)
+MAX_HEAD_DIM = 256  # space dims d, dv per head; larger blocks exhaust registers on current GPUs
+
+Tau = Union[float, torch.Tensor]
+Curv = Union[float, torch.Tensor]
+
+
+def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty``, or a poison-filled tensor when :data:`DEBUG_NAN_FILL` is set."""
+    if not DEBUG_NAN_FILL:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else 1
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def block_d(n: int) -> int:
+    """Block width for ``n`` space coordinates: a power of two, at least 16 (the smallest ``tl.dot`` size)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (no silent TF32), ignored for half."""
+    return "ieee" if dtype == torch.float32 or INTERPRET else "tf32"
+
+
+class Prepared:
+    """Kernel-ready inputs (see :func:`prepare`)."""
+
+    __slots__ = ("q", "k", "v", "scale", "slopes", "kc", "qid", "kid", "causal", "out_dtype")
+
+    def __init__(self, **kw):
+        for name, value in kw.items():
+            setattr(self, name, value)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
+            alibi_slopes) -> Prepared:
+    """Validate the public arguments and turn them into what the kernels read.
+
+    * ``q, k, v`` share one dtype (fp16, bf16 or fp32; promoted like eager) and have unit last stride.
+    * ``scale = 2/τ`` ``[H]`` fp32 and ``kc = k`` ``[1]`` fp32 stay in the autograd graph, so gradients of
+      ``τ`` and of a tensor curvature flow through ordinary torch ops around the kernel.
+    * Padding is folded into segment ids: ``qid [B, Tq]`` holds each query's document id (>= 0) and
+      ``kid [B, Tk]`` each key's, with ``-1`` for padding keys, which therefore match no query. The kernel's
+      masking is then ``causal & (qid_i == kid_j)``. Ids are shifted to start at 0 per row and stored as
+      int32, so the ids of one row must span less than 2^31.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a [B, H, T, 1+d] tensor, got {getattr(t, 'shape', type(t))}")
+    B, H, Tq, Dq = query.shape
+    Tk = key.shape[2]
+    if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
+        raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[3] != Dq:
+        raise ValueError(f"query and key must have the same head dim 1+d: got {Dq} and {key.shape[3]}")
+    if value.shape[2] != Tk:
+        raise ValueError(f"key and value must have the same length: got {Tk} and {value.shape[2]}")
+    if Tq > Tk or Tq == 0:
+        raise ValueError(f"need 0 < Tq <= Tk (queries are the last Tq positions), got Tq={Tq}, Tk={Tk}")
+    d, dv = Dq - 1, value.shape[3] - 1
+    if not (1 <= d <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM):
+        raise ValueError(f"head dims must be 1+d with 1 <= d <= {MAX_HEAD_DIM}: got 1+{d} (q, k), 1+{dv} (v)")
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Lorentz attention kernel supports fp16, bf16 and fp32 inputs, got {dtype}; "
+                         "use helm.ops.lorentz_attention(..., impl='eager') for float64")
+    device = query.device
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"the Lorentz attention kernel needs CUDA tensors (got {device.type!r}); set "
+                         "TRITON_INTERPRET=1 before importing kernels to run it in the Triton interpreter")
+    q, kk, v = (_last_dim_contiguous(t.to(dtype)) for t in (query, key, value))
+
+    tau_t = torch.as_tensor(tau, dtype=torch.float32, device=device)
+    if tau_t.numel() == 1:
+        tau_t = tau_t.reshape(1).expand(H)
+    elif tuple(tau_t.shape) != (H,):
+        raise ValueError(f"tau must be a scalar or have shape [H={H}], got {tuple(tau_t.shape)}")
+    scale = (2.0 / tau_t).contiguous()
+    kc = torch.as_tensor(k, dtype=torch.float32, device=device)
+    if kc.numel() != 1:
+        raise ValueError(f"k must be a float or a one-element tensor, got shape {tuple(kc.shape)}")
+    kc = kc.reshape(1)
+    slopes = None
+    if alibi_slopes is not None:
+        if tuple(alibi_slopes.shape) != (H,):
+            raise ValueError(f"alibi_slopes must be [H={H}], got {tuple(alibi_slopes.shape)}")
+        slopes = alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
+
+    qid = kid = None
+    if segment_ids is not None or attention_mask is not None:
+        for name, m in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+            if m is not None and tuple(m.shape) != (B, Tk):
+                raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
+        if segment_ids is not None:
+            seg = segment_ids.to(device=device, dtype=torch.int64)
+            seg = seg - seg.amin(dim=1, keepdim=True)
+        else:
+            seg = torch.zeros(B, Tk, dtype=torch.int64, device=device)
+        qid = seg[:, Tk - Tq:].to(torch.int32).contiguous()
+        kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
+        kid = kid.to(torch.int32).contiguous()
+    out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return Prepared(q=q, k=kk, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=bool(causal),
+                    out_dtype=out_dtype)
+
+
+def needs_grad(p: Prepared) -> bool:
+    """Whether autograd will ask for gradients of any kernel input."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in (p.q, p.k, p.v, p.scale, p.slopes, p.kc))
+
+
+def launch_args(p: Prepared) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stand-ins for optional pointers (never read: the matching ``HAS_*`` flag is off)."""
+    slopes = p.slopes if p.slopes is not None else p.scale
+    qid = p.qid if p.qid is not None else p.scale
+    kid = p.kid if p.kid is not None else p.scale
+    return slopes, qid, kid, p.kc
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; operands cast to fp32 first where half-precision dots are unsafe
+    (the Triton interpreter computes bf16 ``tl.dot`` wrongly)."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _load_points(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``o_t`` of a ``[T, 1+D]`` array of points: time ``[BT]`` in fp32, space ``[BT, BLOCK_D]`` as stored
+    (zero beyond ``D`` and for masked rows)."""
+    b_t = tl.load(p_x + o_t * stride_t, mask=m_t, other=0.0).to(tl.float32)
+    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
+    if D == BLOCK_D:
+        b_s = tl.load(p_s, mask=m_t[:, None], other=0.0)
+    else:
+        b_s = tl.load(p_s, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
+    return b_t, b_s
+
+
+@triton.jit
+def _load_rows(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``o_t`` of a ``[T, D]`` array as a ``[BT, BLOCK_D]`` block (zero-padded)."""
+    p = p_x + o_t[:, None] * stride_t + o_d[None, :]
+    if D == BLOCK_D:
+        b_x = tl.load(p, mask=m_t[:, None], other=0.0)
+    else:
+        b_x = tl.load(p, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
+    return b_x
+
+
+@triton.jit
+def _store_points(p_x, b_t, b_s, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store time ``[BT]`` and space ``[BT, BLOCK_D]`` blocks into rows ``o_t`` of a ``[T, 1+D]`` array."""
+    tl.store(p_x + o_t * stride_t, b_t.to(p_x.dtype.element_ty), mask=m_t)
+    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
+    if D == BLOCK_D:
+        tl.store(p_s, b_s.to(p_x.dtype.element_ty), mask=m_t[:, None])
+    else:
+        tl.store(p_s, b_s.to(p_x.dtype.element_ty), mask=m_t[:, None] & (o_d[None, :] < D))
+
+
+@triton.jit
+def _centroid_normalise(b_st, b_ss, kc):
+    """Lorentz normalisation of the softmax-weighted sums ``S`` (rows): ``O_s = sqrt(k) S_s / sqrt(max(
+    |<S, S>_L|, k/2))``, ``O_t = sqrt(|O_s|^2 + k)``. The centroid bound for weights that sum to one is
+    ``k``; a row with one key attains it, so the floor sits at half of it, where it never binds for values
+    on the manifold (as ``helm.ops``). Recomputing ``O_t`` puts the output on the hyperboloid to rounding."""
+    b_n = tl.abs(tl.sum(b_ss * b_ss, 1) - b_st * b_st)
+    b_a = tl.sqrt(kc) / tl.sqrt(tl.maximum(b_n, 0.5 * kc))
+    b_os = b_ss * b_a[:, None]
+    b_ot = tl.sqrt(tl.sum(b_os * b_os, 1) + kc)
+    return b_ot, b_os
+
+
+@triton.jit
+def _attend_blocks(acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows,
+                   p_k, p_v, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax over the key blocks starting in ``[lo, hi)`` for one block of query rows.
+
+    Carries, per row, the running max ``m_i`` and sum ``l_i`` of ``2^(z log2 e)`` and the unnormalised sums
+    ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) v``. Normal pass: keys kept by
+    the causal / segment mask. ``FALLBACK`` pass: only rows flagged in ``m_rows`` take part, and they attend
+    to every key (the convention for rows whose mask keeps nothing).
+    """
+    o_n0 = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + o_n0
+        m_n = o_n < Tk
+        b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+        b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+        # <q, k>_L: space part on the tensor cores, time part as an fp32 outer product.
+        b_qk = _dot(b_qs, tl.trans(b_ks), DOT_F32, PREC) - b_qt[:, None] * b_kt[None, :]
+        b_s = b_qk * qk_scale
+        if HAS_ALIBI:
+            b_s += slope * (o_n[None, :] - pos_q[:, None]).to(tl.float32)
+        if FALLBACK:
+            m_s = m_rows[:, None] & m_n[None, :]
+        else:
+            m_s = m_q[:, None] & m_n[None, :]
+            if CAUSAL:
+                m_s = m_s & (o_n[None, :] <= pos_q[:, None])
+            if HAS_SEG:
+                b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
+                m_s = m_s & (b_qid[:, None] == b_kid[None, :])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # Rows with nothing kept so far keep m = -inf; shift them by 0 so no -inf - -inf = NaN appears.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_alpha = tl.exp2(m_i - m_use)
+        b_p = tl.exp2(b_s - m_use[:, None])
+        l_i = l_i * b_alpha + tl.sum(b_p, 1)
+        acc_t = acc_t * b_alpha + tl.sum(b_p * b_vt[None, :], 1)
+        acc_s = acc_s * b_alpha[:, None] + _dot(b_p.to(b_vs.dtype), b_vs, DOT_F32, PREC)
+        m_i = m_new
+    return acc_t, acc_s, l_i, m_i
+

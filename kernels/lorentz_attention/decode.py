@@ -1,0 +1,246 @@
+"""Split-K ("flash-decoding") forward of Lorentz attention for a few query rows against a long cache.
+
+Layout: kernels -> launcher -> :func:`lorentz_decode_attention` (forward only: decoding needs no backward,
+so there is no autograd Function; training goes through :mod:`.fwd_bwd`).
+
+With ``Tq <= 16`` the forward kernel would run one program per batch·head, each walking the whole cache.
+Here the keys are cut into ``n_splits`` contiguous chunks; program ``(split, b·h)`` runs the online softmax
+of all query rows over its chunk and writes the partial state ``(m, l, acc_t, acc_s)``; a combine kernel
+merges the chunks (``l = Σ_s l_s 2^(m_s - m)``, same for ``acc``) and applies the Lorentz normalisation.
+
+HMLA caches only its latent ``c_KV`` and the shared ``k^R``; the HMLA layer up-projects them to per-head
+keys and values before calling attention, so this kernel sees ordinary ``[B, H, Tk, 1+d]`` keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    INTERPRET,
+    LOG2E,
+    Curv,
+    Prepared,
+    Tau,
+    _attend_blocks,
+    _centroid_normalise,
+    _load_points,
+    _store_points,
+    alloc,
+    block_d,
+    dot_precision,
+    launch_args,
+    needs_grad,
+    prepare,
+)
+
+__all__ = ["lorentz_decode_attention", "DECODE_BLOCK_M"]
+
+# Query rows handled by one program (and the largest Tq the decoding kernel accepts); 16 is the smallest
+# tl.dot tile.
+DECODE_BLOCK_M = 16
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def lorentz_attention_decode_split_kernel(
+    Q, K, V, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    H, Tq, Tk, keys_per_split, n_splits,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(n_splits, B*H)``. Partial softmax state of all ``Tq <= BLOCK_M`` rows over the keys
+    ``[split * keys_per_split, (split+1) * keys_per_split)``, stored in ``[B*H, n_splits, BLOCK_M(, BLOCK_DV)]``
+    buffers (every entry written, padding rows included)."""
+    i_s = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    o_m = tl.arange(0, BLOCK_M)
+    m_q = o_m < Tq
+    pos_q = o_m + (Tk - Tq)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    qk_scale = tl.load(SCALE + i_h) * LOG2E
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + i_h) * LOG2E
+    b_qid = o_m
+    if HAS_SEG:
+        b_qid = tl.load(QID + i_b * Tq + o_m, mask=m_q, other=0)
+    lo = i_s * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, Tk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_t = tl.zeros([BLOCK_M], tl.float32)
+    acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc_t, acc_s, l_i, m_i = _attend_blocks(
+        acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q,
+        K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, KID + i_b * Tk,
+        stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+
+    o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
+    tl.store(M_PART + o_part, m_i)
+    tl.store(L_PART + o_part, l_i)
+    tl.store(ACC_T + o_part, acc_t)
+    tl.store(ACC_S + o_part[:, None] * BLOCK_DV + o_dv[None, :], acc_s)
+
+
+@triton.jit
+def lorentz_attention_decode_combine_kernel(
+    Q, K, V, SCALE, SLOPES, KC, M_PART, L_PART, ACC_T, ACC_S, OUT,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    H, Tq, Tk, n_splits,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEG: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(B*H,)``. Merges the split states, handles rows whose mask kept no key, normalises, writes
+    the output ``OUT [B, H, Tq, 1+DV]``."""
+    i_bh = tl.program_id(0)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    o_m = tl.arange(0, BLOCK_M)
+    m_q = o_m < Tq
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_g = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_g = tl.zeros([BLOCK_M], tl.float32)
+    acc_t = tl.zeros([BLOCK_M], tl.float32)
+    acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for i_s in range(0, n_splits):
+        o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
+        b_m = tl.load(M_PART + o_part)
+        m_new = tl.maximum(m_g, b_m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_alpha = tl.exp2(m_g - m_use)
+        b_beta = tl.exp2(b_m - m_use)
+        l_g = l_g * b_alpha + tl.load(L_PART + o_part) * b_beta
+        acc_t = acc_t * b_alpha + tl.load(ACC_T + o_part) * b_beta
+        acc_s = acc_s * b_alpha[:, None] + tl.load(ACC_S + o_part[:, None] * BLOCK_DV + o_dv[None, :]) * b_beta[:, None]
+        m_g = m_new
+
+    if HAS_SEG:
+        # Rows whose mask kept no key attend to every key (eager's convention). Rare (a padding query),
+        # so one program walks the whole cache for them rather than every split paying for it.
+        m_full = m_q & (l_g == 0.0)
+        if tl.max(m_full.to(tl.int32), 0) > 0:
+            o_d = tl.arange(0, BLOCK_D)
+            b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D,
+                                      BLOCK_D)
+            qk_scale = tl.load(SCALE + i_h) * LOG2E
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(SLOPES + i_h) * LOG2E
+            acc_t, acc_s, l_g, m_g = _attend_blocks(
+                acc_t, acc_s, l_g, m_g, b_qt, b_qs, o_m + (Tk - Tq), m_q, o_m, m_full,
+                K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, K,
+                stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC)
+
+    l_safe = tl.where(l_g == 0.0, 1.0, l_g)
+    b_ot, b_os = _centroid_normalise(acc_t / l_safe, acc_s / l_safe[:, None], tl.load(KC))
+    _store_points(OUT + i_b * stride_ob + i_h * stride_oh, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_config(d: int, dv: int, dtype: torch.dtype):
+    """``(BLOCK_N, num_warps)``: small key blocks so the interpreter's tests see several splits."""
+    if INTERPRET:
+        return 32, 4
+    if dtype == torch.float32 or max(d, dv) > 128:
+        return 32, 4
+    return 64, 4
+
+
+def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
+    """Launch the split and combine kernels on prepared inputs (``Tq <= DECODE_BLOCK_M``). Returns ``O``."""
+    q, k, v = p.q, p.k, p.v
+    B, H, Tq, Dq = q.shape
+    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    if Tq > DECODE_BLOCK_M:
+        raise ValueError(f"the decoding kernel takes at most {DECODE_BLOCK_M} query rows, got {Tq}")
+    dev = q.device
+    BN, warps = _decode_config(D, DV, q.dtype)
+    n_blocks = triton.cdiv(Tk, BN)
+    # Enough programs for about two waves over the GPU (4 splits in the interpreter), no empty split.
+    target = 4 if INTERPRET or dev.type != "cuda" else triton.cdiv(2 * _num_sms(dev.index or 0), B * H)
+    n_splits = max(1, min(n_blocks, target, 256))
+    keys_per_split = triton.cdiv(n_blocks, n_splits) * BN
+    n_splits = triton.cdiv(Tk, keys_per_split)
+
+    BM, BDV = DECODE_BLOCK_M, block_d(DV)
+    m_part = alloc((B * H, n_splits, BM), torch.float32, dev)
+    l_part = alloc((B * H, n_splits, BM), torch.float32, dev)
+    acc_t = alloc((B * H, n_splits, BM), torch.float32, dev)
+    acc_s = alloc((B * H, n_splits, BM, BDV), torch.float32, dev)
+    slopes, qid, kid, kc = launch_args(p)
+    common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=BDV,
+                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
+                  PREC=dot_precision(q.dtype), num_warps=warps)
+    lorentz_attention_decode_split_kernel[(n_splits, B * H)](
+        q, k, v, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,
+        CAUSAL=p.causal, **common,
+    )
+    o = alloc((B, H, Tq, 1 + DV), p.out_dtype, dev)
+    lorentz_attention_decode_combine_kernel[(B * H,)](
+        q, k, v, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, o,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits, **common,
+    )
+    return o
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------------
+
+
+def lorentz_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    k: Curv,
+    tau: Tau,
+    causal: bool = True,
+    attention_mask: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Lorentz attention for decoding: ``Tq <= 16`` query rows against ``Tk`` cached keys, forward only.
+
+    Arguments, masks and result as :func:`kernels.lorentz_attention.lorentz_flash_attention` (queries are the
+    last ``Tq`` positions; ``query [B, H, Tq, 1+d]``, ``key [B, H, Tk, 1+d]``, ``value [B, H, Tk, 1+dv]``;
+    fp16/bf16/fp32 in, fp32 ``[B, H, Tq, 1+dv]`` out; ``1 <= d, dv <= 256``). Raises ``ValueError`` for
+    ``Tq > 16`` and ``RuntimeError`` when gradients are required (use ``lorentz_flash_attention``, which
+    picks this kernel by itself when it applies).
+    """
+    p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+    if needs_grad(p):
+        raise RuntimeError("lorentz_decode_attention is forward only; use lorentz_flash_attention for gradients")
+    return lorentz_attention_decode_fwd(p)

@@ -1,0 +1,581 @@
+"""FlashAttention-style forward and backward of Lorentz (distance-based) attention.
+
+Layout: kernels -> launchers -> :class:`LorentzFlashAttention` (autograd) -> :func:`lorentz_flash_attention`.
+The maths is derived in ``kernels/README.md``; :mod:`.common` fixes the notation (``z``, ``P``, ``S``, ``O``).
+
+* forward: one program per (block of ``BLOCK_M`` query rows, batch·head); online softmax over key blocks,
+  causal blocks past the diagonal skipped, the Lorentz normalisation of ``S`` fused into the epilogue.
+  Saves ``S`` (fp32), the base-2 log-sum-exp and a per-row flag for rows whose mask kept no key.
+* backward: a row-wise preprocess kernel differentiates the normalisation (``dO -> dS``, ``D = dS·S``,
+  the curvature gradient), then one kernel per key block accumulates ``dK, dV`` and one per query block
+  accumulates ``dQ`` and the per-row pieces of the ``τ`` and ALiBi-slope gradients; no atomics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    INTERPRET,
+    LOG2E,
+    Curv,
+    Prepared,
+    Tau,
+    _attend_blocks,
+    _centroid_normalise,
+    _dot,
+    _load_points,
+    _load_rows,
+    _store_points,
+    alloc,
+    block_d,
+    dot_precision,
+    launch_args,
+    needs_grad,
+    prepare,
+)
+
+__all__ = ["lorentz_flash_attention", "LorentzFlashAttention", "DECODE_MAX_Q"]
+
+# Without gradients, at most this many query rows go to the split-K decoding kernel (:mod:`.decode`).
+DECODE_MAX_Q = 16
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def lorentz_attention_fwd_kernel(
+    Q, K, V, SCALE, SLOPES, KC, QID, KID, OUT, S, LSE, FULL,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    H, Tq, Tk,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (same
+    layout, fp32), ``LSE [B*H, Tq]`` (base 2) and ``FULL [B*H, Tq]`` (int8: the row attends to every key)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    p_q = Q + i_b * stride_qb + i_h * stride_qh
+    p_k = K + i_b * stride_kb + i_h * stride_kh
+    p_v = V + i_b * stride_vb + i_h * stride_vh
+    p_kid = KID + i_b * Tk
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_q = o_m < Tq
+    pos_q = o_m + (Tk - Tq)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_qt, b_qs = _load_points(p_q, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    qk_scale = tl.load(SCALE + i_h) * LOG2E
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + i_h) * LOG2E
+    kc = tl.load(KC)
+    b_qid = o_m
+    if HAS_SEG:
+        b_qid = tl.load(QID + i_b * Tq + o_m, mask=m_q, other=0)
+    hi = Tk
+    if CAUSAL:
+        # Key blocks past the last row's position are fully masked: never visited.
+        hi = tl.minimum(Tk, Tk - Tq + (i_m + 1) * BLOCK_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_t = tl.zeros([BLOCK_M], tl.float32)
+    acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc_t, acc_s, l_i, m_i = _attend_blocks(
+        acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_v, p_kid, stride_kt, stride_vt,
+        0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
+        DOT_F32, PREC)
+    # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
+    # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
+    m_full = m_q & (l_i == 0.0)
+    if HAS_SEG:
+        if tl.max(m_full.to(tl.int32), 0) > 0:
+            acc_t, acc_s, l_i, m_i = _attend_blocks(
+                acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_v, p_kid, stride_kt,
+                stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
+                HAS_ALIBI, True, DOT_F32, PREC)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past Tq only
+    b_st = acc_t / l_safe
+    b_ss = acc_s / l_safe[:, None]
+    b_ot, b_os = _centroid_normalise(b_st, b_ss, kc)
+    off_o = i_b * stride_ob + i_h * stride_oh
+    _store_points(OUT + off_o, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
+    if STORE_S:
+        _store_points(S + off_o, b_st, b_ss, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
+        tl.store(LSE + i_bh * Tq + o_m, m_i + tl.log2(l_safe), mask=m_q)
+        tl.store(FULL + i_bh * Tq + o_m, m_full.to(tl.int8), mask=m_q)
+
+
+@triton.jit
+def lorentz_attention_bwd_preprocess_kernel(
+    S, DO, KC, DS_T, DS_S, DELTA, DKC,
+    stride_sb, stride_sh, stride_st, stride_dob, stride_doh, stride_dot,
+    H, Tq,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Backward of the normalisation epilogue, row-wise. Grid ``(cdiv(Tq, BLOCK_M), B*H)``.
+
+    From ``S`` and ``dO`` writes ``dS`` (time ``DS_T [B*H, Tq]`` fp32, space ``DS_S [B*H, Tq, DV]`` in the
+    dtype the attention kernels multiply with), ``DELTA = dS·S [B*H, Tq]`` and the per-row curvature
+    gradient ``DKC [B*H, Tq]``.
+    """
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_q = o_m < Tq
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_st, b_ss = _load_points(S + i_b * stride_sb + i_h * stride_sh, o_m, m_q, stride_st, o_dv, DV, BLOCK_DV)
+    b_dot, b_dos = _load_points(DO + i_b * stride_dob + i_h * stride_doh, o_m, m_q, stride_dot, o_dv, DV,
+                                BLOCK_DV)
+    b_dos = b_dos.to(tl.float32)
+    kc = tl.load(KC)
+
+    # Forward again: n = max(|<S,S>_L|, k/2), a = sqrt(k / n), O_s = a S_s, O_t = sqrt(|O_s|^2 + k).
+    b_sn = tl.sum(b_ss * b_ss, 1) - b_st * b_st
+    b_sign = tl.where(b_sn > 0, 1.0, tl.where(b_sn < 0, -1.0, 0.0))
+    # Whether n follows S. For points of H_k the weights are a convex combination, so |<S,S>_L| >= k exactly
+    # (a row with one key attains it); the floor k/2 binds only for off-manifold values, and then, as in
+    # eager, n = k/2 is constant.
+    m_free = tl.abs(b_sn) >= 0.5 * kc
+    b_n = tl.maximum(tl.abs(b_sn), 0.5 * kc)
+    b_a = tl.sqrt(kc) / tl.sqrt(b_n)
+    b_os = b_ss * b_a[:, None]
+    b_ot = tl.sqrt(tl.sum(b_os * b_os, 1) + kc)
+    # Through lift: the time output feeds back into the space output.
+    b_gs = b_dos + (b_dot / b_ot)[:, None] * b_os
+    b_ga = tl.sum(b_gs * b_ss, 1)
+    # Through n = sign(<S,S>_L) <S,S>_L:  dn = -ga a / (2n),  d<S,S>_L/dS = 2 J S.
+    b_dn = tl.where(m_free, -0.5 * b_ga * b_a / b_n, 0.0)
+    b_dst = -2.0 * b_sign * b_dn * b_st
+    b_dss = b_gs * b_a[:, None] + (2.0 * b_sign * b_dn)[:, None] * b_ss
+    # D must match the dP the attention kernels form from the rounded dS, so round first.
+    b_dss = b_dss.to(DS_S.dtype.element_ty)
+    b_delta = b_dst * b_st + tl.sum(b_dss.to(tl.float32) * b_ss, 1)
+    # dO/dk: a = sqrt(k/n) grows as sqrt(k) while the norm is free (with the floor, a = 1), and O_t has +k.
+    b_dkc = tl.where(m_free, 0.5 * b_ga * b_a / kc, 0.0) + 0.5 * b_dot / b_ot
+
+    o_row = i_bh * Tq + o_m
+    tl.store(DS_T + o_row, b_dst, mask=m_q)
+    p_dss = DS_S + o_row.to(tl.int64)[:, None] * DV + o_dv[None, :]
+    tl.store(p_dss, b_dss, mask=m_q[:, None] & (o_dv[None, :] < DV))
+    tl.store(DELTA + o_row, b_delta, mask=m_q)
+    tl.store(DKC + o_row, b_dkc, mask=m_q)
+
+
+@triton.jit
+def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid,
+                 p_q, p_qid, p_dst, p_dss, p_lse, p_delta, p_full, stride_qt, lo, hi, Tq, Tk, qk_scale, slope,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``dK, dV`` of one key block from the query rows starting in ``[lo, hi)``, in transposed layout
+    (``[BLOCK_N, BLOCK_M]`` tiles) so no product needs a transposed probability tile.
+    ``FULL_ONLY``: only rows whose mask kept nothing (they attend to every key)."""
+    o_m0 = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for m0 in range(lo, hi, BLOCK_M):
+        o_m = m0 + o_m0
+        m_q = o_m < Tq
+        pos_q = o_m + (Tk - Tq)
+        b_qt, b_qs = _load_points(p_q, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+        b_dst = tl.load(p_dst + o_m, mask=m_q, other=0.0)
+        b_dss = _load_rows(p_dss, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
+        b_lse = tl.load(p_lse + o_m, mask=m_q, other=float("inf"))
+        b_delta = tl.load(p_delta + o_m, mask=m_q, other=0.0)
+
+        b_qkT = _dot(b_ks, tl.trans(b_qs), DOT_F32, PREC) - b_kt[:, None] * b_qt[None, :]
+        b_sT = b_qkT * qk_scale
+        if HAS_ALIBI:
+            b_sT += slope * (o_n[:, None] - pos_q[None, :]).to(tl.float32)
+        if FULL_ONLY:
+            b_full = tl.load(p_full + o_m, mask=m_q, other=0) != 0
+            m_s = m_n[:, None] & b_full[None, :]
+        else:
+            m_s = m_n[:, None] & m_q[None, :]
+            if CAUSAL:
+                m_s = m_s & (o_n[:, None] <= pos_q[None, :])
+            if HAS_SEG:
+                b_qid = tl.load(p_qid + o_m, mask=m_q, other=0)
+                b_full = tl.load(p_full + o_m, mask=m_q, other=0) != 0
+                m_s = (m_s & (b_kid[:, None] == b_qid[None, :])) | (m_n[:, None] & b_full[None, :])
+        # Masked entries go to -inf before exp2: P = 0 without an overflowing intermediate.
+        b_pT = tl.exp2(tl.where(m_s, b_sT, float("-inf")) - b_lse[None, :])
+
+        dv_t += tl.sum(b_pT * b_dst[None, :], 1)
+        dv_s += _dot(b_pT.to(b_dss.dtype), b_dss, DOT_F32, PREC)
+        # dP_ij = dS_i · v_j (Euclidean: S is a plain weighted sum of the value vectors).
+        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC) + b_vt[:, None] * b_dst[None, :]
+        b_dzT = b_pT * (b_dpT - b_delta[None, :])
+        dk_t += tl.sum(b_dzT * b_qt[None, :], 1)
+        dk_s += _dot(b_dzT.to(b_qs.dtype), b_qs, DOT_F32, PREC)
+    return dk_t, dk_s, dv_t, dv_s
+
+
+@triton.jit
+def lorentz_attention_bwd_dkdv_kernel(
+    Q, K, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, LSE, DELTA, FULL, DK, DV_,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+    H, Tq, Tk,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i``, ``dV = Σ_i P_ij dS_i`` for one key block."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < Tk
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_kt, b_ks = _load_points(K + i_b * stride_kb + i_h * stride_kh, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+    b_vt, b_vs = _load_points(V + i_b * stride_vb + i_h * stride_vh, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+    b_kid = o_n
+    if HAS_SEG:
+        b_kid = tl.load(KID + i_b * Tk + o_n, mask=m_n, other=-1)
+    c = tl.load(SCALE + i_h)
+    qk_scale = c * LOG2E
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + i_h) * LOG2E
+    p_q = Q + i_b * stride_qb + i_h * stride_qh
+    p_qid = QID + i_b * Tq
+    p_row = i_bh.to(tl.int64) * Tq
+    p_dss = DS_S + p_row * DV
+
+    dk_t = tl.zeros([BLOCK_N], tl.float32)
+    dk_s = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv_t = tl.zeros([BLOCK_N], tl.float32)
+    dv_s = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo = 0
+    if CAUSAL:
+        # Query rows before this key block's first position cannot see it (causally).
+        lo = (tl.maximum(i_n * BLOCK_N - (Tk - Tq), 0) // BLOCK_M) * BLOCK_M
+    dk_t, dk_s, dv_t, dv_s = _bwd_kv_rows(
+        dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row, p_dss,
+        LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
+        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+    if CAUSAL and HAS_SEG:
+        # ... unless their mask kept nothing: such rows attend to every key, future ones included.
+        o_m0 = tl.arange(0, BLOCK_M)
+        for m0 in range(0, lo, BLOCK_M):
+            b_full = tl.load(FULL + p_row + m0 + o_m0, mask=m0 + o_m0 < Tq, other=0)
+            if tl.max(b_full.to(tl.int32), 0) > 0:
+                dk_t, dk_s, dv_t, dv_s = _bwd_kv_rows(
+                    dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row,
+                    p_dss, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0, m0 + BLOCK_M, Tq, Tk,
+                    qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True,
+                    DOT_F32, PREC)
+
+    # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign.
+    _store_points(DK + i_b * stride_dkb + i_h * stride_dkh, -c * dk_t, c * dk_s, o_n, m_n, stride_dkt, o_d, D,
+                  BLOCK_D)
+    _store_points(DV_ + i_b * stride_dvb + i_h * stride_dvh, dv_t, dv_s, o_n, m_n, stride_dvt, o_dv, DV,
+                  BLOCK_DV)
+
+
+@triton.jit
+def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+                  p_k, p_v, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``dQ`` of one query block from the key blocks starting in ``[lo, hi)``, plus per-row
+    ``Σ_j dz_ij <q_i, k_j>_L`` (for ``dτ``) and ``Σ_j dz_ij (j - pos_i)`` (for the ALiBi slope)."""
+    o_n0 = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + o_n0
+        m_n = o_n < Tk
+        b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+        b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+        b_qk = _dot(b_qs, tl.trans(b_ks), DOT_F32, PREC) - b_qt[:, None] * b_kt[None, :]
+        b_s = b_qk * qk_scale
+        if HAS_ALIBI:
+            b_s += slope * (o_n[None, :] - pos_q[:, None]).to(tl.float32)
+        if FULL_ONLY:
+            m_s = b_full[:, None] & m_n[None, :]
+        else:
+            m_s = m_q[:, None] & m_n[None, :]
+            if CAUSAL:
+                m_s = m_s & (o_n[None, :] <= pos_q[:, None])
+            if HAS_SEG:
+                b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
+                m_s = (m_s & (b_qid[:, None] == b_kid[None, :])) | (b_full[:, None] & m_n[None, :])
+        b_p = tl.exp2(tl.where(m_s, b_s, float("-inf")) - b_lse[:, None])
+        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC) + b_dst[:, None] * b_vt[None, :]
+        b_dz = b_p * (b_dp - b_delta[:, None])
+        dq_t += tl.sum(b_dz * b_kt[None, :], 1)
+        dq_s += _dot(b_dz.to(b_ks.dtype), b_ks, DOT_F32, PREC)
+        b_dsc += tl.sum(b_dz * b_qk, 1)
+        if HAS_ALIBI:
+            b_dsl += tl.sum(b_dz * (o_n[None, :] - pos_q[:, None]).to(tl.float32), 1)
+    return dq_t, dq_s, b_dsc, b_dsl
+
+
+@triton.jit
+def lorentz_attention_bwd_dq_kernel(
+    Q, K, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, LSE, DELTA, FULL, DQ, DSCALE, DSLOPE,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_dqb, stride_dqh, stride_dqt,
+    H, Tq, Tk,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j``; per-row ``dc`` and ALiBi-slope pieces
+    into ``DSCALE, DSLOPE [B*H, Tq]`` (summed on the host)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_q = o_m < Tq
+    pos_q = o_m + (Tk - Tq)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    p_row = i_bh.to(tl.int64) * Tq
+    b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    b_dst = tl.load(DS_T + p_row + o_m, mask=m_q, other=0.0)
+    b_dss = _load_rows(DS_S + p_row * DV, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
+    b_lse = tl.load(LSE + p_row + o_m, mask=m_q, other=float("inf"))
+    b_delta = tl.load(DELTA + p_row + o_m, mask=m_q, other=0.0)
+    b_qid = o_m
+    b_full = o_m < 0  # no row attends to every key unless padding says so
+    if HAS_SEG:
+        b_qid = tl.load(QID + i_b * Tq + o_m, mask=m_q, other=0)
+        b_full = tl.load(FULL + p_row + o_m, mask=m_q, other=0) != 0
+    c = tl.load(SCALE + i_h)
+    qk_scale = c * LOG2E
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + i_h) * LOG2E
+    p_k = K + i_b * stride_kb + i_h * stride_kh
+    p_v = V + i_b * stride_vb + i_h * stride_vh
+    p_kid = KID + i_b * Tk
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(Tk, Tk - Tq + (i_m + 1) * BLOCK_M)
+
+    dq_t = tl.zeros([BLOCK_M], tl.float32)
+    dq_s = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    b_dsc = tl.zeros([BLOCK_M], tl.float32)
+    b_dsl = tl.zeros([BLOCK_M], tl.float32)
+    dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
+        dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+        p_k, p_v, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+    if CAUSAL and HAS_SEG:
+        # Rows whose mask kept nothing also attend to the keys past the causal horizon.
+        if tl.max(b_full.to(tl.int32), 0) > 0:
+            dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
+                dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+                p_k, p_v, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC)
+
+    _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, -c * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
+                  BLOCK_D)
+    tl.store(DSCALE + p_row + o_m, b_dsc, mask=m_q)
+    if HAS_ALIBI:
+        tl.store(DSLOPE + p_row + o_m, b_dsl, mask=m_q)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _fwd_config(d: int, dv: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward kernel (hand-picked, not autotuned).
+
+    Interpreter: the largest blocks that small test shapes still split into several (cost is per program
+    and loop step, not per element)."""
+    if INTERPRET:
+        return 64, 64, 4, 1
+    width = max(d, dv)
+    if dtype == torch.float32:
+        return 64, 32, 4 if width <= 64 else 8, 2
+    if width <= 64:
+        return 128, 64, 4, 3
+    if width <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def _bwd_config(d: int, dv: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the backward kernels."""
+    if INTERPRET:
+        return 64, 64, 4, 1
+    width = max(d, dv)
+    if dtype == torch.float32 or width > 128:
+        return 32, 32, 4 if width <= 64 else 8, 2
+    return 64, 64, 4 if width <= 64 else 8, 2
+
+
+def lorentz_attention_fwd(p: Prepared, store_s: bool):
+    """Launch the forward kernel. Returns ``(O, S, LSE, FULL)``; the last three are None unless ``store_s``."""
+    q, k, v = p.q, p.k, p.v
+    B, H, Tq, Dq = q.shape
+    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    BM, BN, warps, stages = _fwd_config(D, DV, q.dtype)
+    o = alloc((B, H, Tq, 1 + DV), p.out_dtype, q.device)
+    s = lse = full = None
+    if store_s:
+        s = alloc((B, H, Tq, 1 + DV), torch.float32, q.device)
+        lse = alloc((B * H, Tq), torch.float32, q.device)
+        full = alloc((B * H, Tq), torch.int8, q.device)
+    slopes, qid, kid, kc = launch_args(p)
+    grid = (triton.cdiv(Tq, BM), B * H)
+    lorentz_attention_fwd_kernel[grid](
+        q, k, v, p.scale, slopes, kc, qid, kid, o, s if store_s else o, lse if store_s else kc,
+        full if store_s else kc,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        H, Tq, Tk,
+        D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
+        HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, DOT_F32=INTERPRET,
+        PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return o, s, lse, full
+
+
+def lorentz_attention_bwd(p: Prepared, s, lse, full, do):
+    """Launch the three backward kernels. Returns ``(dq, dk, dv, dscale [H], dslopes [H] | None, dkc [1])``."""
+    q, k, v = p.q, p.k, p.v
+    B, H, Tq, Dq = q.shape
+    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    dev = q.device
+    BM, BN, warps, stages = _bwd_config(D, DV, q.dtype)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    ds_dtype = v.dtype  # dS_s only ever multiplies v (and P cast to its dtype)
+    ds_t = alloc((B * H, Tq), torch.float32, dev)
+    ds_s = alloc((B * H, Tq, DV), ds_dtype, dev)
+    delta = alloc((B * H, Tq), torch.float32, dev)
+    dkc_row = alloc((B * H, Tq), torch.float32, dev)
+    lorentz_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BM), B * H)](
+        s, do, p.kc, ds_t, ds_s, delta, dkc_row, *s.stride()[:3], *do.stride()[:3], H, Tq,
+        DV=DV, BLOCK_M=BM, BLOCK_DV=block_d(DV), num_warps=warps,
+    )
+    slopes, qid, kid, _ = launch_args(p)
+    flags = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
+                 HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
+                 PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    dk = alloc(k.shape, k.dtype, dev)
+    dv = alloc(v.shape, v.dtype, dev)
+    lorentz_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * H)](
+        q, k, v, p.scale, slopes, qid, kid, ds_t, ds_s, lse, delta, full, dk, dv,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, Tq, Tk, **flags,
+    )
+    dq = alloc(q.shape, q.dtype, dev)
+    dscale_row = alloc((B * H, Tq), torch.float32, dev)
+    dslope_row = alloc((B * H, Tq), torch.float32, dev) if p.slopes is not None else dscale_row
+    lorentz_attention_bwd_dq_kernel[(triton.cdiv(Tq, BM), B * H)](
+        q, k, v, p.scale, slopes, qid, kid, ds_t, ds_s, lse, delta, full, dq, dscale_row, dslope_row,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], H, Tq, Tk, **flags,
+    )
+    dscale = dscale_row.view(B, H, Tq).sum(dim=(0, 2))
+    dslopes = dslope_row.view(B, H, Tq).sum(dim=(0, 2)) if p.slopes is not None else None
+    return dq, dk, dv, dscale, dslopes, dkc_row.sum().reshape(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+class LorentzFlashAttention(torch.autograd.Function):
+    """Differentiable in ``q, k, v``, ``scale = 2/τ`` ``[H]``, the ALiBi ``slopes`` ``[H]`` and ``kc`` ``[1]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, slopes, kc, qid, kid, causal: bool, out_dtype: torch.dtype):
+        p = Prepared(q=q, k=k, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
+                     out_dtype=out_dtype)
+        o, s, lse, full = lorentz_attention_fwd(p, store_s=True)
+        ctx.save_for_backward(q, k, v, scale, slopes, kc, qid, kid, s, lse, full)
+        ctx.causal = causal
+        ctx.out_dtype = out_dtype
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, scale, slopes, kc, qid, kid, s, lse, full = ctx.saved_tensors
+        p = Prepared(q=q, k=k, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=ctx.causal,
+                     out_dtype=ctx.out_dtype)
+        dq, dk, dv, dscale, dslopes, dkc = lorentz_attention_bwd(p, s, lse, full, do)
+        return dq, dk, dv, dscale, dslopes, dkc, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------------
+
+
+def lorentz_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    k: Curv,
+    tau: Tau,
+    causal: bool = True,
+    attention_mask: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
+
+    Same semantics as ``helm.ops.lorentz_attention(..., impl="eager")``, including its mask conventions.
+
+    Args:
+        query: ``[B, H, Tq, 1+d]`` points of ``H_k``, the *last* ``Tq`` of the ``Tk`` positions
+            (bottom-right causal alignment, as in cached decoding).
+        key: ``[B, H, Tk, 1+d]``.
+        value: ``[B, H, Tk, 1+dv]``.
+        k: curvature parameter ``k = -1/K > 0``: float or one-element tensor (gradients flow).
+        tau: temperature ``τ > 0``: float, one-element or ``[H]`` tensor (gradients flow).
+        causal: key ``j`` is visible to query row ``i`` only if ``j <= Tk - Tq + i``.
+        attention_mask: ``[B, Tk]``, 1 for real tokens, 0 for padding (left or right).
+        segment_ids: ``[B, Tk]`` integer document ids of packed rows; attention never crosses documents.
+            The ids of one row must span less than ``2^31``.
+        alibi_slopes: ``[H]``; adds ``-slope_h (i - j)`` to the logits (gradients flow).
+
+    Returns:
+        ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
+        whose mask keeps no key (a padding query under left padding) attends to every key, as in eager.
+
+    Limits: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``); fp16, bf16 or fp32 inputs (mixed
+    dtypes are promoted), scores and normalisation in fp32; ``1 <= d, dv <= 256`` (any size: the space part
+    is padded to a power of two inside the kernel, the time coordinate is handled apart); no dense
+    position bias (use ``impl="sdpa"``). Without gradients and with ``Tq <= 16`` the split-K decoding kernel
+    of :mod:`kernels.lorentz_attention.decode` runs instead of the forward kernel.
+    """
+    p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+    if not needs_grad(p):
+        if p.q.shape[2] <= DECODE_MAX_Q:
+            from .decode import lorentz_attention_decode_fwd
+
+            return lorentz_attention_decode_fwd(p)
+        return lorentz_attention_fwd(p, store_s=False)[0]
+    return LorentzFlashAttention.apply(p.q, p.k, p.v, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
+                                       p.out_dtype)

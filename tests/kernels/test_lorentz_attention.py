@@ -1,0 +1,308 @@
+"""Lorentz attention kernels vs helm's eager attention in float64: outputs and gradients of q, k, v, τ (and
+of the curvature and ALiBi slopes), causal / packed / padded / ALiBi / decoding shapes.
+
+On CPU the kernels run in the Triton interpreter (see conftest.py), so shapes are small and chosen to be
+ragged against the 64-wide blocks (T = 63, 100, 200). Every kernel buffer is NaN-filled before launch.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from helm.manifold import lift, manifold_error
+from helm.ops import lorentz_attention
+
+from .conftest import DEVICE, ON_GPU
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FP32_TOL = 1e-4  # issue: relative error of the fp32 kernel against the fp64 eager reference
+# Half inputs: P, dS and dz are rounded to the input dtype before the tensor-core products (as FlashAttention
+# rounds P and dO). Measured in the interpreter: bf16 <= 2.7e-2, fp16 <= 1.6e-3.
+HALF_TOL = {torch.bfloat16: 5e-2, torch.float16: 5e-3}
+
+
+def _points(shape, d, gen, scale=0.4):
+    return lift(torch.randn(*shape, d, generator=gen) * scale, k=1.0)
+
+
+def _segments(B, T, gen, n_docs=4):
+    """Packed rows: document ids increasing along each row, random document boundaries."""
+    cuts = torch.stack([torch.randperm(T - 1, generator=gen)[: n_docs - 1] + 1 for _ in range(B)])
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for c in cuts[b]:
+            ids[b, c:] += 1
+    return ids
+
+
+def _rel_err(actual, expected):
+    actual = actual.detach().double().cpu()
+    expected = expected.detach().double().cpu()
+    assert torch.isfinite(actual).all(), "non-finite values (an unwritten NaN-filled buffer was read?)"
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+
+
+def _case(name, *, B=2, H=2, Tq=100, Tk=None, d=64, dv=None, causal=True, mask=None, segments=False,
+          alibi=False, tau_per_head=False, k_grad=False, transposed=False, seed=0):
+    """Inputs (fp32 leaves) and keyword arguments for one configuration."""
+    Tk = Tq if Tk is None else Tk
+    dv = d if dv is None else dv
+    gen = torch.Generator().manual_seed(seed)
+    if transposed:  # [B, T, H, 1+d] storage seen as [B, H, T, 1+d], as a projection layer produces it
+        q = _points((B, Tq, H), d, gen).transpose(1, 2)
+    else:
+        q = _points((B, H, Tq), d, gen)
+    kk = _points((B, H, Tk), d, gen)
+    u = torch.randn(B, H, Tk, dv, generator=gen) * 0.4  # values are lift(u): see _values
+    tau = (torch.rand(H, generator=gen) + 0.7) if tau_per_head else torch.tensor(1.3)
+    kw = dict(causal=causal)
+    kw["k"] = torch.tensor(0.7) if k_grad else 1.0
+    if mask == "left":
+        am = torch.ones(B, Tk, dtype=torch.long)
+        am[0, :37] = 0
+        am[-1, :5] = 0
+        kw["attention_mask"] = am
+    elif mask == "right":
+        am = torch.ones(B, Tk, dtype=torch.long)
+        am[0, Tk - 20:] = 0
+        kw["attention_mask"] = am
+    elif mask == "all_pad_row":
+        am = torch.ones(B, Tk, dtype=torch.long)
+        am[0] = 0
+        am[-1, :11] = 0
+        kw["attention_mask"] = am
+    if segments:
+        seg = 7 * _segments(B, Tk, gen) - 5  # arbitrary (here negative) ids: only equality matters
+        if mask == "right":  # padding forms its own document: its queries keep no key at all
+            seg[0, Tk - 20:] = 1000
+        kw["segment_ids"] = seg
+    if alibi:
+        kw["alibi_slopes"] = torch.tensor([0.5 ** (h + 1) for h in range(H)])
+    return name, q, kk, u, tau, kw
+
+
+def _values(u, kw):
+    """Values ``lift(u)`` on the curvature of the case. Gradients are compared for ``u``, as a model produces
+    values (an HLT ends in ``lift``): for a row with a single key the centroid floor ``max(|<S,S>_L|, k)``
+    is tied and eager's gradient of ``v`` flips with the rounding, by a multiple of ``J v`` that ``lift``
+    maps to zero."""
+    return lift(u, k=kw["k"])
+
+
+FWD_BWD_CASES = [
+    _case("causal", transposed=True),
+    _case("noncausal-d128-tau-per-head", B=1, Tq=63, d=128, causal=False, tau_per_head=True, seed=1),
+    _case("packed-d48-dv32", d=48, dv=32, segments=True, seed=2),
+    _case("left-padding-alibi-k-grad", d=16, mask="left", alibi=True, k_grad=True, seed=3),
+    _case("noncausal-packed-right-padding", Tq=63, d=16, dv=32, causal=False, mask="right", segments=True,
+          alibi=True, seed=4),
+    _case("four-blocks-packed-left-padding-alibi", Tq=200, d=16, mask="left", segments=True, alibi=True, seed=13),
+    _case("decode-shape-left-padding", Tq=3, Tk=100, mask="left", segments=True, tau_per_head=True, seed=5),
+    _case("decode-shape-one-row", Tq=1, Tk=100, d=32, alibi=True, seed=6),
+]
+
+
+def _leaves(q, kk, u, tau, kw, dtype=torch.float32, device=DEVICE):
+    """Fresh leaf copies (``dtype`` on ``device``) of everything that takes a gradient."""
+    def leaf(t, dt):
+        return t.detach().to(device=device, dtype=dt).requires_grad_()
+
+    args = [leaf(q, dtype), leaf(kk, dtype), leaf(u, dtype), leaf(tau, torch.float64 if dtype == torch.float64
+                                                                  else torch.float32)]
+    kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    for name in ("k", "alibi_slopes"):
+        if isinstance(kw.get(name), torch.Tensor):
+            kw[name] = leaf(kw[name], torch.float64 if dtype == torch.float64 else torch.float32)
+    return args, kw
+
+
+def _grad_names(kw):
+    extra = {"k": "dcurvature", "alibi_slopes": "dslopes"}
+    return ["dq", "dk", "dv_space", "dtau"] + [extra[n] for n in extra if isinstance(kw.get(n), torch.Tensor)]
+
+
+def _grads(out, args, kw, do):
+    wrt = args + [kw[n] for n in ("k", "alibi_slopes") if isinstance(kw.get(n), torch.Tensor)]
+    return torch.autograd.grad(out, wrt, do)
+
+
+def _reference(q, kk, u, tau, kw, do):
+    args, kw = _leaves(q, kk, u, tau, kw, torch.float64, "cpu")
+    out = lorentz_attention(args[0], args[1], _values(args[2], kw), tau=args[3], impl="eager", **kw)
+    return out, _grads(out, args, kw, do.double().cpu())
+
+
+@pytest.mark.parametrize("case", FWD_BWD_CASES, ids=[c[0] for c in FWD_BWD_CASES])
+def test_forward_backward_match_eager_fp64(lk, case):
+    name, q, kk, u, tau, kw = case
+    do = torch.randn(*q.shape[:3], 1 + u.shape[-1], generator=torch.Generator().manual_seed(7))
+    ref_out, ref_grads = _reference(q, kk, u, tau, kw, do)
+
+    args, kkw = _leaves(q, kk, u, tau, kw)
+    out = lk.lorentz_flash_attention(args[0], args[1], _values(args[2], kkw), tau=args[3], **kkw)
+    assert out.dtype == torch.float32 and out.shape == ref_out.shape
+    assert _rel_err(out, ref_out) <= FP32_TOL
+    assert manifold_error(out, 1.0 if not isinstance(kw["k"], torch.Tensor) else kw["k"]).max() <= 1e-5
+    grads = _grads(out, args, kkw, do.to(DEVICE))
+    assert len(grads) == len(ref_grads)
+    for gname, g, r in zip(_grad_names(kw), grads, ref_grads, strict=True):
+        assert g.shape == r.shape, gname
+        err = _rel_err(g, r)
+        assert err <= FP32_TOL, f"{name}: {gname} relative error {err:.2e}"
+
+
+def test_gradient_of_a_sum(lk):
+    """``out.sum()`` hands the backward a stride-0 ``dO``."""
+    _, q, kk, u, tau, kw = _case("sum", B=1, Tq=63, d=16, seed=14)
+    args, rkw = _leaves(q, kk, u, tau, kw, torch.float64, "cpu")
+    lorentz_attention(args[0], args[1], _values(args[2], rkw), tau=args[3], impl="eager", **rkw).sum().backward()
+    kargs, kkw = _leaves(q, kk, u, tau, kw)
+    lk.lorentz_flash_attention(kargs[0], kargs[1], _values(kargs[2], kkw), tau=kargs[3], **kkw).sum().backward()
+    for gname, g, r in zip(_grad_names(kw), kargs, args, strict=True):
+        assert _rel_err(g.grad, r.grad) <= FP32_TOL, gname
+
+
+DECODE_CASES = [
+    _case("one-row", Tq=1, Tk=100),
+    _case("padded-packed-alibi-all-pad-row", Tq=3, Tk=100, d=16, mask="all_pad_row", segments=True, alibi=True,
+          seed=8),
+    _case("noncausal-d128-dv64", B=1, Tq=2, Tk=100, d=128, dv=64, causal=False, seed=9),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_kernel_matches_eager_fp64(lk, case, monkeypatch):
+    _, q, kk, u, tau, kw = case
+    v = _values(u, kw)
+    calls = []
+    real = lk.decode.lorentz_attention_decode_fwd
+    monkeypatch.setattr(lk.decode, "lorentz_attention_decode_fwd", lambda p: calls.append(1) or real(p))
+    with torch.no_grad():
+        ref = lorentz_attention(q.double(), kk.double(), v.double(), tau=tau.double(), impl="eager",
+                                **{n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                                   for n, t in kw.items()})
+        dev_kw = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        out = lk.lorentz_flash_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, **dev_kw)
+        direct = lk.lorentz_decode_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, **dev_kw)
+    assert calls, "lorentz_flash_attention did not use the decoding kernel for a short query without grad"
+    assert _rel_err(out, ref) <= FP32_TOL
+    assert torch.equal(out, direct)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(lk, dtype):
+    """Half inputs: fp32 output; error set by rounding P, dS and dz to the input dtype (as on tensor cores)."""
+    _, q, kk, u, tau, kw = _case("half", B=1, d=64, mask="left", segments=True, seed=10)
+    q, kk = (t.to(dtype).float() for t in (q, kk))  # the reference sees the same rounded inputs
+    do = torch.randn(1, 2, 100, 65, generator=torch.Generator().manual_seed(11))
+    ref_values = _values(u, kw).to(dtype).double()
+    ref_out = lorentz_attention(q.double(), kk.double(), ref_values, tau=tau.double(), impl="eager", **kw)
+    args, kkw = _leaves(q, kk, u, tau, kw, dtype)
+    out = lk.lorentz_flash_attention(args[0], args[1], _values(args[2], kkw).to(dtype), tau=args[3], **kkw)
+    assert out.dtype == torch.float32
+    assert _rel_err(out, ref_out) <= HALF_TOL[dtype]
+    ref_grads = _reference(q, kk, u, tau, kw, do)[1]
+    for gname, g, r in zip(["dq", "dk", "dv_space", "dtau"], _grads(out, args, kkw, do.to(DEVICE)), ref_grads,
+                               strict=True):
+        assert g.dtype == (dtype if gname != "dtau" else torch.float32), gname
+        err = _rel_err(g, r)
+        assert err <= HALF_TOL[dtype], f"{gname} relative error {err:.2e}"
+
+
+def test_helm_entry_point_impl_triton(lk):
+    """``helm.ops.lorentz_attention(impl="triton")`` runs the kernel (forward kernel without grad: Tq > 16)."""
+    _, q, kk, u, tau, kw = _case("entry", Tq=63, mask="left", alibi=True, seed=12)
+    v = _values(u, kw)
+    dev_kw = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    with torch.no_grad():
+        out = lorentz_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, impl="triton", **dev_kw)
+        ref = lorentz_attention(q.double(), kk.double(), v.double(), tau=tau.double(), impl="eager", **kw)
+    assert _rel_err(out, ref) <= FP32_TOL
+
+
+def test_naive_reference_matches_eager():
+    _, q, kk, u, tau, kw = _case("naive", Tq=20, Tk=30, d=8, mask="all_pad_row", segments=True, alibi=True)
+    from kernels.lorentz_attention.naive import naive_lorentz_attention
+
+    args = [t.double() for t in (q, kk, _values(u, kw), tau)]
+    ref = lorentz_attention(*args[:3], tau=args[3], impl="eager", **kw)
+    assert _rel_err(naive_lorentz_attention(*args[:3], tau=args[3], **kw), ref) <= 1e-12
+
+
+def test_invalid_arguments_raise(lk):
+    q = lift(torch.randn(1, 2, 8, 16), k=1.0).to(DEVICE)
+    with pytest.raises(ValueError, match="float64"):
+        lk.lorentz_flash_attention(q.double(), q.double(), q.double(), k=1.0, tau=1.0)
+    wide = lift(torch.randn(1, 2, 8, 300), k=1.0).to(DEVICE)
+    with pytest.raises(ValueError, match="head dims"):
+        lk.lorentz_flash_attention(wide, wide, wide, k=1.0, tau=1.0)
+    with pytest.raises(ValueError, match="tau"):
+        lk.lorentz_flash_attention(q, q, q, k=1.0, tau=torch.ones(3))
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        lk.lorentz_flash_attention(q, q[:, :, :4], q[:, :, :4], k=1.0, tau=1.0)
+    with pytest.raises(RuntimeError, match="forward only"):
+        lk.lorentz_decode_attention(q.requires_grad_(), q, q, k=1.0, tau=1.0)
+
+
+def _python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def _env_without_interpreter() -> dict:
+    env = {n: val for n, val in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU error path")
+def test_triton_impl_on_cpu_without_interpreter_raises_clearly():
+    proc = _python("""
+        import sys, torch
+        import kernels
+        assert "triton" not in sys.modules, "import kernels must not import triton"
+        from helm.manifold import lift
+        from helm.ops import lorentz_attention
+        q = lift(torch.randn(1, 2, 5, 16), k=1.0)
+        try:
+            lorentz_attention(q, q, q, k=1.0, tau=1.0, impl="triton")
+        except ValueError as err:
+            print("helm:", err)
+        from kernels.lorentz_attention import lorentz_flash_attention
+        try:
+            lorentz_flash_attention(q, q, q, k=1.0, tau=1.0)
+        except ValueError as err:
+            print("kernel:", err)
+    """, _env_without_interpreter())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("helm:") and "TRITON_INTERPRET" in line for line in lines), proc.stdout
+    assert any(line.startswith("kernel:") and "TRITON_INTERPRET" in line for line in lines), proc.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the no-CUDA exit path")
+def test_gpu_benchmark_exits_clearly_without_cuda():
+    env = _env_without_interpreter()
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "attention_triton.py")], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "CUDA" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the real benchmark")
+def test_gpu_benchmark_dry_run_on_cpu():
+    """Every code path of the benchmark script, at a toy size in the interpreter (timings meaningless)."""
+    env = _env_without_interpreter()
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "attention_triton.py"), "--dry-run-cpu",
+                           "--seq", "64", "--tokens", "64", "--heads", "2", "--dims", "16"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = [line for line in proc.stdout.splitlines() if line.startswith("ratio ")]
+    assert len(ratios) == 6, proc.stdout  # (fwd, fwd+bwd, decode) x (sdpa, eager)
