@@ -20,6 +20,7 @@ import torch
 Curv = Union[float, torch.Tensor]
 
 __all__ = [
+    "upcast",
     "curvature_to_k",
     "k_to_curvature",
     "check_k",
@@ -39,15 +40,17 @@ __all__ = [
 ]
 
 
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    """Promote half-precision tensors to fp32 for accumulation; leave fp32/fp64 alone."""
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """The accumulation dtype: half-precision tensors become fp32, fp32/fp64 are left alone.
+
+    Every norm, time coordinate and normalisation in the project goes through it (DESIGN §2, precision)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _kt(k: Curv, like: torch.Tensor) -> Union[float, torch.Tensor]:
     """``k`` in the accumulation dtype of ``like`` (floats stay floats: no device transfer)."""
     if isinstance(k, torch.Tensor):
-        return k.to(dtype=_acc(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
+        return k.to(dtype=upcast(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
     return float(k)
 
 
@@ -84,7 +87,7 @@ def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.T
 
     Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (or ``[..., 1]`` with ``keepdim``).
     """
-    x, y = _acc(x), _acc(y)
+    x, y = upcast(x), upcast(y)
     out = (x[..., 1:] * y[..., 1:]).sum(-1, keepdim=True) - x[..., :1] * y[..., :1]
     return out if keepdim else out.squeeze(-1)
 
@@ -101,7 +104,7 @@ def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
     Shapes: ``[..., n] -> [..., 1+n]``; the result dtype is at least fp32 so the time coordinate keeps
     its precision under bf16 autocast.
     """
-    x_s = _acc(x_s)
+    x_s = upcast(x_s)
     kk = _kt(k, x_s)
     x_t = (x_s.pow(2).sum(-1, keepdim=True) + kk).sqrt()
     return torch.cat([x_t, x_s], dim=-1)
@@ -121,7 +124,7 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
     ``k`` is accepted for a uniform signature; the difference form does not need it.
     """
-    return sqnorm(_acc(x) - _acc(y), keepdim=keepdim).clamp_min(0)
+    return sqnorm(upcast(x) - upcast(y), keepdim=keepdim).clamp_min(0)
 
 
 def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
@@ -130,7 +133,7 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
     Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
     exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
     """
-    kk = _kt(k, _acc(x))
+    kk = _kt(k, upcast(x))
     d2 = sqdist(x, y, k=k, keepdim=keepdim)
     tiny = torch.finfo(d2.dtype).tiny
     return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
@@ -143,7 +146,7 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     uses ``sinh(θ)/θ`` (exactly 1 at ``θ = 0``) and the time part is recomputed by :func:`lift`.
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
-    u_s = _acc(u[..., 1:])
+    u_s = upcast(u[..., 1:])
     kk = _kt(k, u_s)
     theta = u_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
     small = theta < 1e-4
@@ -157,7 +160,7 @@ def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
 
     Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``.
     """
-    x_s = _acc(x[..., 1:])
+    x_s = upcast(x[..., 1:])
     kk = _kt(k, x_s)
     r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
     small = r < 1e-4
@@ -175,7 +178,7 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     math. The time coordinate of the result is recomputed from its space part, so the output is on the
     manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
-    s = _acc(s)
+    s = upcast(s)
     if norm2 is None:
         norm2 = sqnorm(s, keepdim=True).abs()
     if floor is not None:
@@ -197,13 +200,13 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     ``|x_s| = 1e4`` in fp32 that cancellation alone is larger than ``k``). Costs ``O(N² n)``: meant for few
     points (residuals, expert mixtures); attention normalises its softmax-weighted sums directly.
     """
-    x = _acc(x)
+    x = upcast(x)
     dim = dim if dim >= 0 else x.dim() + dim
     if dim == x.dim() - 1:
         raise ValueError("centroid: dim must index the points, not the coordinate (last) dim")
     if w is None:
         w = torch.full(x.shape[:-1], 1.0 / x.shape[dim], dtype=x.dtype, device=x.device)
-    w = _acc(w).to(x.dtype).expand(x.shape[:-1])
+    w = upcast(w).to(x.dtype).expand(x.shape[:-1])
     xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3), k=k)

@@ -144,34 +144,39 @@ def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, 
     return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
 
 
-class HelmDecoderStack(nn.Module):
-    """Embedding → decoder layers → final RMSNorm_L, with cache and mask plumbing shared by both families."""
+class HelmDecoderStack:
+    """``forward`` of the base models: embedding → decoder layers → final RMSNorm_L, with cache and masks.
 
-    def run(self, model, input_ids, attention_mask, position_ids, segment_ids, past_key_values, inputs_embeds,
-            use_cache):
-        config = model.config
+    The host class provides ``embed``, ``layers``, ``norm`` and ``output_class`` (a ``transformers`` output).
+    ``segment_ids [B, T_past+T]`` are document ids of packed rows: attention never crosses documents.
+    """
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
+                **kwargs):
+        config = self.config
+        use_cache = config.use_cache if use_cache is None else use_cache
         B, T = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:2]
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
         past_len = past_key_values.get_seq_length() if isinstance(past_key_values, Cache) else 0
         check_inputs(config, input_ids, inputs_embeds, past_len, T)
+        for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+            if t is not None and (t.dim() != 2 or t.shape[-1] != past_len + T):
+                raise ValueError(f"{name} must be [B, T_past+T] = [B, {past_len + T}], got {tuple(t.shape)}")
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_len, T, B, device)
-        x = model.embed(input_ids, position_ids) if inputs_embeds is None else inputs_embeds
-        if attention_mask is not None and bool(attention_mask.dim() != 2):
-            raise ValueError(f"attention_mask must be a [B, T_past+T] padding mask, got {tuple(attention_mask.shape)}")
-        if attention_mask is not None and attention_mask.shape[-1] != past_len + T:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions; expected past+new = "
-                             f"{past_len + T}")
-        if segment_ids is not None and segment_ids.shape[-1] != past_len + T:
-            raise ValueError(f"segment_ids covers {segment_ids.shape[-1]} positions; expected {past_len + T}")
+        x = self.embed(input_ids, position_ids) if inputs_embeds is None else inputs_embeds
         hidden_states = []
-        for layer in model.layers:
+        for layer in self.layers:
             x = layer(x, position_ids=position_ids, attention_mask=attention_mask, segment_ids=segment_ids,
                       past_key_values=past_key_values)
             hidden_states.append(x)
-        return model.norm(x), hidden_states, past_key_values
+        return self.output_class(last_hidden_state=self.norm(x), past_key_values=past_key_values if use_cache else None,
+                                 hidden_states=tuple(hidden_states) if output_hidden_states else None)
 
 
 def build_attention(config, k: float, layer_idx: int, kind: str) -> nn.Module:
@@ -198,7 +203,8 @@ def build_lm_head(config, k: float) -> LorentzLMHead:
 
 
 class HelmCausalLMMixin:
-    """``forward`` of the causal-LM wrappers: logits for the kept positions, shifted cross-entropy loss."""
+    """``forward`` of the causal-LM wrappers: logits for the kept positions, shifted cross-entropy loss, and the
+    MoE balance loss when the host's ``output_class`` carries one (added to ``loss`` in training)."""
 
     def get_input_embeddings(self):
         return self.model.embed.embed_tokens
@@ -206,13 +212,29 @@ class HelmCausalLMMixin:
     def get_output_embeddings(self):
         return self.lm_head
 
-    def _logits_and_loss(self, hidden: torch.Tensor, labels, logits_to_keep, **kwargs):
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep else slice(None)
-        logits = self.lm_head(hidden[:, keep])
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        return None
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
+                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         segment_ids=segment_ids, output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return logits, loss
+        fields = dict(logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states)
+        if "aux_loss" in self.output_class.__dataclass_fields__:
+            aux = self.aux_loss()
+            fields["aux_loss"] = aux
+            if loss is not None and aux is not None:
+                loss = loss + aux
+        return self.output_class(loss=loss, **fields)
 
 
 __all__ = [

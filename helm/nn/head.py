@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import _acc
+from ..manifold.math import upcast
 from ._checks import check_choice, check_dim, check_k, check_positive
 from .embedding import wrapped_normal_
 
@@ -63,5 +63,5 @@ class LorentzLMHead(nn.Module):
             w = self.weight
             jw = torch.cat([-w[:, :1], w[:, 1:]], dim=-1).to(x.dtype)
             logits = (2 * self.k + 2 * (x @ jw.T)) / self.log_tau.exp()
-        logits = _acc(logits)
+        logits = upcast(logits)
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)

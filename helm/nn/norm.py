@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import _acc, lift
+from ..manifold.math import upcast, lift
 from ._checks import check_dim, check_k, check_positive
 
 
@@ -32,7 +32,7 @@ class LorentzRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size - 1))
 
     def forward(self, x: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x_s = _acc(x[..., 1:])
+        x_s = upcast(x[..., 1:])
         y_s = F.rms_norm(x_s, (x_s.shape[-1],), self.weight.to(x_s.dtype), self.eps)
         return lift(y_s, k=self.k if k is None else k)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import _acc, lift, normalize, sqdist
+from ..manifold.math import upcast, lift, normalize, sqdist
 from ._checks import check_k, check_positive
 
 
@@ -43,14 +43,14 @@ class LorentzResidual(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return F.softplus(_acc(self.raw_weight))
+        return F.softplus(upcast(self.raw_weight))
 
     def forward(self, x: torch.Tensor, fx: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
         kk = self.k if k is None else k
         w = self.weight
         # |<x + w fx, x + w fx>_L| = k (1 + w)² + w d²(x, fx): the centroid's well-conditioned form for two points
         norm2 = kk * (1 + w) ** 2 + w * sqdist(x, fx, k=kk, keepdim=True)
-        out = normalize(_acc(x) + w * _acc(fx), k=kk, norm2=norm2)
+        out = normalize(upcast(x) + w * upcast(fx), k=kk, norm2=norm2)
         if self.space_scale is not None:
             out = lift(out[..., 1:] * self.space_scale, k=kk)
         return out

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from ..manifold.math import _acc, normalize
+from ..manifold.math import upcast, normalize
 
 logger = logging.getLogger("helm")
 
@@ -113,7 +113,7 @@ def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, positi
     With ``causal_flag_ok`` (sdpa) a plain causal square problem returns no mask, so the fused kernels run
     with ``is_causal=True`` and never materialise a ``T × T`` mask.
     """
-    q, kk, v = _acc(query), _acc(key), _acc(value)
+    q, kk, v = upcast(query), upcast(key), upcast(value)
     dtype = torch.promote_types(torch.promote_types(q.dtype, kk.dtype), v.dtype)
     q, kk, v = q.to(dtype), kk.to(dtype), v.to(dtype)
     B, H, Tq, _ = q.shape

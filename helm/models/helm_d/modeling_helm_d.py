@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import nn
@@ -48,8 +47,10 @@ class HelmDPreTrainedModel(HelmPreTrainedModel):
     config: HelmDConfig
 
 
-class HelmDModel(HelmDPreTrainedModel, HelmDecoderStack):
+class HelmDModel(HelmDecoderStack, HelmDPreTrainedModel):
     """Embeddings, ``num_hidden_layers`` decoder layers and the final RMSNorm_L; returns points ``[B, T, 1+n]``."""
+
+    output_class = BaseModelOutputWithPast
 
     def __init__(self, config: HelmDConfig):
         super().__init__(config)
@@ -62,39 +63,17 @@ class HelmDModel(HelmDPreTrainedModel, HelmDecoderStack):
     def get_input_embeddings(self):
         return self.embed.embed_tokens
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
-                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
-                **kwargs) -> BaseModelOutputWithPast:
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        x, hidden, cache = self.run(self, input_ids, attention_mask, position_ids, segment_ids, past_key_values,
-                                    inputs_embeds, use_cache)
-        return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache if use_cache else None,
-                                       hidden_states=tuple(hidden) if output_hidden_states else None)
 
-
-class HelmDForCausalLM(HelmDPreTrainedModel, HelmCausalLMMixin, GenerationMixin):
+class HelmDForCausalLM(HelmCausalLMMixin, HelmDPreTrainedModel, GenerationMixin):
     """HELM-D with the LM head; ``segment_ids`` (document ids of packed rows) keep attention within documents."""
+
+    output_class = CausalLMOutputWithPast
 
     def __init__(self, config: HelmDConfig):
         super().__init__(config)
         self.model = HelmDModel(config)
         self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
         self.post_init()
-
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
-                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0,
-                **kwargs) -> CausalLMOutputWithPast:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         segment_ids=segment_ids, output_hidden_states=output_hidden_states)
-        logits, loss = self._logits_and_loss(out.last_hidden_state, labels, logits_to_keep, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states)
 
 
 __all__ = ["HelmDPreTrainedModel", "HelmDModel", "HelmDForCausalLM", "HelmDDecoderLayer"]

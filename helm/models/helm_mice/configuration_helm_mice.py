@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-
-from ..configuration_common import RemoteCodeConfigMixin, _choice, _positive_int, validate_helm_common
+from ..configuration_common import HelmConfigBase, _choice, _positive_int, validate_helm_common
 
 
-class HelmMiCEConfig(RemoteCodeConfigMixin, PreTrainedConfig):
+class HelmMiCEConfig(HelmConfigBase):
     r"""Configuration of HELM-MiCE (HMLA attention + Mixture-of-Curvature Experts, paper §4.2–4.3).
 
     Dimensions are ambient (they count the time coordinate): the 120M preset has ``hidden_size=390``,
@@ -26,14 +24,7 @@ class HelmMiCEConfig(RemoteCodeConfigMixin, PreTrainedConfig):
     """
 
     model_type = "helm_mice"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    vocab_size: int = 128256
-    hidden_size: int = 390
-    intermediate_size: int = 1560
     moe_intermediate_size: int = 780
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 6
     n_routed_experts: int = 4
     n_shared_experts: int = 1
     num_experts_per_tok: int = 2
@@ -45,35 +36,12 @@ class HelmMiCEConfig(RemoteCodeConfigMixin, PreTrainedConfig):
     qk_nope_head_dim: int = 33
     qk_rope_head_dim: int = 17
     v_head_dim: int = 33
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-12
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    attention_bias: bool = True
-    mlp_bias: bool = True
-    curvature: float = -1.0
     routed_curvatures: list[float] | None = None
     expert_curvature_range: list[float] | None = None
     trainable_curvatures: bool = True
     attention_type: str = "hmla"
     aux_loss_alpha: float = 1e-4
     bias_update_speed: float = 1e-3
-    embedding_mode: str = "space"
-    positional: str = "hope"
-    pe_options: dict | None = None
-    attn_impl: str = "auto"
-    tau_init: float | None = None
-    residual_weight: float = 1.0
-    residual_space_scale: float | None = None
-    lm_head_mode: str = "linear"
-    validate_inputs: bool = True
 
     def __post_init__(self, **kwargs):
         validate_helm_common(self)
@@ -108,15 +76,11 @@ class HelmMiCEConfig(RemoteCodeConfigMixin, PreTrainedConfig):
         if self.attention_type == "hmla" and rotary and (self.qk_rope_head_dim - 1) % 2:
             raise ValueError(f"qk_rope_head_dim must be 1 + an even number for positional={self.positional!r}, "
                              f"got {self.qk_rope_head_dim}")
-        if self.head_dim is None and self.attention_type == "mha":
-            if (self.hidden_size - 1) % self.num_attention_heads:
-                raise ValueError(f"hidden_size - 1 = {self.hidden_size - 1} is not divisible by "
-                                 f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly")
-            self.head_dim = 1 + (self.hidden_size - 1) // self.num_attention_heads
+        if self.attention_type == "mha":
+            self.default_head_dim()
         if self.attention_type == "mha" and rotary and (self.head_dim - 1) % 2:
             raise ValueError(f"head_dim must be 1 + an even number for positional={self.positional!r}")
-        if self.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings is not supported by HELM models")
+        self.check_no_tying()
         super().__post_init__(**kwargs)
 
 

@@ -70,7 +70,9 @@ class HelmMiCEPreTrainedModel(HelmPreTrainedModel):
         return torch.stack([m.last_expert_load for m in self.mice_layers()])
 
 
-class HelmMiCEModel(HelmMiCEPreTrainedModel, HelmDecoderStack):
+class HelmMiCEModel(HelmDecoderStack, HelmMiCEPreTrainedModel):
+    output_class = MoeModelOutputWithPast
+
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
         k = curvature_to_k(config.curvature)
@@ -82,20 +84,11 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel, HelmDecoderStack):
     def get_input_embeddings(self):
         return self.embed.embed_tokens
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
-                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
-                **kwargs) -> MoeModelOutputWithPast:
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        x, hidden, cache = self.run(self, input_ids, attention_mask, position_ids, segment_ids, past_key_values,
-                                    inputs_embeds, use_cache)
-        return MoeModelOutputWithPast(last_hidden_state=x, past_key_values=cache if use_cache else None,
-                                      hidden_states=tuple(hidden) if output_hidden_states else None)
 
-
-class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, HelmCausalLMMixin, GenerationMixin):
+class HelmMiCEForCausalLM(HelmCausalLMMixin, HelmMiCEPreTrainedModel, GenerationMixin):
     """HELM-MiCE with the LM head; in training the summed balance loss is ``aux_loss`` and is added to ``loss``."""
+
+    output_class = MoeCausalLMOutputWithPast
 
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
@@ -103,22 +96,10 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, HelmCausalLMMixin, Generation
         self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
         self.post_init()
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
-                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0,
-                **kwargs) -> MoeCausalLMOutputWithPast:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         segment_ids=segment_ids, output_hidden_states=output_hidden_states)
-        logits, loss = self._logits_and_loss(out.last_hidden_state, labels, logits_to_keep, **kwargs)
-        aux = [m.aux_loss for m in self.mice_layers() if m.aux_loss is not None]
-        aux_loss = torch.stack(aux).sum() if aux and self.training else None
-        if loss is not None and aux_loss is not None:
-            loss = loss + aux_loss
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         past_key_values=out.past_key_values, hidden_states=out.hidden_states)
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        """Sum of the MiCE layers' sequence-wise balance losses of the last forward (training only)."""
+        losses = [m.aux_loss for m in self.mice_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses and self.training else None
 
 
 __all__ = ["HelmMiCEPreTrainedModel", "HelmMiCEModel", "HelmMiCEForCausalLM", "HelmMiCEDecoderLayer"]
