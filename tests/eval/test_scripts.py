@@ -1,0 +1,153 @@
+"""Command-line behaviour shared by the eval/ scripts, eval/harness.py suites and eval/compare.py tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import EVAL_DIR, load_script
+
+SCRIPTS = ["harness", "perplexity", "length_extrapolation", "pe_decay", "curvature", "compare"]
+
+
+def test_eval_is_a_folder_of_scripts_not_a_package():
+    assert not (EVAL_DIR / "__init__.py").exists()
+    assert sorted(p.stem for p in EVAL_DIR.glob("*.py") if not p.stem.startswith("_")) == sorted(SCRIPTS)
+    import builtins
+
+    assert callable(builtins.eval)  # our folder never shadows the builtin
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help(name, capsys):
+    script = load_script(name)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--" in out
+    first_line = "".join(script.__doc__.split("\n")[0].split())
+    assert first_line in "".join(out.split())  # the description is the docstring's first line
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("perplexity", ["--model", "{missing}", "--files", "{text}"]),
+    ("length_extrapolation", ["--model", "{missing}", "--files", "{text}"]),
+    ("curvature", ["--model", "{missing}", "--files", "{text}", "--output-dir", "{tmp}"]),
+    ("harness", ["--model", "{missing}", "--suite", "local"]),
+])
+def test_missing_checkpoint_is_a_clear_error(name, argv, tmp_path, text_file):
+    script = load_script(name)
+    values = {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text_file), "tmp": str(tmp_path / "o")}
+    with pytest.raises(script.EvalError, match="checkpoint not found: .*no-such-checkpoint"):
+        script.main([a.format(**values) for a in argv])
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path, text_file):
+    perplexity = load_script("perplexity")
+    with pytest.raises(perplexity.EvalError, match="no config.json"):
+        perplexity.main(["--model", str(tmp_path), "--files", str(text_file)])
+
+
+def test_missing_text_file_is_a_clear_error(make_checkpoint, tmp_path):
+    curvature = load_script("curvature")
+    with pytest.raises(curvature.EvalError, match="text file not found"):
+        curvature.main(["--model", str(make_checkpoint("helm_d")), "--files", str(tmp_path / "nope.txt"),
+                        "--output-dir", str(tmp_path)])
+
+
+def test_jsonl_without_the_text_field_names_the_fields(make_checkpoint, tmp_path):
+    perplexity = load_script("perplexity")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"body": "hello"}) + "\n")
+    with pytest.raises(perplexity.EvalError, match="no field 'text'.*body.*--text-column"):
+        perplexity.main(["--model", str(make_checkpoint("helm_d")), "--files", str(bad)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# harness.py
+
+
+def test_paper_suite_dry_run_prints_the_stock_commands(make_checkpoint, capsys):
+    harness = load_script("harness")
+    folder = make_checkpoint("helm_d")
+    assert harness.main(["--model", str(folder), "--suite", "paper", "--dry-run", "--batch-size", "8"]) is None
+    out = capsys.readouterr().out
+    zero, five = [line.strip() for line in out.splitlines() if line.strip().startswith("lm_eval ")]
+    assert zero.startswith(f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True")
+    assert "--tasks commonsense_qa,hellaswag,openbookqa --num_fewshot 0 --batch_size 8" in zero
+    assert "--tasks mmlu,arc_challenge --num_fewshot 5" in five
+    assert "--include_path" not in zero  # the paper's tasks are lm-eval's own
+
+
+def test_local_suite_result_feeds_compare(make_checkpoint, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    harness, compare = load_script("harness"), load_script("compare")
+    out = tmp_path / "mice.json"
+    record = harness.main(["--model", f"mice={make_checkpoint('helm_mice')}", "--suite", "local", "--batch-size", "4",
+                           "--output", str(out)])
+    assert set(record["results"]) == {"helm_local_mc", "helm_local_ppl", "helm_local_gen"}
+    assert record["n-shot"]["helm_local_mc"] == 0
+    assert "--include_path" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["model_name"] == "mice" and saved["suite"] == "local"
+    table = compare.main([str(out)])
+    header, _, row = table.splitlines()
+    assert "helm_local_mc (acc_norm, 0-shot)" in header and "helm_local_ppl (word_perplexity, 0-shot)" in header
+    acc = 100 * saved["results"]["helm_local_mc"]["acc_norm,none"]
+    assert row.startswith("| mice | ") and f"{acc:.1f}" in row
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compare.py
+
+
+def lm_eval_record(name, accs, shots):
+    results = {task: {"alias": task, "acc,none": a, "acc_stderr,none": 0.01, "acc_norm,none": a + 0.02,
+                      "acc_norm_stderr,none": 0.02} for task, a in accs.items()}
+    results["mmlu_anatomy"] = {"acc,none": 0.9, "acc_stderr,none": 0.05}  # a subtask: hidden under its group
+    return {"model_name": f"/ckpts/{name}", "results": results, "n-shot": shots,
+            "group_subtasks": {"mmlu": ["mmlu_stem"], "mmlu_stem": ["mmlu_anatomy"]},
+            "config": {"model_args": f"pretrained=/ckpts/{name}"}}
+
+
+def test_compare_builds_the_paper_table(tmp_path):
+    compare = load_script("compare")
+    shots = {"commonsense_qa": 0, "hellaswag": 0, "mmlu": 5}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results_1.json").write_text(json.dumps(
+        lm_eval_record("helm-d", {"commonsense_qa": 0.20, "hellaswag": 0.30, "mmlu": 0.25}, shots)))
+    (tmp_path / "b.json").write_text(json.dumps(
+        lm_eval_record("llama", {"commonsense_qa": 0.22, "hellaswag": 0.28, "mmlu": 0.24}, shots)))
+    (tmp_path / "ppl.json").write_text(json.dumps({"model_name": "helm-d", "results": {
+        "perplexity:validation": {"perplexity": 12.3456, "mean_nll": 2.513, "scored_tokens": 100}}}))
+    (tmp_path / "notes.json").write_text(json.dumps({"something": "else"}))
+    table = compare.main([str(tmp_path), "--metric", "mmlu=acc", "--stderr"])
+    lines = table.splitlines()
+    assert lines[0] == ("| Model | CommonsenseQA (acc_norm, 0-shot) | HellaSwag (acc_norm, 0-shot) | "
+                        "MMLU (acc, 5-shot) | perplexity:validation (perplexity) | Avg |")
+    helm_row = next(line for line in lines if line.startswith("| helm-d |"))
+    llama_row = next(line for line in lines if line.startswith("| llama |"))
+    assert "22.0 ± 2.0" in helm_row and "32.0 ± 2.0" in helm_row and "25.0 ± 1.0" in helm_row
+    assert "12.35" in helm_row and helm_row.endswith(f"| {(22 + 32 + 25) / 3:.1f} |")
+    assert llama_row.split(" | ")[4] == "—"  # no perplexity file for llama
+    assert "anatomy" not in table and "mmlu_stem" not in table
+    plain = compare.main([str(tmp_path / "b.json"), "--raw", "--tasks", "hellaswag,commonsense_qa"])
+    assert plain.splitlines()[0] == "| Model | HellaSwag (acc_norm, 0-shot) | CommonsenseQA (acc_norm, 0-shot) | Avg |"
+    assert plain.splitlines()[2].startswith("| llama | 0.3 | 0.24 |")
+
+
+def test_compare_reads_multi_run_files_and_renames(tmp_path):
+    compare = load_script("compare")
+    runs = {"text": "x", "runs": [
+        {"model_name": "hope", "results": {"length_extrapolation": {"ppl@1x": 10.0, "ppl@2x": 11.0}}},
+        {"model_name": "learned", "results": {"length_extrapolation": {"ppl@1x": 9.0, "ppl@2x": None}}}]}
+    (tmp_path / "ext.json").write_text(json.dumps(runs))
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps({"results": {"t": {"acc,none": 0.5}}}))
+    table = compare.main([str(tmp_path / "ext.json"), f"renamed={single}"])
+    assert "| hope | 10 | 11 | — |" in table and "| learned | 9 | — | — |" in table
+    assert "| renamed | — | — | 50.0 |" in table
+    with pytest.raises(compare.EvalError, match="not found"):
+        compare.main([str(tmp_path / "missing.json")])

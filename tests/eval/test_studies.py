@@ -1,0 +1,145 @@
+"""The plotting studies: pe_decay.py, length_extrapolation.py, curvature.py (numbers, PNGs, CSV/JSON)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from .conftest import MAX_POSITIONS, load_script
+
+pytest.importorskip("matplotlib", reason="needs the eval extra: pip install 'helm-zoo[eval]'")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000, path
+
+
+def assert_labelled(fig, n_lines_at_least=1):
+    for ax in fig.axes:
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+        legend = ax.get_legend()
+        assert legend is not None and len(legend.get_texts()) >= n_lines_at_least
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pe_decay.py
+
+
+def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
+    pe_decay = load_script("pe_decay")
+    out = tmp_path / "decay.png"
+    curves, fig = pe_decay.main(["--head-dim", "16", "--num-heads", "4", "--max-distance", "200", "--samples", "8",
+                                 "--rope3d-chunk-size", "64", "--output", str(out), "--csv", str(tmp_path / "d.csv"),
+                                 "--no-progress"])
+    assert_png(out)
+    assert_labelled(fig, n_lines_at_least=6)
+    aligned, random = curves["aligned"], curves["random"]
+    norm = aligned["none"]["mean"][0]  # mean |q_s|^2
+    for kind in ("hope", "none", "alibi", "rope3d", "hope_boost"):  # distance 0: the space score is |q_s|^2
+        assert torch.allclose(aligned[kind]["mean"][0], norm, rtol=1e-9), kind
+    assert torch.allclose(aligned["none"]["mean"], norm.expand(201))  # no encoding: flat
+    slope = aligned["none"]["mean"] - aligned["alibi"]["mean"]  # alibi: a linear penalty
+    assert torch.allclose(slope, slope[1] * torch.arange(201, dtype=slope.dtype), atol=1e-9) and slope[1] > 0
+    boost = aligned["hope_boost"]["mean"]
+    assert bool((boost[1:] <= boost[:-1] + 1e-12).all()) and boost[-1] < 1e-3 * norm  # monotone decay to 0
+    assert aligned["hope"]["mean"][1:].max() < norm and aligned["hope"]["mean"][1:].min() > -norm
+    assert random["hope_boost"]["std"][-1] < 1e-3 < random["hope"]["std"][-1]  # damping removes the content term
+    # rope3d equals hope while query (position 200 = 3·64 + 8) and key share a chunk, and differs across chunks
+    assert torch.allclose(aligned["rope3d"]["mean"][:9], aligned["hope"]["mean"][:9])
+    assert not torch.allclose(aligned["rope3d"]["mean"][9:], aligned["hope"]["mean"][9:])
+    rows = list(csv.DictReader((tmp_path / "d.csv").open()))
+    assert len(rows) == 2 * 6 * 201 and {"space_score_mean", "space_score_std", "time_term_mean"} <= set(rows[0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# length_extrapolation.py
+
+
+def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_path):
+    extrapolation = load_script("length_extrapolation")
+    models = {"hope": make_checkpoint("helm_d"), "learned": make_checkpoint("helm_d:learned"),
+              "llama": make_checkpoint("llama")}
+    train_length = 16  # 8x = 128 tokens: past the 64-entry table of the learned variant
+    argv = [a for name, folder in models.items() for a in ("--model", f"{name}={folder}")]
+    rows = extrapolation.main([*argv, "--files", str(text_file), "--train-length", str(train_length),
+                               "--max-tokens", "520", "--batch-size", "4", "--output-dir", str(tmp_path),
+                               "--no-progress"])
+    assert [(r["model"], r["factor"]) for r in rows] == [(m, f) for m in models for f in (1, 2, 4, 8)]
+    table = list(csv.DictReader((tmp_path / "extrapolation.csv").open()))
+    assert len(table) == 12 and set(table[0]) == set(extrapolation.CSV_FIELDS)
+    for row in rows:
+        assert row["seq_len"] == row["factor"] * train_length
+        if row["model"] == "learned" and row["seq_len"] > MAX_POSITIONS:
+            assert row["perplexity"] == "" and "max_position_embeddings" in row["note"]
+        else:
+            assert 1.0 < row["perplexity"] < 320 and row["note"] == ""
+    hope = {r["factor"]: r for r in rows if r["model"] == "hope"}
+    # the same tokens at every factor: scored counts differ exactly by the window-first tokens
+    usable = hope[1]["windows"] * train_length
+    assert usable == 512  # 520 tokens cut to a multiple of 8 x 16
+    assert all(r["scored_tokens"] == usable - r["windows"] for r in hope.values())
+    assert all(r["windows"] * r["seq_len"] == usable for r in hope.values())
+    record = json.loads((tmp_path / "extrapolation.json").read_text())
+    learned = next(run for run in record["runs"] if run["model_name"] == "learned")
+    assert learned["results"]["length_extrapolation"]["ppl@8x"] is None
+    assert math.isfinite(learned["results"]["length_extrapolation"]["ppl@1x"])
+    assert_png(tmp_path / "extrapolation.png")
+    fig = extrapolation.plot(rows, tmp_path / "again.png", title="t")
+    assert_labelled(fig, n_lines_at_least=3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# curvature.py
+
+
+def test_ollivier_ricci_on_graphs_with_known_curvature():
+    nx = pytest.importorskip("networkx")
+    pytest.importorskip("ot")
+    curvature = load_script("curvature")
+    complete = nx.complete_graph(5)
+    nx.set_edge_attributes(complete, 1.0, "weight")
+    # K_n with idleness α: only the mass α - (1-α)/(n-1) moves, across one edge
+    values = curvature.ollivier_ricci(complete, alpha=0.5, progress=False).values()
+    assert all(v == pytest.approx(1 - (0.5 - 0.5 / 4)) for v in values)
+    tree = nx.Graph([(0, 1), (0, 2), (0, 3), (1, 4), (1, 5)])
+    nx.set_edge_attributes(tree, 1.0, "weight")
+    # tree edge between two degree-3 nodes, α = 0: κ = -2(1 - 1/3 - 1/3) (Jost-Liu)
+    assert curvature.ollivier_ricci(tree, alpha=0.0, progress=False)[(0, 1)] == pytest.approx(-2 / 3)
+
+
+def test_lorentz_distance_matches_the_manifold_geodesic():
+    from helm.manifold.math import dist, lift
+
+    curvature = load_script("curvature")
+    generator = torch.Generator().manual_seed(0)
+    points = lift(3 * torch.randn(12, 6, generator=generator, dtype=torch.float64), k=2.0)
+    got = torch.from_numpy(curvature.pairwise_distances(points, metric="lorentz", k=2.0))
+    assert torch.allclose(got, dist(points[:, None], points[None], k=2.0), atol=1e-10)
+    assert float(got.diagonal().abs().max()) == 0.0
+
+
+def test_curvature_runs_on_helm_and_llama(make_checkpoint, text_file, tmp_path):
+    pytest.importorskip("ot")
+    curvature = load_script("curvature")
+    record = curvature.main(["--model", f"helm={make_checkpoint('helm_d')}", "--model",
+                             f"llama={make_checkpoint('llama')}", "--files", str(text_file), "--max-points", "120",
+                             "--knn", "6", "--output-dir", str(tmp_path), "--no-progress"])
+    runs = {run["model_name"]: run["results"]["ricci_curvature"] for run in record["runs"]}
+    assert runs["helm"]["distance"] == "lorentz" and runs["llama"]["distance"] == "euclidean"
+    for stats in runs.values():
+        assert stats["points"] >= 100 and stats["edges"] >= 6 * stats["points"] / 2
+        assert -2.0 <= stats["min"] <= stats["mean"] <= stats["max"] <= 1.0  # unit edges: κ in [-2, 1]
+        assert 0.0 <= stats["fraction_negative"] <= 1.0
+    assert json.loads((tmp_path / "curvature.json").read_text()) == json.loads(json.dumps(record))
+    assert_png(tmp_path / "curvature.png")
+    fig = curvature.plot({"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}, tmp_path / "c.png", title="t")
+    assert_labelled(fig, n_lines_at_least=2)
+    edges = (tmp_path / "curvature_helm.csv").read_text().splitlines()
+    assert edges[0] == "ollivier_ricci_curvature" and len(edges) == runs["helm"]["edges"] + 1
