@@ -154,7 +154,10 @@ def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=Non
     """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`."""
     q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
                                            position_bias, alibi_slopes, causal_flag_ok=True)
-    q = torch.cat([-q[..., :1], q[..., 1:]], dim=-1) * scale
+    # J q · 2/τ in one broadcast multiply: the sign flip of the time coordinate rides on the scale vector
+    sign = torch.ones(q.shape[-1], dtype=q.dtype, device=q.device)
+    sign[0] = -1
+    q = q * (scale * sign)
     mask = keep
     if bias is not None:
         mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
