@@ -20,7 +20,9 @@ class HelmDConfig(HelmConfigBase):
         attn_impl: ``auto`` / ``sdpa`` / ``eager`` / ``triton``.
         tau_init: initial attention temperature (default ``sqrt(head_dim - 1)``).
         residual_weight: initial weight of the sublayer in the Lorentz residual centroid.
-        residual_space_scale: the official code's constant space-part scale after each residual (None = off).
+        residual_space_scale: the official code's constant space-part scale after each residual (None = off;
+            presets use ``4·sqrt(hidden_size - 1)`` dense and ``sqrt(hidden_size - 1)`` MiCE, as the official
+            runs; see :class:`helm.nn.LorentzResidual`).
         lm_head_mode: ``linear`` (paper code) or ``distance`` (fully hyperbolic prototypes).
         validate_inputs: check token ids against the vocabulary (one device read per forward).
     """
