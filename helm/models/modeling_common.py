@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..manifold.lorentz import Lorentz
+from ..manifold.math import curvature_to_k
 from ..manifold.math import lift
 from ..nn.attention import LorentzSelfAttention
 from ..nn.embedding import LorentzEmbedding
@@ -147,9 +148,18 @@ def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, 
 class HelmDecoderStack:
     """``forward`` of the base models: embedding → decoder layers → final RMSNorm_L, with cache and masks.
 
-    The host class provides ``embed``, ``layers``, ``norm`` and ``output_class`` (a ``transformers`` output).
+    The host class calls :meth:`build_stack` and sets ``output_class`` (a ``transformers`` output).
     ``segment_ids [B, T_past+T]`` are document ids of packed rows: attention never crosses documents.
     """
+
+    def build_stack(self, config, layer_class) -> None:
+        k = curvature_to_k(config.curvature)
+        self.embed = HelmEmbeddings(config, k)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+
+    def get_input_embeddings(self):
+        return self.embed.embed_tokens
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
@@ -205,6 +215,10 @@ def build_lm_head(config, k: float) -> LorentzLMHead:
 class HelmCausalLMMixin:
     """``forward`` of the causal-LM wrappers: logits for the kept positions, shifted cross-entropy loss, and the
     MoE balance loss when the host's ``output_class`` carries one (added to ``loss`` in training)."""
+
+    def build_head(self, config, model_class) -> None:
+        self.model = model_class(config)
+        self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
 
     def get_input_embeddings(self):
         return self.model.embed.embed_tokens

@@ -14,10 +14,8 @@ from ...nn.norm import LorentzRMSNorm
 from ..modeling_common import (
     HelmCausalLMMixin,
     HelmDecoderStack,
-    HelmEmbeddings,
     HelmPreTrainedModel,
     build_attention,
-    build_lm_head,
     build_residual,
 )
 from .configuration_helm_d import HelmDConfig
@@ -54,14 +52,8 @@ class HelmDModel(HelmDecoderStack, HelmDPreTrainedModel):
 
     def __init__(self, config: HelmDConfig):
         super().__init__(config)
-        k = curvature_to_k(config.curvature)
-        self.embed = HelmEmbeddings(config, k)
-        self.layers = nn.ModuleList(HelmDDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+        self.build_stack(config, HelmDDecoderLayer)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed.embed_tokens
 
 
 class HelmDForCausalLM(HelmCausalLMMixin, HelmDPreTrainedModel, GenerationMixin):
@@ -71,8 +63,7 @@ class HelmDForCausalLM(HelmCausalLMMixin, HelmDPreTrainedModel, GenerationMixin)
 
     def __init__(self, config: HelmDConfig):
         super().__init__(config)
-        self.model = HelmDModel(config)
-        self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
+        self.build_head(config, HelmDModel)
         self.post_init()
 
 

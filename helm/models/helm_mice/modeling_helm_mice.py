@@ -16,10 +16,8 @@ from ...nn.norm import LorentzRMSNorm
 from ..modeling_common import (
     HelmCausalLMMixin,
     HelmDecoderStack,
-    HelmEmbeddings,
     HelmPreTrainedModel,
     build_attention,
-    build_lm_head,
     build_residual,
 )
 from .configuration_helm_mice import HelmMiCEConfig
@@ -75,14 +73,8 @@ class HelmMiCEModel(HelmDecoderStack, HelmMiCEPreTrainedModel):
 
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
-        k = curvature_to_k(config.curvature)
-        self.embed = HelmEmbeddings(config, k)
-        self.layers = nn.ModuleList(HelmMiCEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+        self.build_stack(config, HelmMiCEDecoderLayer)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed.embed_tokens
 
 
 class HelmMiCEForCausalLM(HelmCausalLMMixin, HelmMiCEPreTrainedModel, GenerationMixin):
@@ -92,8 +84,7 @@ class HelmMiCEForCausalLM(HelmCausalLMMixin, HelmMiCEPreTrainedModel, Generation
 
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
-        self.model = HelmMiCEModel(config)
-        self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
+        self.build_head(config, HelmMiCEModel)
         self.post_init()
 
     def aux_loss(self) -> Optional[torch.Tensor]:
