@@ -176,6 +176,31 @@ def _dot(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI: tl.constexpr,
+                  DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``<q, k>_L [BM, BN]`` and the base-2 logits ``c·log2(e)·<q, k>_L (+ ALiBi)`` of one query × key block.
+
+    The space part goes through ``tl.dot`` (tensor cores), the time part is an fp32 outer product."""
+    b_qk = _dot(b_qs, tl.trans(b_ks), DOT_F32, PREC) - b_qt[:, None] * b_kt[None, :]
+    b_s = b_qk * qk_scale
+    if HAS_ALIBI:
+        b_s += slope * (o_n[None, :] - pos_q[:, None]).to(tl.float32)
+    return b_qk, b_s
+
+
+@triton.jit
+def _block_keep(m_q, m_n, o_n, pos_q, b_qid, p_kid, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Keep-mask ``[BM, BN]`` of one query × key block: in range, causal, same segment (padding included)."""
+    m_s = m_q[:, None] & m_n[None, :]
+    if CAUSAL:
+        m_s = m_s & (o_n[None, :] <= pos_q[:, None])
+    if HAS_SEG:
+        b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
+        m_s = m_s & (b_qid[:, None] == b_kid[None, :])
+    return m_s
+
+
+@triton.jit
 def _load_points(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``o_t`` of a ``[T, 1+D]`` array of points: time ``[BT]`` in fp32, space ``[BT, BLOCK_D]`` as stored
     (zero beyond ``D`` and for masked rows)."""
@@ -244,20 +269,11 @@ def _attend_blocks(acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows
         m_n = o_n < Tk
         b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
-        # <q, k>_L: space part on the tensor cores, time part as an fp32 outer product.
-        b_qk = _dot(b_qs, tl.trans(b_ks), DOT_F32, PREC) - b_qt[:, None] * b_kt[None, :]
-        b_s = b_qk * qk_scale
-        if HAS_ALIBI:
-            b_s += slope * (o_n[None, :] - pos_q[:, None]).to(tl.float32)
+        b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FALLBACK:
             m_s = m_rows[:, None] & m_n[None, :]
         else:
-            m_s = m_q[:, None] & m_n[None, :]
-            if CAUSAL:
-                m_s = m_s & (o_n[None, :] <= pos_q[:, None])
-            if HAS_SEG:
-                b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
-                m_s = m_s & (b_qid[:, None] == b_kid[None, :])
+            m_s = _block_keep(m_q, m_n, o_n, pos_q, b_qid, p_kid, CAUSAL, HAS_SEG)
         b_s = tl.where(m_s, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # Rows with nothing kept so far keep m = -inf; shift them by 0 so no -inf - -inf = NaN appears.

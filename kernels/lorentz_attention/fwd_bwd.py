@@ -26,6 +26,8 @@ from .common import (
     Prepared,
     Tau,
     _attend_blocks,
+    _block_keep,
+    _block_logits,
     _centroid_normalise,
     _dot,
     _load_points,
@@ -309,19 +311,13 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_d
         m_n = o_n < Tk
         b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
-        b_qk = _dot(b_qs, tl.trans(b_ks), DOT_F32, PREC) - b_qt[:, None] * b_kt[None, :]
-        b_s = b_qk * qk_scale
-        if HAS_ALIBI:
-            b_s += slope * (o_n[None, :] - pos_q[:, None]).to(tl.float32)
+        b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FULL_ONLY:
             m_s = b_full[:, None] & m_n[None, :]
         else:
-            m_s = m_q[:, None] & m_n[None, :]
-            if CAUSAL:
-                m_s = m_s & (o_n[None, :] <= pos_q[:, None])
+            m_s = _block_keep(m_q, m_n, o_n, pos_q, b_qid, p_kid, CAUSAL, HAS_SEG)
             if HAS_SEG:
-                b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
-                m_s = (m_s & (b_qid[:, None] == b_kid[None, :])) | (b_full[:, None] & m_n[None, :])
+                m_s = m_s | (b_full[:, None] & m_n[None, :])
         b_p = tl.exp2(tl.where(m_s, b_s, float("-inf")) - b_lse[:, None])
         b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC) + b_dst[:, None] * b_vt[None, :]
         b_dz = b_p * (b_dp - b_delta[:, None])
