@@ -1,33 +1,38 @@
-"""Shared test helpers: seeded inputs with edge cases, dtype-keyed tolerances."""
+"""Fixtures shared by the whole suite; plain helpers live in ``tests/helpers.py``."""
 
+import json
 import warnings
 
 import pytest
 import torch
 
+from tests.helpers import synthetic_text, tiny_config as _tiny_config
+
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-# Acceptance bounds for manifold_error (issue: fp32 <= 1e-5, fp64 <= 1e-12). Points produced under bf16
-# autocast are stored in fp32 (time coordinates are always computed and kept in >= fp32), so the bf16 bound
-# is the fp32 one.
-MANIFOLD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5}
-
-CURVATURES = [0.1, 1.0, 10.0]
-BATCH_SHAPES = [(1,), (3, 5), (2, 7, 3)]
-EDGE_KINDS = ["zero", "huge", "random"]
-
-
-def space_parts(shape, n, kind, dtype=torch.float64, seed=0):
-    """Space parts ``[*shape, n]``: all zero, of norm 1e4, or standard normal."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, n, generator=g, dtype=torch.float64)
-    if kind == "zero":
-        x = torch.zeros_like(x)
-    elif kind == "huge":
-        x = 1e4 * x / x.norm(dim=-1, keepdim=True)
-    return x.to(dtype)
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_config():
+    """Factory ``tiny_config(family="helm_d", **overrides)`` for unit-test-sized configs (see tests.helpers)."""
+    return _tiny_config
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A synthetic ``.jsonl`` corpus (one sentence per record) for tokenizers and micro training runs."""
+    path = tmp_path_factory.mktemp("corpus") / "synthetic.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in synthetic_text(0, 400)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus, tmp_path_factory):
+    """A 320-token byte-level BPE trained on :func:`corpus` (``<|endoftext|>`` = eos = bos, ``<|pad|>``)."""
+    from helm.data import train_tokenizer
+
+    return train_tokenizer(corpus, tmp_path_factory.mktemp("tokenizer"), vocab_size=320)

@@ -20,7 +20,7 @@ from helm.manifold import (
     rescale,
     sqdist,
 )
-from tests.conftest import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, space_parts
+from tests.helpers import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, space_parts
 
 DTYPES = [torch.float32, torch.float64]
 N = 17  # odd space dim

@@ -11,7 +11,7 @@ from helm.nn import (
     LorentzRMSNorm,
     LorentzSwiGLU,
 )
-from tests.conftest import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, space_parts
+from tests.helpers import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, space_parts
 
 D = 1 + 17  # ambient dim with an odd space part
 
