@@ -1,6 +1,6 @@
 """Model presets: ``load_config("helm-d-115m")`` returns the ``transformers`` config of a named preset.
 
-Presets are JSON files in ``configs/models/`` of the repository (paper sizes, ablations, tiny CPU models and
+Presets are JSON files shipped inside this package (``helm/presets/*.json``, installed as package data) (paper sizes, ablations, tiny CPU models and
 the Euclidean ``LlamaConfig`` / ``DeepseekV3Config`` baselines at matching shapes). A path to any JSON
 config file works too, and keyword overrides are applied on top.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PreTrainedConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+PRESET_DIR = Path(__file__).resolve().parent
 
 
 def available_presets() -> tuple:
@@ -31,7 +31,7 @@ def preset_path(name_or_path: str) -> Path:
 
 def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
     """The config of a preset (by name or JSON path), with ``overrides`` applied; HELM types are registered."""
-    from . import models  # noqa: F401  (registers helm_d / helm_mice with AutoConfig)
+    from .. import models  # noqa: F401  (registers helm_d / helm_mice with AutoConfig)
 
     data = json.loads(preset_path(name_or_path).read_text())
     model_type = data.pop("model_type")
