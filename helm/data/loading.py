@@ -1,0 +1,78 @@
+"""The one text loader of training and evaluation: local files or a folder, else a Hugging Face Hub dataset."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text"}
+
+
+def _local_files(source, split: str) -> list[Path] | None:
+    """The files ``source`` names, or ``None`` when it names no local path (a hub dataset then)."""
+    if isinstance(source, (list, tuple)):
+        return [f for s in source for f in _local_files(s, split) or [Path(s)]]
+    path = Path(source).expanduser()
+    if path.is_dir():
+        candidates = [path / f"{split}{suffix}" for suffix in BUILDERS]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"{path}: no file for split {split!r} (looked for "
+                                    f"{', '.join(c.name for c in candidates)})")
+        return [found]
+    if path.is_file() or path.suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~")):
+        return [path]
+    return None
+
+
+def load_text_dataset(source, split: str = "train", *, text_column: str = "text", streaming: bool | None = None,
+                      allow_hub: bool | None = None, cache_dir: str | os.PathLike | None = None, **hub_kwargs: Any):
+    """One split of a text dataset as a ``datasets.Dataset`` (``IterableDataset`` when streaming) with a
+    ``text_column`` column.
+
+    ``source`` is one of
+      * a ``.txt`` file: ONE document (its whole text, ``load_dataset("text", sample_by="document")``);
+      * a ``.jsonl`` / ``.json`` file: one document per record, its text in the field ``text_column``;
+      * a list of such files (concatenated in order);
+      * a folder holding ``{split}.jsonl``, ``{split}.json`` or ``{split}.txt`` (e.g. ``data/default``);
+      * otherwise a Hub dataset name, streamed by default (``hub_kwargs`` go to ``datasets.load_dataset``, e.g.
+        ``name=`` for a configuration); refused with a clear error when ``allow_hub`` is false, which is the
+        default under ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` / ``TRANSFORMERS_OFFLINE``.
+
+    Local files load with ``streaming=bool(streaming)``; their paths are made absolute first.
+    """
+    import datasets
+
+    files = _local_files(source, split)
+    cache = None if cache_dir is None else str(cache_dir)
+    if files is not None:
+        parts = []
+        for file in files:
+            builder = BUILDERS.get(file.suffix.lower())
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: no such file or folder")
+            if builder is None:
+                raise ValueError(f"{file}: expected one of {sorted(BUILDERS)}")
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
+                                         streaming=bool(streaming), cache_dir=cache, **extra)
+            if builder == "text" and text_column != "text":
+                part = part.rename_column("text", text_column)
+            if part.column_names is not None and text_column not in part.column_names:
+                raise KeyError(f"{file}: no column {text_column!r} (columns: {part.column_names})")
+            parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late
+        allow_hub = not any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+                            for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if not allow_hub:
+        raise RuntimeError(f"{str(source)!r} is neither a local file nor a folder, and loading it as a Hugging Face "
+                           f"Hub dataset is disabled (offline mode). Pass a local .jsonl/.txt file or a folder with "
+                           f"{split}.jsonl, e.g. the output of `python scripts/build_data.py --out data/default`.")
+    try:
+        return datasets.load_dataset(str(source), split=split, streaming=True if streaming is None else streaming,
+                                     cache_dir=cache, **hub_kwargs)
+    except Exception as error:
+        raise RuntimeError(f"could not load {str(source)!r} from the Hugging Face Hub ({type(error).__name__}: "
+                           f"{error}). Without network access pass a local .jsonl/.txt file or a folder.") from error

@@ -1,0 +1,126 @@
+"""Document packing (GPT-style, as in the paper): eos after every document, rows of ``seq_len`` tokens.
+
+Every row comes with, all ``[N, L]`` int64:
+
+* ``document_ids``: 0, 1, 2, ... per document *segment* of the row (a document crossing a row boundary starts
+  again at 0 in the next row); attention restricted to equal ids, and causal, never crosses documents.
+* ``position_ids``: restart at 0 at every segment start, so they never exceed ``L - 1``.
+* ``labels``: equal to ``input_ids`` (the model shifts them): the eos is a target, and the eos position predicts
+  the next document's first token from its own document only, which is how generation starts a new document.
+  ``mask_document_starts=True`` sets ``-100`` on segment starts after column 0 instead.
+* ``attention_mask``: 1 for real tokens, 0 for padding.
+
+The trailing partial row is dropped, or padded when ``pad_id`` is given (``labels = -100``,
+``document_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+
+def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *, pad_id: int | None,
+               mask_document_starts: bool) -> dict[str, torch.Tensor]:
+    """Cut ``tokens [T]`` (eos included; ``owner [T]`` = document index of each token) into rows."""
+    total = tokens.numel()
+    if pad_id is None:
+        n_rows = total // seq_len
+        tokens, owner = tokens[: n_rows * seq_len], owner[: n_rows * seq_len]
+    else:
+        n_rows = -(-total // seq_len)
+        extra = n_rows * seq_len - total
+        tokens = torch.cat([tokens, tokens.new_full((extra,), pad_id)])
+        owner = torch.cat([owner, owner.new_full((extra,), -1)])
+    input_ids, docs = tokens.view(n_rows, seq_len), owner.view(n_rows, seq_len)
+    real = docs >= 0
+    starts = torch.ones_like(real)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    columns = torch.arange(seq_len).expand(n_rows, seq_len)
+    # The running maximum of "column where the current segment began" turns columns into in-segment offsets.
+    begin = torch.where(starts, columns, torch.zeros_like(columns)).cummax(dim=1).values
+    labels = input_ids.clone()
+    if mask_document_starts:
+        labels[starts & (columns > 0)] = -100
+    labels[~real] = -100
+    return {"input_ids": input_ids.clone(), "labels": labels,
+            "document_ids": (torch.cumsum(starts.long(), dim=1) - 1).masked_fill(~real, -1),
+            "position_ids": (columns - begin).masked_fill(~real, 0), "attention_mask": real.long()}
+
+
+def _check(seq_len: int, eos_id: int, pad_id: int | None, rows_per_chunk: int = 1) -> None:
+    if rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be positive, got {rows_per_chunk}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if eos_id < 0 or (pad_id is not None and pad_id < 0):
+        raise ValueError(f"token ids must be non-negative (eos_id={eos_id}, pad_id={pad_id})")
+
+
+def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
+                   mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
+    """Pack tokenised documents (without eos; empty ones allowed) into rows (see the module docstring).
+
+    Returns ``input_ids, labels, document_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
+    ``N = floor(T / seq_len)`` (``ceil`` with ``pad_id``) for ``T`` tokens including the eos tokens.
+    """
+    _check(seq_len, eos_id, pad_id)
+    flat, lengths = [], []
+    for ids in token_id_lists:
+        flat.extend(ids)
+        flat.append(eos_id)
+        lengths.append(len(ids) + 1)
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    return _pack_flat(torch.tensor(flat, dtype=torch.long), owner, seq_len, pad_id=pad_id,
+                      mask_document_starts=mask_document_starts)
+
+
+def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
+                mask_document_starts: bool = False, rows_per_chunk: int = 256) -> Iterator[dict[str, torch.Tensor]]:
+    """The rows of :func:`pack_documents` one at a time (``[L]`` tensors), reading documents lazily (streams)."""
+    _check(seq_len, eos_id, pad_id, rows_per_chunk)
+    tokens: list[int] = []
+    owners: list[int] = []
+
+    def emit(n: int, pad: int | None) -> Iterator[dict[str, torch.Tensor]]:
+        rows = _pack_flat(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(owners[:n], dtype=torch.long),
+                          seq_len, pad_id=pad, mask_document_starts=mask_document_starts)
+        for i in range(rows["input_ids"].shape[0]):
+            yield {key: value[i] for key, value in rows.items()}
+
+    for index, ids in enumerate(token_id_lists):
+        tokens.extend(ids)
+        tokens.append(eos_id)
+        owners.extend(itertools.repeat(index, len(ids) + 1))
+        if len(tokens) >= rows_per_chunk * seq_len:
+            # Global document indices survive the cut: a document running into the next chunk stays one document.
+            n = len(tokens) // seq_len * seq_len
+            yield from emit(n, None)
+            del tokens[:n], owners[:n]
+    if tokens and (pad_id is not None or len(tokens) >= seq_len):
+        yield from emit(len(tokens), pad_id)
+
+
+def tokenize(dataset, tokenizer, *, text_column: str = "text"):
+    """``dataset`` (``Dataset`` or ``IterableDataset``) mapped to one ``input_ids`` list per document, no special
+    tokens, with ``datasets.map(batched=True)`` (lazily for streams)."""
+    def encode(batch):
+        return {"input_ids": tokenizer(batch[text_column], add_special_tokens=False,
+                                       return_attention_mask=False)["input_ids"]}
+
+    import datasets
+
+    kwargs = {} if isinstance(dataset, datasets.IterableDataset) else {"keep_in_memory": True}
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, **kwargs)
+
+
+def pack_rows(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, max_rows: int | None = None,
+              mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`pack_documents`, or only its first ``max_rows`` rows read lazily (``{}`` when there are none)."""
+    if max_rows is None:
+        return pack_documents(token_id_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts)
+    rows = list(itertools.islice(iter_packed(token_id_lists, seq_len, eos_id=eos_id,
+                                             mask_document_starts=mask_document_starts), max_rows))
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]} if rows else {}

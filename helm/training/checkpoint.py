@@ -1,0 +1,168 @@
+"""Atomic, verifiable checkpoints around ``accelerator.save_state`` / ``load_state``.
+
+``output_dir/checkpoints/step-XXXXXXXX/`` holds what ``save_state`` writes (model, optimiser, scheduler, RNG of
+each process, the registered :class:`TrainerState`) and, written last, ``manifest.json`` with the size and SHA-256
+of every other file. It is assembled in a ``.tmp-`` folder and renamed into place after the manifest exists, so
+a checkpoint that looks complete is complete; :func:`verify_checkpoint` refuses one that does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STATE_FILE = "custom_checkpoint_0.pkl"
+FORMAT = 2
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted or incompatible with the current recipe."""
+
+
+class TrainerState:
+    """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``) and
+    the recipe it was trained with; registered with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self, config: dict, step: int = 0):
+        self.config, self.step = config, step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "config": self.config}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the checkpoint folders under ``root``, oldest first (``.tmp-`` folders excluded)."""
+    root = Path(root)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
+    return sorted(found)
+
+
+def _hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+        if fsync:
+            os.fsync(handle.fileno())
+    return digest.hexdigest(), size
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic there
+        return
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    """Hash (and flush to disk) every file in ``folder``, then write ``manifest.json`` atomically, last."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest, size = _hash_file(path, fsync=True)
+        files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
+    tmp = folder / (MANIFEST + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        json.dump({"format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(folder / MANIFEST)
+    _fsync_dir(folder)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """The manifest of a complete, intact checkpoint; :class:`CheckpointError` saying what is wrong otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    advice = "delete it and resume from an earlier checkpoint with --resume PATH, or start over"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST}, so it was interrupted "
+                              f"while being written; {advice}") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {MANIFEST} is unreadable ({error}); "
+                              f"{advice}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r} has a {MANIFEST} of an unknown format; {advice}")
+    if STATE_FILE not in files or "random_states_0.pkl" not in files or not any(
+            name.startswith(("model", "pytorch_model")) for name in files):
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: its manifest lacks the trainer state, RNG "
+                              f"state or model weights; {advice}")
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing; {advice}")
+        size = file.stat().st_size
+        problem = (f"is truncated or corrupted: {name} has {size} bytes, the manifest records {entry['bytes']}"
+                   if size != entry["bytes"] else f"is corrupted: the SHA-256 of {name} does not match its manifest"
+                   if _hash_file(file)[0] != entry["sha256"] else None)
+        if problem:
+            raise CheckpointError(f"checkpoint {str(path)!r} {problem}; {advice}")
+    return manifest
+
+
+def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
+    """The verified checkpoint ``--resume`` names (``"latest"``: the newest in ``output_dir``), or ``None``."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = list_checkpoints(output_dir / "checkpoints")
+        if not found:
+            logger.warning("--resume: no checkpoint in %s; starting from step 0", output_dir / "checkpoints")
+            return None
+        resume = found[-1][1]
+    verify_checkpoint(resume)
+    return Path(resume)
+
+
+def read_trainer_state(checkpoint: Path) -> dict:
+    """The :class:`TrainerState` of a checkpoint, plus ``world_size`` (processes that saved it), without loading it."""
+    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    state["world_size"] = len(list(checkpoint.glob("random_states_*.pkl")))
+    return state
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
+    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, prune old ones."""
+    root = output_dir / "checkpoints"
+    tmp, final = root / f".tmp-step-{step:08d}", root / f"step-{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_manifest(tmp, step)
+        finalize(tmp, final)
+        for _, path in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in root.glob(".tmp-*"):  # leftovers of interrupted writes
+            shutil.rmtree(path, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def finalize(tmp: Path, final: Path) -> None:
+    """Rename a fully written folder into place (replacing an older one of the same name)."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
