@@ -1,35 +1,15 @@
 #!/usr/bin/env python
 """Ollivier-Ricci curvature of final-layer token embeddings (the HELM paper's Fig. 1), for any causal LM.
 
-The paper motivates hyperbolic LLMs by the curvature of the token-embedding geometry of an ordinary
-Euclidean LLM: a kNN graph over its final-layer token embeddings has mostly negative Ollivier-Ricci
-curvature, i.e. it is tree-like. This script measures the same for any checkpoint that
-``AutoModelForCausalLM`` loads (HELM models or Euclidean baselines):
-
-1. Run the model over a text sample (packed windows of ``--seq-len`` tokens, documents separated by eos)
-   and take the final hidden state of every token: the output of the final norm, ``model.base_model(...)
-   .last_hidden_state`` — Lorentz points ``[1+n]`` for HELM models, vectors for Euclidean ones.
-2. Sample ``--max-points`` of these token embeddings (dropping exact duplicates, e.g. a token that starts
-   two windows), and join each to its ``--knn`` nearest neighbours
-   (an undirected graph, built with ``networkx``). Neighbours are chosen by geodesic distance on the
-   hyperboloid for HELM models (``sqrt(k)·arcosh(-<x, y>_L / k)``) and by Euclidean distance otherwise
-   (``--distance`` overrides). Edges have unit length by default, so κ lies in ``[-2, 1]`` and only the
-   neighbourhood structure matters; ``--edge-weights distance`` uses the embedding distances instead (then
-   very short edges can reach large negative κ).
-3. For every edge ``(x, y)``, the Ollivier-Ricci curvature ``κ(x, y) = 1 - W1(m_x, m_y) / d(x, y)``, where
-   ``m_x`` keeps mass ``α`` (``--alpha``, the idleness) at ``x`` and spreads ``1 - α`` uniformly over its
-   neighbours, ``d`` is the weighted shortest-path distance in the graph, and the Wasserstein-1 distance
-   ``W1`` is solved exactly with the optimal-transport library POT (``ot.emd2``).
-   κ > 0: neighbourhoods overlap (clustered, sphere-like); κ < 0: they spread apart (tree-like, hyperbolic).
-
-Usage::
+Final hidden states (after the final norm) of a text sample, --max-points of them (duplicates dropped), each
+joined to its --knn nearest neighbours (geodesic distance on the hyperboloid for HELM models, else Euclidean);
+for every edge kappa(x, y) = 1 - W1(m_x, m_y) / d(x, y), with m_x keeping mass --alpha at x and spreading the
+rest over its neighbours, d the shortest-path distance and W1 exact optimal transport (POT ot.emd2). kappa < 0:
+tree-like, hyperbolic; unit edges give kappa in [-2, 1]. Writes curvature.png, curvature.json (for compare.py)
+and curvature_<name>.csv. See eval/README.md.
 
     python eval/curvature.py --model helm-d=runs/helm-d --model llama=runs/llama \\
         --files data/validation.jsonl --max-points 1000 --knn 10 --output-dir results/curvature
-
-Outputs in ``--output-dir``: ``curvature.png`` (histogram of κ per model), ``curvature.json`` (summary
-statistics per model, in the result format ``eval/compare.py`` reads: task ``ricci_curvature``) and
-``curvature_<name>.csv`` (κ of every edge).
 """
 
 from __future__ import annotations
@@ -39,178 +19,98 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import matplotlib
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import networkx as nx  # noqa: E402
 import numpy as np  # noqa: E402
+import ot  # noqa: E402
 import torch  # noqa: E402
+from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from _shared import (  # noqa: E402
-    EvalError,
-    add_text_arguments,
-    load_model,
-    load_tokenizer,
-    matplotlib_pyplot,
-    model_max_length,
-    parse_named,
-    require,
-    run_main,
-    text_label,
-    texts_from_args,
-    write_json,
-)
-from perplexity import make_windows, token_stream  # noqa: E402
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. token embeddings
-
-
-def is_lorentz_model(model) -> bool:
-    return str(getattr(model.config, "model_type", "")).startswith("helm")
-
-
-@torch.no_grad()
-def final_token_embeddings(model, ids: torch.Tensor, *, seq_len: int, max_tokens: int,
-                           progress: bool = True) -> torch.Tensor:
-    """``[N, D]`` final hidden states (after the final norm) of the first ``max_tokens`` tokens of ``ids``.
-
-    One window at a time, so no padding enters any embedding.
-    """
-    ids = ids[:max_tokens]
-    device = next(model.parameters()).device
-    body = model.base_model  # the decoder without the LM head (HelmDModel, LlamaModel, ...)
-    out = []
-    for w in tqdm(make_windows(ids.numel(), seq_len, keep_last=True), desc="embeddings", unit="window",
-                  disable=not progress):
-        hidden = body(input_ids=ids[w.begin:w.end].unsqueeze(0).to(device), use_cache=False).last_hidden_state
-        out.append(hidden[0].double().cpu())
-    return torch.cat(out)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. kNN graph
+from helm.evaluation import EvalError, load_checkpoint, load_texts, token_stream, write_json  # noqa: E402
+from helm.manifold.math import curvature_to_k  # noqa: E402
 
 
 def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> np.ndarray:
-    """``[N, N]`` distances in fp64: ``euclidean``, or ``lorentz`` (geodesic on the hyperboloid ``<x,x>_L = -k``).
+    """``[N, N]`` fp64 distances: ``euclidean``, or ``lorentz`` (geodesic on the hyperboloid ``<x,x>_L = -k``).
 
-    The geodesic distance ``sqrt(k)·arcosh(-<x, y>_L / k)`` is evaluated as ``2·sqrt(k)·arsinh(|x - y|_L /
-    (2·sqrt(k)))`` with ``|x - y|_L² = |x_s - y_s|² - (x_t - y_t)²``: the same number, without the
-    cancellation of ``arcosh`` near 1 for close points.
+    The geodesic ``sqrt(k)·arcosh(-<x, y>_L / k)`` is evaluated as ``2·sqrt(k)·arsinh(|x - y|_L / (2·sqrt(k)))``
+    with ``|x - y|_L² = |x_s - y_s|² - (x_t - y_t)²``, which avoids the cancellation of ``arcosh`` near 1.
     """
-    x = points.double()
+    x = points.double()  # fp64: the distances of close points cancel
     if metric == "euclidean":
         return torch.cdist(x, x).numpy()
-    if metric != "lorentz":
-        raise EvalError(f"unknown distance {metric!r}")
-    space = torch.cdist(x[:, 1:], x[:, 1:]).pow(2)
-    time = (x[:, :1] - x[:, :1].T).pow(2)
-    chord = (space - time).clamp_min(0.0).sqrt()
+    chord = (torch.cdist(x[:, 1:], x[:, 1:]).pow(2) - (x[:, :1] - x[:, :1].T).pow(2)).clamp_min(0.0).sqrt()
     return (2.0 * math.sqrt(k) * torch.asinh(chord / (2.0 * math.sqrt(k)))).numpy()
 
 
-def drop_duplicates(points: torch.Tensor, dist: np.ndarray, *, tol: float = 1e-9) -> tuple[torch.Tensor, np.ndarray]:
-    """Keep the first of every group of points closer than ``tol·(typical distance)`` (e.g. the same token at
-    the start of two windows, whose embedding has no context); a zero-length edge has no curvature."""
-    scale = float(np.median(dist)) or 1.0
-    close = np.triu(dist <= tol * scale, k=1)
-    keep = ~close.any(axis=0)
-    return points[torch.from_numpy(keep)], dist[np.ix_(keep, keep)]
-
-
-def knn_graph(dist: np.ndarray, knn: int, *, weighted: bool = False):
-    """Undirected ``networkx`` graph joining each point to its ``knn`` nearest others.
-
-    Edge weight 1 (hop distance), or the embedding distance with ``weighted``.
-    """
-    nx = require("networkx", "the kNN graph")
+def knn_graph(dist: np.ndarray, knn: int, *, weighted: bool = False) -> nx.Graph:
+    """Each point joined to its ``knn`` nearest others; weight 1 (hops) or the distance with ``weighted``."""
     n = dist.shape[0]
     if not 1 <= knn < n:
         raise EvalError(f"--knn must lie in [1, number of points - 1 = {n - 1}], got {knn}")
     graph = nx.Graph()
     graph.add_nodes_from(range(n))
-    order = np.argsort(dist + np.diag(np.full(n, np.inf)), axis=1)[:, :knn]
-    for i in range(n):
-        for j in order[i]:
-            graph.add_edge(i, int(j), weight=float(dist[i, j]) if weighted else 1.0)
+    nearest = np.argsort(dist + np.diag(np.full(n, np.inf)), axis=1)[:, :knn]
+    graph.add_weighted_edges_from((i, int(j), float(dist[i, j]) if weighted else 1.0)
+                                  for i in range(n) for j in nearest[i])
     return graph
 
 
-# ----------------------------------------------------------------------------------------------------------
-# 3. Ollivier-Ricci curvature
-
-
-def ollivier_ricci(graph, *, alpha: float = 0.5, progress: bool = True) -> dict:
-    """``{(x, y): κ(x, y)}`` for every edge of a weighted ``networkx`` graph (see the module docstring)."""
-    ot = require("ot", "Ollivier-Ricci curvature (optimal transport)")
-    nx = require("networkx", "Ollivier-Ricci curvature")
-    csgraph = require("scipy.sparse.csgraph", "shortest paths")
+def ollivier_ricci(graph: nx.Graph, *, alpha: float = 0.5, progress: bool = True) -> dict:
+    """``{(x, y): κ(x, y)}`` for every edge of a weighted graph (see the top of this file)."""
     if not 0.0 <= alpha < 1.0:
         raise EvalError(f"--alpha must lie in [0, 1), got {alpha}")
     nodes = list(graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
-    adjacency = nx.to_scipy_sparse_array(graph, nodelist=nodes, weight="weight")
-    shortest = csgraph.dijkstra(adjacency, directed=False)
+    shortest = dijkstra(nx.to_scipy_sparse_array(graph, nodelist=nodes, weight="weight"), directed=False)
 
     def measure(node):
-        neighbours = list(graph.neighbors(node))
-        support = [index[node]] + [index[v] for v in neighbours]
-        mass = np.array([alpha] + [(1.0 - alpha) / len(neighbours)] * len(neighbours))
-        return support, mass
+        neighbours = [index[v] for v in graph.neighbors(node)]
+        return [index[node], *neighbours], np.array([alpha] + [(1.0 - alpha) / len(neighbours)] * len(neighbours))
 
     curvature = {}
     for x, y in tqdm(list(graph.edges), desc="Ollivier-Ricci", unit="edge", disable=not progress):
-        sx, mx = measure(x)
-        sy, my = measure(y)
-        cost = shortest[np.ix_(sx, sy)]
-        w1 = float(ot.emd2(mx, my, cost))
-        curvature[(x, y)] = 1.0 - w1 / shortest[index[x], index[y]]
+        (sx, mx), (sy, my) = measure(x), measure(y)
+        curvature[(x, y)] = 1.0 - float(ot.emd2(mx, my, shortest[np.ix_(sx, sy)])) / shortest[index[x], index[y]]
     return curvature
 
 
-def summary(values: np.ndarray) -> dict:
-    q = np.quantile(values, [0.05, 0.25, 0.5, 0.75, 0.95])
-    return {"mean": float(values.mean()), "std": float(values.std()), "median": float(q[2]),
-            "min": float(values.min()), "max": float(values.max()), "q05": float(q[0]), "q25": float(q[1]),
-            "q75": float(q[3]), "q95": float(q[4]), "fraction_negative": float((values < 0).mean()),
-            "edges": int(values.size)}
-
-
-def curvature_of_model(path: str, texts: list[str], *, max_points: int, knn: int, alpha: float,
-                       seq_len: int | None, distance: str, edge_weights: str = "unit", seed: int,
-                       device: str | None, dtype: str, progress: bool) -> tuple[np.ndarray, dict]:
+def curvature_of_model(path: str, texts: list[str], args) -> tuple[np.ndarray, dict]:
     """Edge curvatures and summary statistics for one checkpoint."""
-    model = load_model(path, device=device, dtype=dtype)
-    tokenizer = load_tokenizer(path)
-    seq_len = seq_len or min(model_max_length(model), 512)
-    ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)
-    # a margin of 4x over the sample keeps the sampled tokens spread over many contexts and positions
-    hidden = final_token_embeddings(model, ids, seq_len=seq_len, max_tokens=4 * max_points, progress=progress)
-    if hidden.shape[0] <= knn:
-        raise EvalError(f"only {hidden.shape[0]} tokens of text; need more than --knn {knn}")
-    generator = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(hidden.shape[0], generator=generator)[:max_points]
-    points = hidden[pick]
+    model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype)
+    seq_len = args.seq_len or min(model.config.max_position_embeddings, 512)
+    # 4x more tokens than points keeps the sample spread over many contexts and positions
+    ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)[:4 * args.max_points]
+    with torch.no_grad():  # the decoder without its LM head, one unpadded window at a time
+        hidden = torch.cat([model.base_model(input_ids=w[None].to(model.device), use_cache=False).last_hidden_state[0]
+                            for w in tqdm(ids.split(seq_len), desc="embeddings", disable=args.no_progress)]).cpu()
+    if hidden.shape[0] <= args.knn:
+        raise EvalError(f"only {hidden.shape[0]} tokens of text; need more than --knn {args.knn}")
+    pick = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(args.seed))[:args.max_points]
+    distance = args.distance
     if distance == "auto":
-        distance = "lorentz" if is_lorentz_model(model) else "euclidean"
-    k = 1.0
-    if distance == "lorentz":
-        from helm.manifold.math import curvature_to_k
-
-        k = curvature_to_k(getattr(model.config, "curvature", -1.0))
-    points, dist = drop_duplicates(points, pairwise_distances(points, metric=distance, k=k))
-    graph = knn_graph(dist, knn, weighted=edge_weights == "distance")
-    values = np.array(list(ollivier_ricci(graph, alpha=alpha, progress=progress).values()))
-    stats = {**summary(values), "points": int(points.shape[0]),
-             "duplicates_dropped": int(pick.numel() - points.shape[0]), "knn": knn, "alpha": alpha,
-             "distance": distance, "edge_weights": edge_weights, "seq_len": seq_len}
+        distance = "lorentz" if str(model.config.model_type).startswith("helm") else "euclidean"
+    k = curvature_to_k(getattr(model.config, "curvature", -1.0)) if distance == "lorentz" else 1.0
+    dist = pairwise_distances(hidden[pick], metric=distance, k=k)
+    # a zero-length edge has no curvature: keep the first of every group of (numerically) equal points
+    keep = ~np.triu(dist <= 1e-9 * (float(np.median(dist)) or 1.0), k=1).any(axis=0)
+    graph = knn_graph(dist[np.ix_(keep, keep)], args.knn, weighted=args.edge_weights == "distance")
+    values = np.array(list(ollivier_ricci(graph, alpha=args.alpha, progress=not args.no_progress).values()))
+    q05, q25, median, q75, q95 = np.quantile(values, [0.05, 0.25, 0.5, 0.75, 0.95]).tolist()
+    stats = {"mean": float(values.mean()), "std": float(values.std()), "median": median, "min": float(values.min()),
+             "max": float(values.max()), "q05": q05, "q25": q25, "q75": q75, "q95": q95,
+             "fraction_negative": float((values < 0).mean()), "edges": int(values.size), "points": int(keep.sum()),
+             "duplicates_dropped": int((~keep).sum()), "knn": args.knn, "alpha": args.alpha, "distance": distance,
+             "edge_weights": args.edge_weights, "seq_len": seq_len}
     return values, stats
 
 
-def plot(curvatures: dict, output: str | Path, *, title: str):
-    """Overlaid histograms (density) of edge curvature, one per model."""
-    plt = matplotlib_pyplot()
+def plot(curvatures: dict, output: Path, *, title: str):
+    """Overlaid density histograms of edge curvature, one per model."""
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
     bins = np.linspace(min(v.min() for v in curvatures.values()), max(v.max() for v in curvatures.values()), 41)
     for name, values in curvatures.items():
@@ -220,30 +120,31 @@ def plot(curvatures: dict, output: str | Path, *, title: str):
     ax.set_ylabel("density")
     ax.set_title(title)
     ax.legend(title="model")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)
     return fig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="See the top of this file for the exact construction.")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                         help="checkpoint folder (repeat to overlay several models)")
-    add_text_arguments(parser)
+    parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
+                        help="text files, a folder holding {split}.jsonl, or a datasets name")
+    parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
+    parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
     parser.add_argument("--max-points", type=int, default=1000, help="token embeddings in the graph (default 1000)")
     parser.add_argument("--knn", type=int, default=10, help="neighbours per point (default 10)")
     parser.add_argument("--alpha", type=float, default=0.5, help="idleness: mass kept at the node (default 0.5)")
     parser.add_argument("--distance", choices=["auto", "euclidean", "lorentz"], default="auto",
                         help="auto: geodesic on the hyperboloid for HELM models, Euclidean otherwise")
     parser.add_argument("--edge-weights", choices=["unit", "distance"], default="unit",
-                        help="edge lengths of the kNN graph: unit (hop count, default) or the embedding distance")
+                        help="kNN edge lengths: unit (hop count, default) or the embedding distance")
     parser.add_argument("--seq-len", type=int, help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output-dir", default="curvature", help="where the PNG, JSON and CSVs go")
+    parser.add_argument("--output-dir", type=Path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 
@@ -252,33 +153,34 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.max_points < 3:
         raise EvalError(f"--max-points must be at least 3, got {args.max_points}")
-    require("ot", "Ollivier-Ricci curvature (optimal transport)")
-    require("networkx", "the kNN graph")
-    texts = texts_from_args(args)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    texts = load_texts(args.data, args.split, text_column=args.text_column,
+                       **({"name": args.dataset_config} if args.dataset_config else {}))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     curvatures, runs = {}, []
-    for name, path in [parse_named(spec) for spec in args.model]:
-        values, stats = curvature_of_model(path, texts, max_points=args.max_points, knn=args.knn, alpha=args.alpha,
-                                           seq_len=args.seq_len, distance=args.distance, edge_weights=args.edge_weights,
-                                           seed=args.seed,
-                                           device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    for spec in args.model:
+        name, _, path = spec.rpartition("=")
+        name = name or Path(path.rstrip("/")).name
+        values, stats = curvature_of_model(path, texts, args)
         curvatures[name] = values
         runs.append({"model_name": name, "model_path": path, "source": "eval/curvature.py",
                      "results": {"ricci_curvature": stats},
                      "primary_metrics": {"ricci_curvature": ["mean", "median", "fraction_negative"]}})
-        np.savetxt(out / f"curvature_{name}.csv", values, fmt="%.6f", header="ollivier_ricci_curvature", comments="")
+        np.savetxt(args.output_dir / f"curvature_{name}.csv", values, fmt="%.6f", header="ollivier_ricci_curvature",
+                   comments="")
         print(f"{name}: {stats['edges']} edges over {stats['points']} tokens ({stats['distance']} distance), "
               f"κ mean {stats['mean']:+.4f}, median {stats['median']:+.4f}, "
               f"{100 * stats['fraction_negative']:.1f}% negative")
-    label = text_label(args)
-    plot(curvatures, out / "curvature.png",
+    label = "+".join(Path(source).stem for source in args.data)
+    plot(curvatures, args.output_dir / "curvature.png",
          title=f"Ollivier-Ricci curvature of final-layer token embeddings ({label}, kNN k={args.knn})")
     record = {"text": label, "runs": runs}
-    write_json(out / "curvature.json", record)
-    print(f"wrote {out / 'curvature.png'} and {out / 'curvature.json'}")
+    write_json(args.output_dir / "curvature.json", record)
+    print(f"wrote {args.output_dir / 'curvature.png'} and {args.output_dir / 'curvature.json'}")
     return record
 
 
 if __name__ == "__main__":
-    run_main(main)
+    try:
+        main()
+    except EvalError as error:
+        sys.exit(f"error: {error}")

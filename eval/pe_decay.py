@@ -1,40 +1,22 @@
 #!/usr/bin/env python
-"""Attention score versus relative distance for each positional encoding of the zoo (seed 000, Fig. 4–5).
+"""Attention score versus relative distance for each positional encoding of the zoo (seed 000, Fig. 4-5).
 
-For every variant of ``helm.nn.positional`` a query sits at position ``D`` and keys are placed at positions
-``D, D-1, ..., 0``, so the relative distance ``m - n`` runs from 0 to ``D``. With ``q = lift(q_s)``,
-``k = lift(k_s)`` Lorentz points of curvature ``--curvature`` and a head at temperature ``τ = 2`` (logit
-scale ``2/τ = 1``), the attention logit of the pair splits into a time term and a space term::
+A query sits at position D and keys at D, D-1, ..., 0. With q = lift(q_s), k = lift(k_s) on the hyperboloid
+and a head at temperature tau = 2 (logit scale 1), the logit of a pair splits as
 
-    logit(m, n) = <q_m, k_n>_L + bias(m, n) = -q_t k_t  +  [ q_s'ᵀ k_s' + bias(m, n) ]
-                                               time term    space score (plotted)
+    logit(m, n) = <q_m, k_n>_L + bias = -q_t k_t  +  [ q_s'ᵀ k_s' + bias(m, n) ]
+                                        time term    space score (plotted)
 
-where ``q_s'``, ``k_s'`` are the space parts after the variant's rotation (hope, rope3d) or absolute
-embedding (learned) and ``bias`` is its logit bias (alibi, hope_boost). Rotations fix the time coordinate,
-so the time term is the same at every distance (for ``learned`` it moves by the tiny table entries); the
-figure plots the space score, where all the distance dependence lives — the analogue of the Euclidean
-``qᵀ M k`` that seed 000 plots. The CSV also has the time term, so the full logit can be rebuilt.
-
-Two settings, one panel each, over ``--samples`` draws per head:
-
-* **aligned** (Fig. 4): ``k_s = q_s``, one standard Gaussian vector moved to every position; mean over
-  draws. At distance 0 the space score is ``|q_s|²``; hope decays while oscillating, alibi falls linearly,
-  hope_boost decays monotonically to 0, none and learned stay flat.
-* **random** (Fig. 5): a standard Gaussian query and an independent Gaussian key at every position, like
-  real tokens; one panel for the mean over draws, one for the standard deviation. The mean is where a
-  key's logit sits on average (only a bias, alibi, moves it); the standard deviation is how much the
-  content of ``q`` and ``k`` can still raise or lower it at that distance: a pure rotation (hope) keeps it
-  as large as no encoding at all, a damping (hope_boost) shrinks it to 0 with distance.
-
-The distance axis is linear up to 1 and logarithmic beyond, so short and long range both show.
-
-``learned`` uses a freshly initialised table (the HELM-D-L ablation before training): it shows only the
-noise floor of an absolute encoding. ``alibi`` shows one head (``--alibi-head``, default the gentlest slope).
-
-Usage::
+where q_s', k_s' are the space parts after the variant's rotation (hope, rope3d) or absolute embedding
+(learned) and bias its logit bias (alibi, hope_boost). Rotations fix the time coordinate, so all the distance
+dependence lives in the space score, the analogue of seed 000's qᵀ M k; the CSV also has the time term.
+Panels, over --samples draws per head: aligned k_s = q_s (Fig. 4, mean), and a random Gaussian query with a
+fresh Gaussian key at every position (Fig. 5: mean, where a key's logit sits on average, and standard
+deviation, how much content can still move it: a rotation keeps it, hope_boost's damping shrinks it to 0).
+``learned`` uses a fresh table (its noise floor); ``alibi`` shows one head (--alibi-head, default the
+gentlest slope). The distance axis is linear up to 1 and logarithmic beyond.
 
     python eval/pe_decay.py --output figures/pe_decay.png --csv figures/pe_decay.csv
-    python eval/pe_decay.py --variants hope hope_boost --max-distance 4096 --output decay_long.png
 """
 
 from __future__ import annotations
@@ -44,37 +26,22 @@ import csv
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import matplotlib
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from _shared import EvalError, matplotlib_pyplot, run_main  # noqa: E402
+from helm.evaluation import EvalError  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (  # noqa: E402
-    POSITIONAL_ENCODINGS,
-    NoPositionalEncoding,
-    alibi_slopes,
-    build_positional_encoding,
+    POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes, build_positional_encoding,
 )
 
-NO_ENCODING = NoPositionalEncoding()
-
-SETTINGS = ("aligned", "random")
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
           ("random", "mean", "random Gaussian q, k: mean over draws"),
           ("random", "std", "random Gaussian q, k: std over draws"))
-
-
-def build_variant(kind: str, *, head_dim: int, num_heads: int, max_distance: int, rope3d_chunk_size: int):
-    """The positional encoding ``kind`` for heads of ``head_dim`` space dims."""
-    options = {}
-    if kind == "rope3d":
-        options["chunk_size"] = rope3d_chunk_size
-    if kind == "learned":
-        options["hidden_space_dim"] = head_dim
-    return build_positional_encoding(kind, head_dim=head_dim, num_heads=num_heads,
-                                     max_position_embeddings=max_distance + 1, **options)
 
 
 @torch.no_grad()
@@ -103,32 +70,32 @@ def scores_by_distance(pe, q_s: torch.Tensor, k_s: torch.Tensor, *, max_distance
     return space[:, :, 0, :], time[:, :, 0, :]
 
 
-def decay_curves(variants, *, head_dim: int = 64, num_heads: int = 8, max_distance: int = 1024, samples: int = 16,
-                 curvature: float = -1.0, seed: int = 0, alibi_head: int | None = None,
-                 rope3d_chunk_size: int = 512, progress: bool = True) -> dict:
+def decay_curves(args) -> dict:
     """``{setting: {variant: {"mean", "std", "time_mean"}}}``, each a ``[D+1]`` tensor over distances.
 
-    ``mean``/``std`` are of the space score, ``time_mean`` of the time term ``q_t k_t``, over ``samples``
-    draws and all heads (alibi: every head's draws with the slope of head ``alibi_head``).
+    ``mean``/``std`` are of the space score, ``time_mean`` of the time term ``q_t k_t``, over ``--samples``
+    draws and all heads (alibi: every head's draws with the slope of head ``--alibi-head``).
     """
-    if head_dim % 2:
-        raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {head_dim}")
-    k = curvature_to_k(curvature)
-    generator = torch.Generator().manual_seed(seed)
-    q_s = torch.randn(samples, num_heads, head_dim, generator=generator, dtype=torch.float64)
-    k_rand = torch.randn(samples, num_heads, max_distance + 1, head_dim, generator=generator, dtype=torch.float64)
-    alibi_head = num_heads - 1 if alibi_head is None else alibi_head
-    if not 0 <= alibi_head < num_heads:
-        raise EvalError(f"--alibi-head must lie in [0, {num_heads}), got {alibi_head}")
-    curves: dict = {setting: {} for setting in SETTINGS}
-    for kind in tqdm(variants, desc="positional encodings", disable=not progress):
-        torch.manual_seed(seed)  # the learned table's init
-        pe = build_variant(kind, head_dim=head_dim, num_heads=num_heads, max_distance=max_distance,
-                           rope3d_chunk_size=rope3d_chunk_size).double()
-        for setting, k_s in (("aligned", q_s), ("random", k_rand)):
-            space, time = scores_by_distance(pe, q_s, k_s, max_distance=max_distance, k=k)
+    heads, dim, distance = args.num_heads, args.head_dim, args.max_distance
+    if dim % 2:
+        raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {dim}")
+    alibi_head = heads - 1 if args.alibi_head is None else args.alibi_head
+    if not 0 <= alibi_head < heads:
+        raise EvalError(f"--alibi-head must lie in [0, {heads}), got {alibi_head}")
+    k = curvature_to_k(args.curvature)
+    generator = torch.Generator().manual_seed(args.seed)
+    q_s = torch.randn(args.samples, heads, dim, generator=generator, dtype=torch.float64)
+    k_random = torch.randn(args.samples, heads, distance + 1, dim, generator=generator, dtype=torch.float64)
+    curves: dict = {"aligned": {}, "random": {}}
+    for kind in tqdm(args.variants, desc="positional encodings", disable=args.no_progress):
+        torch.manual_seed(args.seed)  # the learned table's init
+        options = {"rope3d": {"chunk_size": args.rope3d_chunk_size}, "learned": {"hidden_space_dim": dim}}
+        pe = build_positional_encoding(kind, head_dim=dim, num_heads=heads, max_position_embeddings=distance + 1,
+                                       **options.get(kind, {})).double()
+        for setting, k_s in (("aligned", q_s), ("random", k_random)):
+            space, time = scores_by_distance(pe, q_s, k_s, max_distance=distance, k=k)
             if kind == "alibi":  # every head's content with one head's slope: the bias is content-free
-                plain, _ = scores_by_distance(NO_ENCODING, q_s, k_s, max_distance=max_distance, k=k)
+                plain, _ = scores_by_distance(NoPositionalEncoding(), q_s, k_s, max_distance=distance, k=k)
                 space = plain + (space - plain)[:, alibi_head:alibi_head + 1]
             space, time = space.reshape(-1, space.shape[-1]), time.reshape(-1, time.shape[-1])
             curves[setting][kind] = {"mean": space.mean(0), "std": space.std(0), "time_mean": time.mean(0)}
@@ -137,7 +104,6 @@ def decay_curves(variants, *, head_dim: int = 64, num_heads: int = 8, max_distan
 
 def plot(curves: dict, *, output: str | Path, title: str, alibi_label: str):
     """Three panels against distance (log scale past 1): aligned mean, random mean, random spread."""
-    plt = matplotlib_pyplot()
     fig, axes = plt.subplots(1, len(PANELS), figsize=(17, 4.8), constrained_layout=True)
     for ax, (setting, stat, panel_title) in zip(axes, PANELS, strict=True):
         for kind, curve in curves[setting].items():
@@ -152,28 +118,24 @@ def plot(curves: dict, *, output: str | Path, title: str, alibi_label: str):
         ax.grid(alpha=0.3)
         ax.legend(title="positional encoding", fontsize=8)
     fig.suptitle(title)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     return fig
 
 
-def write_csv(curves: dict, path: str | Path) -> None:
-    path = Path(path)
+def write_csv(curves: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["setting", "variant", "distance", "space_score_mean", "space_score_std", "time_term_mean"])
-        for setting, per_kind in curves.items():
-            for kind, curve in per_kind.items():
-                rows = zip(curve["mean"].tolist(), curve["std"].tolist(), curve["time_mean"].tolist(), strict=True)
-                for distance, (mean, std, time) in enumerate(rows):
-                    writer.writerow([setting, kind, distance, f"{mean:.6g}", f"{std:.6g}", f"{time:.6g}"])
+        writer.writerows([setting, kind, distance, f"{mean:.6g}", f"{std:.6g}", f"{time:.6g}"]
+                         for setting, per_kind in curves.items() for kind, curve in per_kind.items()
+                         for distance, (mean, std, time) in enumerate(zip(curve["mean"].tolist(), curve["std"].tolist(),
+                                                                          curve["time_mean"].tolist(), strict=True)))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="See the top of this file for the exact score that is plotted.")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(POSITIONAL_ENCODINGS), choices=POSITIONAL_ENCODINGS,
                         help="positional encodings to compare (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="space dims per head (default 64: a 65-dim head)")
@@ -185,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rope3d-chunk-size", type=int, default=512, help="rope3d chunk size (default 512)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="pe_decay.png", help="PNG to write (default: pe_decay.png)")
-    parser.add_argument("--csv", help="also write the curves as CSV")
+    parser.add_argument("--csv", type=Path, help="also write the curves as CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -194,10 +156,7 @@ def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     if args.max_distance < 1 or args.samples < 2 or args.num_heads < 1:
         raise EvalError("--max-distance must be >= 1, --samples >= 2 and --num-heads >= 1")
-    curves = decay_curves(args.variants, head_dim=args.head_dim, num_heads=args.num_heads,
-                          max_distance=args.max_distance, samples=args.samples, curvature=args.curvature,
-                          seed=args.seed, alibi_head=args.alibi_head, rope3d_chunk_size=args.rope3d_chunk_size,
-                          progress=not args.no_progress)
+    curves = decay_curves(args)
     head = args.num_heads - 1 if args.alibi_head is None else args.alibi_head
     slope = alibi_slopes(args.num_heads)[head]
     fig = plot(curves, output=args.output, alibi_label=f"alibi (head {head}, slope {slope:.3g})",
@@ -210,4 +169,7 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    try:
+        main()
+    except EvalError as error:
+        sys.exit(f"error: {error}")

@@ -1,24 +1,39 @@
-"""Scoring text with a causal LM: token streams, windows, summed NLL and perplexity.
+"""Scoring text with a causal LM: checkpoints and text in, token streams, windows, summed NLL and perplexity out.
 
-``train.py`` reports validation perplexity with :func:`rows_nll` and the ``eval/`` scripts build on the same
-functions, so a number printed during training and one printed by ``eval/perplexity.py`` on the same rows
-are the same computation.
+``train.py`` reports validation perplexity with :func:`rows_nll` and :func:`perplexity`, and the ``eval/``
+scripts build on the same functions, so a number printed during training and one printed by
+``eval/perplexity.py`` on the same rows are the same computation.
 
 Conventions: targets are ``labels`` shifted by one (``-100`` is never scored); log-softmax in fp32, sums in
-fp64; packed rows (``helm.data`` output: ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, all
-``[N, L]``) are scored with document-causal attention, so no token sees another document.
+fp64. Packed rows (``helm.data.pack_documents`` output: ``input_ids``, ``labels``, ``position_ids``,
+``document_ids``, all ``[N, L]``) are scored with document-causal attention, so no token sees another
+document. :func:`sliding_windows` builds rows of the same layout (``input_ids``, ``labels``) from one token
+stream, so every way of cutting text is scored by :func:`rows_nll`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import json
 import math
-from typing import Callable, Optional
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging
 
-__all__ = ["packed_inputs", "perplexity", "rows_nll", "shifted_nll"]
+logger = logging.get_logger(__name__)
+
+__all__ = ["EvalError", "check_checkpoint", "load_checkpoint", "load_texts", "packed_inputs", "perplexity",
+           "rows_nll", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream", "write_json"]
+
+
+class EvalError(ValueError):
+    """A bad argument, or a checkpoint or text that cannot be read; the ``eval/`` scripts print it as one line."""
 
 
 def perplexity(mean_nll: float) -> float:
@@ -78,3 +93,167 @@ def rows_nll(model, rows: dict[str, torch.Tensor], *, batch_size: int = 8, docum
         count += n
     model.train(was_training)
     return total, count
+
+
+def token_stream(texts: Iterable[str], tokenizer, *, eos_id: Optional[int]) -> torch.Tensor:
+    """``[T]`` ids: each document tokenized without special tokens and followed by ``eos_id`` (unless None).
+
+    With an eos this is the stream ``helm.data.pack_documents`` cuts into rows.
+    """
+    ids: list[int] = []
+    for doc in tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]:
+        ids += doc if eos_id is None else [*doc, eos_id]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sliding_windows(ids: torch.Tensor, seq_len: int, stride: Optional[int] = None, *,
+                    keep_last: bool = False) -> dict[str, torch.Tensor]:
+    """Rows ``input_ids`` and ``labels`` (``[N, W]``) of windows of at most ``seq_len`` tokens over ``ids``.
+
+    ``stride = seq_len`` (default): consecutive non-overlapping windows, the rows of ``pack_documents``;
+    the trailing partial window is dropped unless ``keep_last``. ``stride < seq_len``: windows start every
+    ``stride`` tokens until one reaches the end, and each labels only the tokens no earlier window labelled,
+    so every token but the first is scored once, with at least ``seq_len - stride`` tokens of context
+    (``stride = 1``: exactly ``seq_len - 1``). Short windows are right-padded with ``-100`` labels, which a
+    causal model cannot see.
+    """
+    stride = seq_len if stride is None else stride
+    if seq_len < 2:
+        raise EvalError(f"seq_len must be at least 2 (one context token and one target), got {seq_len}")
+    if not 1 <= stride <= seq_len:
+        raise EvalError(f"stride must lie in [1, seq_len={seq_len}], got {stride}")
+    n = ids.numel()
+    spans = []  # (begin, end, first labelled token); a row's first label is context only, never a target
+    if stride == seq_len:
+        spans = [(begin, min(begin + seq_len, n), begin) for begin in range(0, n, seq_len)]
+        spans = [(b, e, f) for b, e, f in spans if e - b == seq_len or (keep_last and e - b >= 2)]
+    else:
+        labelled_until = 0
+        for begin in range(0, max(n - 1, 1), stride):
+            end = min(begin + seq_len, n)
+            if end - begin >= 2:
+                spans.append((begin, end, max(labelled_until, begin)))
+                labelled_until = end
+            if end == n:
+                break
+    width = max((end - begin for begin, end, _ in spans), default=seq_len)
+    input_ids = torch.zeros(len(spans), width, dtype=torch.long)
+    labels = torch.full((len(spans), width), -100, dtype=torch.long)
+    for row, (begin, end, first) in enumerate(spans):
+        input_ids[row, :end - begin] = ids[begin:end]
+        labels[row, first - begin:end - begin] = ids[first:end]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: int, stride: Optional[int] = None,
+                    batch_size: int = 8, keep_last: bool = False, max_tokens: Optional[int] = None,
+                    max_windows: Optional[int] = None, add_eos: bool = True, document_attention: bool = False,
+                    mask_document_starts: bool = False, progress: bool = False) -> dict:
+    """Mean token NLL and perplexity of ``model`` on ``texts``, with its counts, as a result-file record.
+
+    The documents become one stream (:func:`token_stream`) cut by :func:`sliding_windows`, attention crossing
+    document boundaries as in plain ``model(input_ids)``. ``document_attention`` or ``mask_document_starts``
+    score ``pack_documents`` rows instead, the way ``train.py`` validates (``max_windows`` is its
+    ``train.eval_rows``).
+    """
+    eos_id = tokenizer.eos_token_id if add_eos else None
+    if add_eos and eos_id is None:
+        raise EvalError("the tokenizer has no eos token to separate documents; set add_eos=False (--no-eos)")
+    if document_attention or mask_document_starts:
+        if stride not in (None, seq_len) or keep_last or max_tokens is not None or not add_eos:
+            raise EvalError("document_attention / mask_document_starts score packed rows: they do not combine "
+                            "with stride, keep_last, max_tokens or add_eos=False")
+        from helm.data import pack_documents
+
+        token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        rows = pack_documents(token_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts)
+        stream_tokens = sum(len(tokens) + 1 for tokens in token_lists)
+    else:
+        ids = token_stream(texts, tokenizer, eos_id=eos_id)[:max_tokens]
+        rows, stream_tokens = sliding_windows(ids, seq_len, stride, keep_last=keep_last), ids.numel()
+    rows = {key: value[:max_windows] for key, value in rows.items()}
+    windows = rows["input_ids"].shape[0]
+    if windows == 0:
+        raise EvalError(f"the text has {stream_tokens} tokens, fewer than one window of seq_len={seq_len}")
+    logger.info("scoring %d windows of %d tokens", windows, seq_len)
+    nll, count = rows_nll(model, rows, batch_size=batch_size, document_attention=document_attention,
+                          progress=progress)
+    mean = float(nll / count)
+    return {"mean_nll": mean, "perplexity": perplexity(mean), "bits_per_token": mean / math.log(2),
+            "scored_tokens": int(count), "stream_tokens": stream_tokens, "windows": windows, "seq_len": seq_len,
+            "stride": stride or seq_len, "document_attention": document_attention}
+
+
+def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optional[str] = None,
+                    dtype: str = "float32"):
+    """``(model, tokenizer)`` from a ``save_pretrained`` folder or hub id, the model in eval mode on ``device``.
+
+    Importing ``helm`` registered the HELM model types, so HELM folders load with or without their saved
+    remote code, and any other causal LM loads as usual. ``dtype``: ``float32``, ``bfloat16``, ``float16``,
+    ``float64`` or ``auto``.
+    """
+    path = check_checkpoint(path)
+    if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
+        raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=True)
+    except OSError as error:
+        raise EvalError(f"could not load checkpoint {path!r}: {error}") from error
+    try:
+        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer or path), trust_remote_code=True)
+    except (OSError, ValueError) as error:
+        raise EvalError(f"could not load a tokenizer from {tokenizer or path!r}: {error} (save one next to the "
+                        "model with tokenizer.save_pretrained, or name its folder)") from error
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tok
+
+
+def check_checkpoint(path: str) -> str:
+    """``path`` if it is a folder with ``config.json`` or looks like a hub id (``name``, ``owner/name``)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise EvalError(f"checkpoint {path!r} has no config.json; expected a folder written by save_pretrained")
+        return str(folder)
+    parts = path.split("/")
+    if folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
+        raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
+                        "save_pretrained, holding config.json and the weights, or a hub model id)")
+    return path
+
+
+def load_texts(source: str | os.PathLike | list, split: str = "test", *, text_column: str = "text",
+               max_documents: Optional[int] = None, **hub_kwargs) -> list[str]:
+    """Non-empty documents from ``helm.data.load_text_dataset``: files, a folder of splits or a hub dataset.
+
+    ``.jsonl``/``.json``: one document per record (field ``text_column``); ``.txt``: the whole file is one
+    document. ``hub_kwargs`` (e.g. ``name="wikitext-2-raw-v1"``) go to ``datasets.load_dataset``.
+    """
+    from helm.data import load_text_dataset
+
+    sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    missing = [str(s) for s in sources if Path(s).suffix and not Path(s).exists()]
+    if missing:
+        raise EvalError(f"text file not found: {', '.join(missing)}")
+    try:
+        data = load_text_dataset(sources[0] if len(sources) == 1 else sources, split, text_column=text_column,
+                                 **hub_kwargs)
+    except (OSError, KeyError, ValueError, RuntimeError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise EvalError(f"could not read text_column={text_column!r} of {source} (split {split!r}): "
+                        f"{message}") from error
+    if data.column_names is not None and text_column not in data.column_names:
+        raise EvalError(f"{source} has no column text_column={text_column!r} (columns: {data.column_names})")
+    texts = (record[text_column] for record in data)
+    texts = list(itertools.islice((text for text in texts if text and text.strip()), max_documents))
+    if not texts:
+        raise EvalError(f"no text in {source} (split {split!r}): every document is empty")
+    return texts
+
+
+def write_json(path: str | os.PathLike, record) -> Path:
+    """Write a result record (lm-eval's layout ``{"model_name", "results": {task: {metric: value}}}``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return path

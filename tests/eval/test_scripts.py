@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 
 import pytest
 
-from .conftest import EVAL_DIR, load_script
+from helm.evaluation import EvalError
+from tests.eval.script_loader import EVAL_DIR, load_script
 
 SCRIPTS = ["harness", "perplexity", "length_extrapolation", "pe_decay", "curvature", "compare"]
 
 
-def test_eval_is_a_folder_of_scripts_not_a_package():
+def test_eval_is_a_folder_of_independent_scripts():
+    """No package (``eval`` is a builtin), no ``sys.path`` edits, no script importing another."""
     assert not (EVAL_DIR / "__init__.py").exists()
-    assert sorted(p.stem for p in EVAL_DIR.glob("*.py") if not p.stem.startswith("_")) == sorted(SCRIPTS)
-    import builtins
-
-    assert callable(builtins.eval)  # our folder never shadows the builtin
+    assert sorted(p.stem for p in EVAL_DIR.glob("*.py")) == sorted(SCRIPTS)
+    for path in [*EVAL_DIR.glob("*.py"), *EVAL_DIR.glob("tasks/*.py")]:
+        tree = ast.parse(path.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {*SCRIPTS, "_shared", "eval", "local_data"}, path.name
+        assert "sys.path" not in path.read_text(), path.name
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -38,69 +47,88 @@ def test_help(name, capsys):
     ("harness", ["--model", "{missing}", "--suite", "local"]),
 ])
 def test_missing_checkpoint_is_a_clear_error(name, argv, tmp_path, text_file):
-    script = load_script(name)
     values = {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text_file), "tmp": str(tmp_path / "o")}
-    with pytest.raises(script.EvalError, match="checkpoint not found: .*no-such-checkpoint"):
-        script.main([a.format(**values) for a in argv])
+    with pytest.raises(EvalError, match="checkpoint not found: .*no-such-checkpoint"):
+        load_script(name).main([a.format(**values) for a in argv])
 
 
 def test_folder_without_config_is_a_clear_error(tmp_path, text_file):
-    perplexity = load_script("perplexity")
-    with pytest.raises(perplexity.EvalError, match="no config.json"):
-        perplexity.main(["--model", str(tmp_path), "--files", str(text_file)])
+    with pytest.raises(EvalError, match="no config.json"):
+        load_script("perplexity").main(["--model", str(tmp_path), "--files", str(text_file)])
 
 
 def test_missing_text_file_is_a_clear_error(make_checkpoint, tmp_path):
-    curvature = load_script("curvature")
-    with pytest.raises(curvature.EvalError, match="text file not found"):
-        curvature.main(["--model", str(make_checkpoint("helm_d")), "--files", str(tmp_path / "nope.txt"),
-                        "--output-dir", str(tmp_path)])
+    with pytest.raises(EvalError, match="text file not found: .*nope.jsonl"):
+        load_script("curvature").main(["--model", str(make_checkpoint("helm_d")), "--files",
+                                       str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path)])
 
 
 def test_jsonl_without_the_text_field_names_the_fields(make_checkpoint, tmp_path):
-    perplexity = load_script("perplexity")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"body": "hello"}) + "\n")
-    with pytest.raises(perplexity.EvalError, match="no field 'text'.*body.*--text-column"):
-        perplexity.main(["--model", str(make_checkpoint("helm_d")), "--files", str(bad)])
+    with pytest.raises(EvalError, match="text_column='text'.*body"):
+        load_script("perplexity").main(["--model", str(make_checkpoint("helm_d")), "--files", str(bad)])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# harness.py
+CURVATURE = ["--model", "{helm}", "--files", "{text}", "--output-dir", "{tmp}", "--no-progress"]
+
+
+@pytest.mark.parametrize("name,argv,message", [
+    ("perplexity", ["--model", "{helm}", "--files", "{text}", "--dtype", "float8"], "dtype must be"),
+    ("length_extrapolation", ["--model", "{helm}", "--files", "{text}", "--factors", "0", "2"], "--factors"),
+    ("curvature", [*CURVATURE, "--max-points", "40", "--knn", "60"], "--knn must lie in"),
+    ("curvature", [*CURVATURE, "--max-points", "40", "--alpha", "1"], "--alpha"),
+    ("curvature", [*CURVATURE, "--max-points", "2"], "--max-points"),
+    ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], "--head-dim"),
+    ("pe_decay", ["--num-heads", "4", "--alibi-head", "4", "--output", "{tmp}/a.png"], "--alibi-head"),
+    ("harness", ["--model", "{helm}", "--tasks", "helm_local_mc", "--num-fewshot", "-1"], "--num-fewshot"),
+])
+def test_bad_arguments_are_clear_errors(name, argv, message, make_checkpoint, text_file, tmp_path):
+    values = {"helm": str(make_checkpoint("helm_d")), "text": str(text_file), "tmp": str(tmp_path)}
+    with pytest.raises(EvalError, match=re.escape(message)):
+        load_script(name).main([a.format(**values) for a in argv])
+
+
+def test_harness_tasks_take_shots_and_a_limit(make_checkpoint, capsys):
+    record = load_script("harness").main(["--model", str(make_checkpoint("helm_d")), "--tasks", "helm_local_mc",
+                                          "--num-fewshot", "2", "--limit", "5", "--log-samples"])
+    assert record["suite"] is None and record["n-shot"] == {"helm_local_mc": 2}
+    assert record["n-samples"]["helm_local_mc"]["effective"] == 5
+    [sample] = record["samples"]["helm_local_mc"][:1]
+    assert sample["arguments"][0][0].count("Question:") == 3  # two shots and the question itself
+    assert "--num_fewshot 2" in capsys.readouterr().out
 
 
 def test_paper_suite_dry_run_prints_the_stock_commands(make_checkpoint, capsys):
     harness = load_script("harness")
     folder = make_checkpoint("helm_d")
-    assert harness.main(["--model", str(folder), "--suite", "paper", "--dry-run", "--batch-size", "8"]) is None
+    assert harness.main(["--model", str(folder), "--suite", "paper", "--dry-run", "--batch-size", "8",
+                         "--device", "cpu", "--limit", "10"]) is None
     out = capsys.readouterr().out
     zero, five = [line.strip() for line in out.splitlines() if line.strip().startswith("lm_eval ")]
-    assert zero.startswith(f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True")
-    assert "--tasks commonsense_qa,hellaswag,openbookqa --num_fewshot 0 --batch_size 8" in zero
+    assert zero == (f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True "
+                    "--tasks commonsense_qa,hellaswag,openbookqa --num_fewshot 0 --batch_size 8 --device cpu "
+                    "--limit 10")
     assert "--tasks mmlu,arc_challenge --num_fewshot 5" in five
-    assert "--include_path" not in zero  # the paper's tasks are lm-eval's own
+    local = harness.main(["--model", str(folder), "--tasks", "helm_local_mc", "--dry-run"])
+    assert local is None and f"--include_path {EVAL_DIR / 'tasks'}" in capsys.readouterr().out
 
 
 def test_local_suite_result_feeds_compare(make_checkpoint, tmp_path, capsys):
-    pytest.importorskip("lm_eval")
     harness, compare = load_script("harness"), load_script("compare")
     out = tmp_path / "mice.json"
     record = harness.main(["--model", f"mice={make_checkpoint('helm_mice')}", "--suite", "local", "--batch-size", "4",
                            "--output", str(out)])
-    assert set(record["results"]) == {"helm_local_mc", "helm_local_ppl", "helm_local_gen"}
+    assert set(record["results"]) >= {"helm_local_mc", "helm_local_ppl", "helm_local_gen"}
     assert record["n-shot"]["helm_local_mc"] == 0
     assert "--include_path" in capsys.readouterr().out
     saved = json.loads(out.read_text())
-    assert saved["model_name"] == "mice" and saved["suite"] == "local"
+    assert saved["model_name"] == "mice" and saved["suite"] == "local" and "samples" not in saved
     table = compare.main([str(out)])
     header, _, row = table.splitlines()
     assert "helm_local_mc (acc_norm, 0-shot)" in header and "helm_local_ppl (word_perplexity, 0-shot)" in header
     acc = 100 * saved["results"]["helm_local_mc"]["acc_norm,none"]
     assert row.startswith("| mice | ") and f"{acc:.1f}" in row
-
-
-# ----------------------------------------------------------------------------------------------------------
-# compare.py
 
 
 def lm_eval_record(name, accs, shots):
@@ -145,9 +173,13 @@ def test_compare_reads_multi_run_files_and_renames(tmp_path):
         {"model_name": "learned", "results": {"length_extrapolation": {"ppl@1x": 9.0, "ppl@2x": None}}}]}
     (tmp_path / "ext.json").write_text(json.dumps(runs))
     single = tmp_path / "one.json"
-    single.write_text(json.dumps({"results": {"t": {"acc,none": 0.5}}}))
+    single.write_text(json.dumps({"results": {"t": {"acc,none": 0.5, "exact_match,strict-match": 0.25}}}))
     table = compare.main([str(tmp_path / "ext.json"), f"renamed={single}"])
     assert "| hope | 10 | 11 | — |" in table and "| learned | 9 | — | — |" in table
     assert "| renamed | — | — | 50.0 |" in table
-    with pytest.raises(compare.EvalError, match="not found"):
+    filtered = compare.main([str(single), "--metric", "t=exact_match (strict-match)"])
+    assert "t (exact_match (strict-match))" in filtered and "| one | 25.0 |" in filtered
+    with pytest.raises(EvalError, match="not found"):
         compare.main([str(tmp_path / "missing.json")])
+    with pytest.raises(EvalError, match="TASK=METRIC"):
+        compare.main([str(single), "--metric", "t"])

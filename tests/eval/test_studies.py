@@ -6,12 +6,14 @@ import csv
 import json
 import math
 
+import networkx as nx
+import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .conftest import MAX_POSITIONS, load_script
-
-pytest.importorskip("matplotlib", reason="needs the eval extra: pip install 'helm-zoo[eval]'")
+from helm.evaluation import token_stream
+from tests.eval.script_loader import load_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -26,10 +28,6 @@ def assert_labelled(fig, n_lines_at_least=1):
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
         legend = ax.get_legend()
         assert legend is not None and len(legend.get_texts()) >= n_lines_at_least
-
-
-# ----------------------------------------------------------------------------------------------------------
-# pe_decay.py
 
 
 def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
@@ -56,10 +54,8 @@ def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
     assert not torch.allclose(aligned["rope3d"]["mean"][9:], aligned["hope"]["mean"][9:])
     rows = list(csv.DictReader((tmp_path / "d.csv").open()))
     assert len(rows) == 2 * 6 * 201 and {"space_score_mean", "space_score_std", "time_term_mean"} <= set(rows[0])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# length_extrapolation.py
+    row = next(r for r in rows if (r["setting"], r["variant"], r["distance"]) == ("random", "alibi", "7"))
+    assert float(row["space_score_std"]) == pytest.approx(float(random["alibi"]["std"][7]), rel=1e-5)
 
 
 def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_path):
@@ -74,18 +70,26 @@ def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_pat
     assert [(r["model"], r["factor"]) for r in rows] == [(m, f) for m in models for f in (1, 2, 4, 8)]
     table = list(csv.DictReader((tmp_path / "extrapolation.csv").open()))
     assert len(table) == 12 and set(table[0]) == set(extrapolation.CSV_FIELDS)
+    table_size = json.loads((models["learned"] / "config.json").read_text())["max_position_embeddings"]
     for row in rows:
         assert row["seq_len"] == row["factor"] * train_length
-        if row["model"] == "learned" and row["seq_len"] > MAX_POSITIONS:
-            assert row["perplexity"] == "" and "max_position_embeddings" in row["note"]
-        else:
-            assert 1.0 < row["perplexity"] < 320 and row["note"] == ""
+        too_long = row["model"] == "learned" and row["seq_len"] > table_size
+        assert (row["perplexity"] == "") == too_long and ("max_position_embeddings" in row["note"]) == too_long
     hope = {r["factor"]: r for r in rows if r["model"] == "hope"}
     # the same tokens at every factor: scored counts differ exactly by the window-first tokens
     usable = hope[1]["windows"] * train_length
     assert usable == 512  # 520 tokens cut to a multiple of 8 x 16
     assert all(r["scored_tokens"] == usable - r["windows"] for r in hope.values())
     assert all(r["windows"] * r["seq_len"] == usable for r in hope.values())
+    # each cell is exp(mean model(w, labels=w).loss) over the packed windows of the cut text
+    model = AutoModelForCausalLM.from_pretrained(models["hope"]).eval()
+    texts = [json.loads(line)["text"] for line in text_file.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(models["hope"])
+    ids = token_stream(texts, tok, eos_id=tok.eos_token_id)[:usable]
+    for factor, row in hope.items():
+        with torch.no_grad():
+            losses = [model(input_ids=w[None], labels=w[None]).loss for w in ids.view(-1, factor * train_length)]
+        assert row["perplexity"] == pytest.approx(math.exp(float(torch.stack(losses).double().mean())), rel=1e-5)
     record = json.loads((tmp_path / "extrapolation.json").read_text())
     learned = next(run for run in record["runs"] if run["model_name"] == "learned")
     assert learned["results"]["length_extrapolation"]["ppl@8x"] is None
@@ -95,13 +99,7 @@ def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_pat
     assert_labelled(fig, n_lines_at_least=3)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# curvature.py
-
-
 def test_ollivier_ricci_on_graphs_with_known_curvature():
-    nx = pytest.importorskip("networkx")
-    pytest.importorskip("ot")
     curvature = load_script("curvature")
     complete = nx.complete_graph(5)
     nx.set_edge_attributes(complete, 1.0, "weight")
@@ -126,20 +124,21 @@ def test_lorentz_distance_matches_the_manifold_geodesic():
 
 
 def test_curvature_runs_on_helm_and_llama(make_checkpoint, text_file, tmp_path):
-    pytest.importorskip("ot")
     curvature = load_script("curvature")
     record = curvature.main(["--model", f"helm={make_checkpoint('helm_d')}", "--model",
                              f"llama={make_checkpoint('llama')}", "--files", str(text_file), "--max-points", "120",
                              "--knn", "6", "--output-dir", str(tmp_path), "--no-progress"])
     runs = {run["model_name"]: run["results"]["ricci_curvature"] for run in record["runs"]}
     assert runs["helm"]["distance"] == "lorentz" and runs["llama"]["distance"] == "euclidean"
-    for stats in runs.values():
-        assert stats["points"] >= 100 and stats["edges"] >= 6 * stats["points"] / 2
-        assert -2.0 <= stats["min"] <= stats["mean"] <= stats["max"] <= 1.0  # unit edges: κ in [-2, 1]
-        assert 0.0 <= stats["fraction_negative"] <= 1.0
+    for name, stats in runs.items():
+        assert stats["points"] + stats["duplicates_dropped"] == 120 and stats["edges"] >= 6 * stats["points"] / 2
+        assert stats["points"] >= 100
+        edges = np.loadtxt(tmp_path / f"curvature_{name}.csv", skiprows=1)
+        assert (tmp_path / f"curvature_{name}.csv").read_text().startswith("ollivier_ricci_curvature\n")
+        assert edges.size == stats["edges"] and -2.0 <= edges.min() and edges.max() <= 1.0  # unit edges: κ in [-2, 1]
+        assert stats["mean"] == pytest.approx(edges.mean(), abs=1e-6)
+        assert stats["fraction_negative"] == pytest.approx((edges < 0).mean(), abs=1e-12)
     assert json.loads((tmp_path / "curvature.json").read_text()) == json.loads(json.dumps(record))
     assert_png(tmp_path / "curvature.png")
     fig = curvature.plot({"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}, tmp_path / "c.png", title="t")
     assert_labelled(fig, n_lines_at_least=2)
-    edges = (tmp_path / "curvature_helm.csv").read_text().splitlines()
-    assert edges[0] == "ollivier_ricci_curvature" and len(edges) == runs["helm"]["edges"] + 1
