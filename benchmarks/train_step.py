@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import helm  # noqa: E402
 from helm.data import pack_documents  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
-from helm.training import model_inputs  # noqa: E402
+from helm.evaluation import packed_inputs  # noqa: E402
 
 PAIRS = {"helm-d": ("tiny-helm-d", "tiny-llama"), "mice": ("tiny-helm-mice", "tiny-deepseek-v3")}
 
@@ -58,10 +58,7 @@ class Trainer:
         self.model.train()
         self.params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = build_optimizer(self.model, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-        import inspect
-
-        accepts = "segment_ids" in inspect.signature(self.model.forward).parameters
-        self.inputs = model_inputs(batch, accepts)
+        self.inputs = {**packed_inputs(self.model, batch), "labels": batch["labels"]}
         self.routing = hasattr(self.model, "update_routing_bias")
         self.tokens = batch["input_ids"].numel()
         self.loss = float("nan")

@@ -14,7 +14,6 @@ import helm
 from helm.manifold.math import manifold_error
 from helm.nn.norm import LorentzRMSNorm
 from helm.optim import GROUPS, NO_DECAY_NAMES, HybridAdamW, build_optimizer, group_parameters
-from helm.training import WarmupCosine
 
 # Micro shapes: ambient 33 = 1 + 32, four heads of 1 + 8, so every model builds and steps in milliseconds.
 MICRO = dict(num_hidden_layers=2, hidden_size=33, num_attention_heads=4, intermediate_size=40, vocab_size=97,
@@ -176,22 +175,22 @@ def test_embedding_points_stay_on_manifold_with_large_lr_and_after_reload(tmp_pa
     at manifold_lr >= 0.5 once the points drift to time coordinates of about 1e3."""
     ids = tokens(batch=2, length=16)
     model = micro_model("helm-d-lorentz-distance", num_hidden_layers=1)
-    start = model.model.embed.embed_tokens.weight.detach().clone()
+    start = model.model.embed_tokens.weight.detach().clone()
     optimizer = build_optimizer(model, lr=1e-3, manifold_lr=0.2, weight_decay=0.1, stabilize=1)
     first = model(input_ids=ids, labels=ids).loss.item()
     last = train_steps(model, optimizer, 200, ids)
     assert last < first
-    moved = (model.model.embed.embed_tokens.weight - start).norm(dim=-1)
+    moved = (model.model.embed_tokens.weight - start).norm(dim=-1)
     assert moved.max() > 1.0, "the large learning rate did not move the points far"
     _assert_on_manifold(model)
 
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert isinstance(reloaded.model.embed.embed_tokens.weight, geoopt.ManifoldParameter)
+    assert isinstance(reloaded.model.embed_tokens.weight, geoopt.ManifoldParameter)
     assert isinstance(reloaded.lm_head.weight, geoopt.ManifoldParameter)
     optimizer = build_optimizer(reloaded, lr=1e-3, manifold_lr=0.2, weight_decay=0.1, stabilize=1)
     manifold = {n for n, _ in group_parameters(reloaded)["manifold"]}
-    assert manifold == {"model.embed.embed_tokens.weight", "lm_head.weight"}
+    assert manifold == {"model.embed_tokens.weight", "lm_head.weight"}
     train_steps(reloaded, optimizer, 200, tokens(batch=2, length=16, seed=1))
     _assert_on_manifold(reloaded)
 
@@ -204,15 +203,3 @@ def test_bad_hyperparameters_are_named():
         HybridAdamW(model, lr=1e-3, weight_decay=-1.0)
     with pytest.raises(ValueError, match="stabilize"):
         HybridAdamW(model, lr=1e-3, stabilize=0)
-
-
-def test_warmup_cosine_schedule():
-    s = WarmupCosine(total_steps=100, warmup_ratio=0.03, final_ratio=0.1)
-    assert s.warmup_steps == 3
-    assert [s(i) for i in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
-    assert s(3) == pytest.approx(1.0)
-    assert s(99) == pytest.approx(0.1)
-    values = [s(i) for i in range(3, 100)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
-    assert s(51) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 48 / 96)))
-    assert WarmupCosine(10, 0.0, 0.1)(0) == pytest.approx(1.0)

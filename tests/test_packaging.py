@@ -2,6 +2,7 @@
 ``import helm`` without triton."""
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -52,3 +53,41 @@ def test_import_helm_without_triton():
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "raised:" in proc.stdout and "triton" in proc.stdout
+
+
+def test_a_non_editable_install_ships_every_preset(tmp_path):
+    """Build the wheel (from a copy of the sources, so the checkout gets no build/ or egg-info), check it holds
+    every preset JSON, install it into a plain folder and load a preset from outside the repository."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("helm", "kernels"):
+        shutil.copytree(REPO / package, src / package, ignore=ignore)
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                            "-q", "-w", str(wheels)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheels.glob("helm_zoo-*.whl")
+    presets = sorted(p.name for p in (REPO / "helm" / "presets").glob("*.json"))
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = sorted(pathlib.PurePosixPath(n).name for n in archive.namelist() if n.startswith("helm/presets/")
+                         and n.endswith(".json"))
+    assert presets and shipped == presets
+
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                              str(wheel)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    code = "import helm; c = helm.load_config('helm-mice-1b'); print(helm.__file__); print(c.hidden_size)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=outside, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(target)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, hidden = proc.stdout.strip().splitlines()[-2:]
+    assert pathlib.Path(where).is_relative_to(target) and hidden == "910"

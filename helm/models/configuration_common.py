@@ -1,46 +1,43 @@
-"""Validation shared by the HELM configs (kept free of torch so configs load fast)."""
+"""Fields and checks shared by the HELM configs (written like ``transformers``' ``LlamaConfig``).
+
+Every field carries its rule (:func:`helm.nn.validation.field`); ``__post_init__`` fills derived defaults and
+then runs the rules and :meth:`HelmConfigBase.validate_architecture`, the one place for cross-field checks.
+Derived values are properties, never stored: ``k`` (from ``curvature``) and ``residual_space_scale`` (from
+``residual_space_scale_factor`` and ``hidden_size``).
+"""
 
 from __future__ import annotations
 
 import math
 
 from transformers import PreTrainedConfig
+from transformers.utils import logging
 
-EMBEDDING_MODES = ("lorentz", "space")
-LM_HEAD_MODES = ("linear", "distance")
-POSITIONALS = ("hope", "learned", "none", "alibi", "rope3d", "hope_boost")
-ATTN_IMPLS = ("eager", "sdpa", "triton", "auto")
+from ..manifold.math import curvature_to_k
+from ..nn.activation import ACTIVATIONS
+from ..nn.positional.registry import POSITIONAL_ENCODINGS, positional_encoding_class
+from ..nn.validation import (
+    EMBEDDING_MODES,
+    LM_HEAD_MODES,
+    boolean,
+    check_decay_above,
+    check_fields,
+    field,
+    greater_than,
+    integer,
+    negative,
+    one_of,
+    optional,
+    positive,
+)
+from ..ops.attention import available_attention_impls
 
+logger = logging.get_logger(__name__)
 
-def _choice(value, name, accepted):
-    if value not in accepted:
-        raise ValueError(f"{name} must be one of {accepted}, got {value!r}")
-
-
-def _positive_int(value, name, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def validate_helm_common(cfg) -> None:
-    """Checks every HELM config needs: dims (ambient, counting the time coordinate), curvature, choices."""
-    _positive_int(cfg.vocab_size, "vocab_size")
-    _positive_int(cfg.hidden_size, "hidden_size", 2)
-    _positive_int(cfg.num_hidden_layers, "num_hidden_layers")
-    _positive_int(cfg.num_attention_heads, "num_attention_heads")
-    _positive_int(cfg.max_position_embeddings, "max_position_embeddings")
-    if not (isinstance(cfg.curvature, (int, float)) and math.isfinite(cfg.curvature) and cfg.curvature < 0):
-        raise ValueError(f"curvature must be a negative number (paper convention K < 0), got {cfg.curvature!r}")
-    _choice(cfg.embedding_mode, "embedding_mode", EMBEDDING_MODES)
-    _choice(cfg.lm_head_mode, "lm_head_mode", LM_HEAD_MODES)
-    _choice(cfg.positional, "positional", POSITIONALS)
-    _choice(cfg.attn_impl, "attn_impl", ATTN_IMPLS)
-    if cfg.residual_space_scale is not None and not cfg.residual_space_scale > 0:
-        raise ValueError(f"residual_space_scale must be positive or None, got {cfg.residual_space_scale!r}")
-    if not cfg.residual_weight > 0:
-        raise ValueError(f"residual_weight must be positive, got {cfg.residual_weight!r}")
-    if cfg.tau_init is not None and not cfg.tau_init > 0:
-        raise ValueError(f"tau_init must be positive or None, got {cfg.tau_init!r}")
+# Old field names read from saved configs: (old name -> new name). ``pe_options`` keys map to typed fields.
+_PE_OPTION_FIELDS = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base",
+                     "theta_prime": "hope_boost_theta_prime", "angle_scale": "hope_boost_angle_scale",
+                     "learnable_decay": "hope_boost_learnable_decay"}
 
 
 class RemoteCodeConfigMixin:
@@ -53,49 +50,115 @@ class RemoteCodeConfigMixin:
 
 
 class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
-    """Fields shared by both families: Llama names first, then the HELM-specific ones (documented on the
-    family configs). Dimensions are ambient: they count the time coordinate."""
+    r"""Fields shared by both families: Llama names first, then the HELM-specific ones.
+
+    Dimensions are *ambient*: they count the time coordinate, like the paper (the 115M model has
+    ``hidden_size=390 = 1 + 389`` and heads of ``head_dim=65 = 1 + 64``).
+
+    HELM-specific fields:
+        curvature: the paper's ``K < 0`` of the whole model; ``config.k = -1/K`` is geoopt's parameter.
+        embedding_mode: ``space`` (Euclidean table of space parts, time computed on the fly) or ``lorentz``
+            (a ``geoopt.ManifoldParameter`` table trained by Riemannian Adam).
+        positional: a kind of :data:`helm.nn.positional.POSITIONAL_ENCODINGS` (``hope`` default, ``learned``,
+            ``none``, ``alibi``, ``rope3d``, ``hope_boost``).
+        rope3d_chunk_size, rope3d_chunk_base: 3D-RPE chunk length ``c`` and chunk-phase base (> 1; default
+            ``rope_theta``).
+        hope_boost_theta_prime, hope_boost_angle_scale, hope_boost_learnable_decay: seed 000's damping ``θ'``
+            (> max θ_l = angle_scale; default ``1.1·angle_scale``), the angle scale, and a trainable ``θ'``.
+        attn_impl: ``auto`` / ``sdpa`` / ``eager`` / ``triton``.
+        tau_init: initial attention temperature (default ``sqrt(d)``, ``d`` the space dims a head scores).
+        residual_weight: initial weight of the sublayer in the Lorentz residual centroid.
+        residual_space_scale_factor: the official code's constant space-part scale after each residual, as a
+            factor of ``sqrt(hidden_size - 1)`` (None = off). The official runs used 4 (dense) and 1 (MiCE),
+            and so do the presets; ``config.residual_space_scale`` is the resulting scale, so a ``hidden_size``
+            override keeps it consistent. See :class:`helm.nn.LorentzResidual` for its effect.
+        lm_head_mode: ``linear`` (paper code) or ``distance`` (fully hyperbolic prototypes).
+        validate_inputs: check token ids against the vocabulary (one device read per forward).
+    """
 
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    vocab_size: int = 128256
-    hidden_size: int = 390
-    intermediate_size: int = 1560
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 6
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-12
+    vocab_size: int = field(integer(1), 128256)
+    hidden_size: int = field(integer(2), 390)
+    intermediate_size: int = field(integer(2), 1560)
+    num_hidden_layers: int = field(integer(1), 6)
+    num_attention_heads: int = field(integer(1), 6)
+    head_dim: int | None = field(optional(integer(2)), None)
+    hidden_act: str = field(one_of(ACTIVATIONS), "silu")
+    max_position_embeddings: int = field(integer(1), 2048)
+    initializer_range: float = field(positive, 0.02)
+    rms_norm_eps: float = field(positive, 1e-12)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: float = field(positive, 10000.0)
     attention_bias: bool = True
     mlp_bias: bool = True
-    curvature: float = -1.0
-    embedding_mode: str = "space"
-    positional: str = "hope"
-    pe_options: dict | None = None
-    attn_impl: str = "auto"
-    tau_init: float | None = None
-    residual_weight: float = 1.0
-    residual_space_scale: float | None = None
-    lm_head_mode: str = "linear"
+    curvature: float = field(negative, -1.0)
+    embedding_mode: str = field(one_of(EMBEDDING_MODES), "space")
+    positional: str = field(one_of(POSITIONAL_ENCODINGS), "hope")
+    rope3d_chunk_size: int = field(integer(1), 512)
+    rope3d_chunk_base: float | None = field(optional(greater_than(1)), None)
+    hope_boost_theta_prime: float | None = field(optional(positive), None)
+    hope_boost_angle_scale: float = field(positive, 1.0)
+    hope_boost_learnable_decay: bool = field(boolean, False)
+    attn_impl: str = field(one_of(available_attention_impls()), "auto")
+    tau_init: float | None = field(optional(positive), None)
+    residual_weight: float = field(positive, 1.0)
+    residual_space_scale_factor: float | None = field(optional(positive), None)
+    lm_head_mode: str = field(one_of(LM_HEAD_MODES), "linear")
     validate_inputs: bool = True
 
+    @property
+    def k(self) -> float:
+        """geoopt's curvature parameter ``k = -1/K > 0`` (``<x, x>_L = -k``)."""
+        return curvature_to_k(self.curvature)
+
+    @property
+    def residual_space_scale(self) -> float | None:
+        """``residual_space_scale_factor · sqrt(hidden_size - 1)``, or None when the scale is off."""
+        if self.residual_space_scale_factor is None:
+            return None
+        return self.residual_space_scale_factor * math.sqrt(self.hidden_size - 1)
+
+    def upgrade_old_fields(self, kwargs: dict) -> None:
+        """Read configs saved before the fields were renamed (``residual_space_scale``, ``pe_options``)."""
+        if "residual_space_scale" in kwargs:
+            scale = kwargs.pop("residual_space_scale")
+            logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "
+                           "sqrt(hidden_size - 1); converting %r", scale)
+            self.residual_space_scale_factor = None if scale is None else scale / math.sqrt(self.hidden_size - 1)
+        options = kwargs.pop("pe_options", None) or {}
+        for key, value in options.items():
+            if key not in _PE_OPTION_FIELDS:
+                raise ValueError(f"pe_options: unknown option {key!r}; the options are now config fields "
+                                 f"{tuple(_PE_OPTION_FIELDS.values())}")
+            setattr(self, _PE_OPTION_FIELDS[key], value)
+
     def default_head_dim(self) -> None:
-        """``head_dim = 1 + (hidden_size - 1) / num_attention_heads`` when not given."""
-        if self.head_dim is None:
-            if (self.hidden_size - 1) % self.num_attention_heads:
-                raise ValueError(f"hidden_size - 1 = {self.hidden_size - 1} is not divisible by num_attention_heads="
-                                 f"{self.num_attention_heads}; set head_dim explicitly")
+        """``head_dim = 1 + ⌊(hidden_size - 1) / num_attention_heads⌋`` when not given (the paper's 115M model:
+        390 ambient, 6 heads of 1 + 64; the output HLT maps the ``1 + H·d`` joined heads back to ``hidden_size``)."""
+        if self.head_dim is None and all(isinstance(v, int) and v > 0
+                                         for v in (self.hidden_size, self.num_attention_heads)):
             self.head_dim = 1 + (self.hidden_size - 1) // self.num_attention_heads
 
-    def check_no_tying(self) -> None:
+    def positional_dims(self) -> dict[str, int]:
+        """Config field -> space dims the attention's positional encoding acts on (per head)."""
+        return {"head_dim": self.head_dim - 1}
+
+    def validate_architecture(self) -> None:
+        """Cross-field checks (single-field rules run first, from the fields' ``validator`` metadata)."""
+        check_fields(self)
+        kind = positional_encoding_class(self.positional)
+        if kind.pairs:
+            for name, dims in self.positional_dims().items():
+                if dims % 2:
+                    raise ValueError(f"{name} must be 1 + an even number for positional={self.positional!r} (it acts "
+                                     f"on pairs of space dims), got {dims + 1}")
+        if self.positional == "hope_boost":
+            check_decay_above(self.hope_boost_theta_prime, self.hope_boost_angle_scale, "hope_boost_theta_prime")
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings is not supported: the token table holds points (or space parts) "
                              "while the LM head maps the full vector")

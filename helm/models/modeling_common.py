@@ -1,4 +1,5 @@
-"""Pieces shared by the HELM-D and HELM-MiCE models: base class, embeddings, input checks, the decoder loop."""
+"""What the HELM-D and HELM-MiCE models share: the base class (init, geometry, save hooks) and three functions
+their ``forward`` calls: input checks, default positions, and the positional encoding built from a config."""
 
 from __future__ import annotations
 
@@ -7,27 +8,22 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import curvature_to_k
-from ..manifold.math import lift
-from ..nn.attention import LorentzSelfAttention
+from ..nn.attention import LorentzAttentionBase
 from ..nn.embedding import LorentzEmbedding
 from ..nn.head import LorentzLMHead
-from ..nn.hmla import HMLA
-from ..nn.linear import LorentzLinear
 from ..nn.norm import LorentzRMSNorm
-from ..nn.positional import LearnedPositionalEncoding
+from ..nn.positional import PositionalEncoding
+from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
 
 
 class HelmPreTrainedModel(PreTrainedModel):
-    """Weight init and geometry bookkeeping common to every HELM model."""
+    """Weight init, geometry bookkeeping and remote-code saving common to every HELM model."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["HelmDDecoderLayer", "HelmMiCEDecoderLayer"]
     _supports_sdpa = True
     _can_compile_fullgraph = False
 
@@ -38,15 +34,10 @@ class HelmPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, 0.0, std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, (LorentzEmbedding, LearnedPositionalEncoding)):
-            module.reset_parameters()
-        elif isinstance(module, LorentzLMHead):
-            module.reset_parameters()
         elif isinstance(module, LorentzRMSNorm):
             nn.init.ones_(module.weight)
-        elif isinstance(module, LorentzResidual):
-            module.reset_parameters()
-        elif isinstance(module, (LorentzSelfAttention, HMLA)):
+        elif isinstance(module, (LorentzEmbedding, LorentzLMHead, LorentzResidual, LorentzAttentionBase,
+                                 PositionalEncoding)) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
         elif hasattr(module, "reset_geometry"):
             module.reset_geometry()
@@ -96,29 +87,22 @@ class HelmPreTrainedModel(PreTrainedModel):
             write_remote_code(save_directory, type(self))
 
 
-
-class HelmEmbeddings(nn.Module):
-    """Token embedding (``lorentz`` or ``space`` mode) plus the ``learned`` absolute positions when chosen."""
-
-    def __init__(self, config, k: float):
-        super().__init__()
-        self.k = k
-        self.embed_tokens = LorentzEmbedding(config.vocab_size, config.hidden_size, k=k,
-                                             mode=config.embedding_mode, init_std=config.initializer_range)
-        self.embed_positions = None
-        if config.positional == "learned":
-            self.embed_positions = LearnedPositionalEncoding(config.max_position_embeddings, config.hidden_size - 1,
-                                                             init_std=config.initializer_range)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.embed_positions is not None:
-            x = lift(self.embed_positions.embed(x[..., 1:], position_ids), k=self.k)
-        return x
+def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
+    """The model's positional encoding from ``config``: ``head_dim`` space dims per head get it (``absolute``
+    kinds act on the token stream, ``hidden_size - 1`` dims); kind-specific options come from the config
+    fields the kind names in its ``options``."""
+    kind = positional_encoding_class(config.positional)
+    options = {name: getattr(config, field) for name, field in kind.options.items() if field is not None}
+    return build_positional_encoding(config.positional, head_dim=config.hidden_size - 1 if kind.absolute else head_dim,
+                                     num_heads=config.num_attention_heads,
+                                     max_position_embeddings=config.max_position_embeddings,
+                                     rope_theta=config.rope_theta, **options)
 
 
-def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds, past_len: int, seq_len: int) -> None:
-    """Clear errors for ids outside the vocabulary and lengths the positional encoding cannot reach.
+def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds, past_len: int, seq_len: int,
+                 attention_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor]) -> None:
+    """Clear errors for ids outside the vocabulary, masks of the wrong length, and lengths the positional
+    encoding cannot reach.
 
     The vocabulary check reads one boolean back from the device per forward (skipped while compiling);
     ``config.validate_inputs = False`` turns it off.
@@ -130,6 +114,9 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds, past_
             lo, hi = int(input_ids.min()), int(input_ids.max())
             raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size}); got values in [{lo}, {hi}]"
                              " (is the tokenizer's vocabulary larger than the model's?)")
+    for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+        if t is not None and (t.dim() != 2 or t.shape[-1] != past_len + seq_len):
+            raise ValueError(f"{name} must be [B, T_past+T] = [B, {past_len + seq_len}], got {tuple(t.shape)}")
     if config.positional == "learned" and past_len + seq_len > config.max_position_embeddings:
         raise ValueError(f"sequence length {past_len + seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
@@ -145,121 +132,4 @@ def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, 
     return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
 
 
-class HelmDecoderStack:
-    """``forward`` of the base models: embedding → decoder layers → final RMSNorm_L, with cache and masks.
-
-    The host class calls :meth:`build_stack` and sets ``output_class`` (a ``transformers`` output).
-    ``segment_ids [B, T_past+T]`` are document ids of packed rows: attention never crosses documents.
-    """
-
-    def build_stack(self, config, layer_class) -> None:
-        k = curvature_to_k(config.curvature)
-        self.embed = HelmEmbeddings(config, k)
-        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.norm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
-
-    def get_input_embeddings(self):
-        return self.embed.embed_tokens
-
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
-                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
-                **kwargs):
-        config = self.config
-        use_cache = config.use_cache if use_cache is None else use_cache
-        B, T = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)
-        past_len = past_key_values.get_seq_length() if isinstance(past_key_values, Cache) else 0
-        check_inputs(config, input_ids, inputs_embeds, past_len, T)
-        for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
-            if t is not None and (t.dim() != 2 or t.shape[-1] != past_len + T):
-                raise ValueError(f"{name} must be [B, T_past+T] = [B, {past_len + T}], got {tuple(t.shape)}")
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, past_len, T, B, device)
-        x = self.embed(input_ids, position_ids) if inputs_embeds is None else inputs_embeds
-        hidden_states = []
-        for layer in self.layers:
-            x = layer(x, position_ids=position_ids, attention_mask=attention_mask, segment_ids=segment_ids,
-                      past_key_values=past_key_values)
-            hidden_states.append(x)
-        return self.output_class(last_hidden_state=self.norm(x), past_key_values=past_key_values if use_cache else None,
-                                 hidden_states=tuple(hidden_states) if output_hidden_states else None)
-
-
-def build_attention(config, k: float, layer_idx: int, kind: str) -> nn.Module:
-    """``mha`` (Eq. 3 self-attention) or ``hmla`` (§4.3) from a config; ``learned`` positions live in the embedding."""
-    positional = "none" if config.positional == "learned" else config.positional
-    common = dict(k=k, positional=positional, max_position_embeddings=config.max_position_embeddings,
-                  rope_theta=config.rope_theta, tau_init=config.tau_init, attn_impl=config.attn_impl,
-                  layer_idx=layer_idx, bias=config.attention_bias, pe_options=dict(config.pe_options or {}))
-    if kind == "hmla":
-        return HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
-                    q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
-                    qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                    rms_norm_eps=config.rms_norm_eps, **common)
-    return LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim, **common)
-
-
-def build_residual(config, k: float) -> LorentzResidual:
-    return LorentzResidual(k=k, weight=config.residual_weight, space_scale=config.residual_space_scale)
-
-
-def build_lm_head(config, k: float) -> LorentzLMHead:
-    return LorentzLMHead(config.hidden_size, config.vocab_size, k=k, mode=config.lm_head_mode,
-                         init_std=config.initializer_range)
-
-
-class HelmCausalLMMixin:
-    """``forward`` of the causal-LM wrappers: logits for the kept positions, shifted cross-entropy loss, and the
-    MoE balance loss when the host's ``output_class`` carries one (added to ``loss`` in training)."""
-
-    def build_head(self, config, model_class) -> None:
-        self.model = model_class(config)
-        self.lm_head = build_lm_head(config, curvature_to_k(config.curvature))
-
-    def get_input_embeddings(self):
-        return self.model.embed.embed_tokens
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def aux_loss(self) -> Optional[torch.Tensor]:
-        return None
-
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
-                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0, **kwargs):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         segment_ids=segment_ids, output_hidden_states=output_hidden_states)
-        hidden = out.last_hidden_state
-        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        fields = dict(logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states)
-        if "aux_loss" in self.output_class.__dataclass_fields__:
-            aux = self.aux_loss()
-            fields["aux_loss"] = aux
-            if loss is not None and aux is not None:
-                loss = loss + aux
-        return self.output_class(loss=loss, **fields)
-
-
-__all__ = [
-    "HelmPreTrainedModel",
-    "HelmEmbeddings",
-    "HelmDecoderStack",
-    "HelmCausalLMMixin",
-    "build_attention",
-    "build_residual",
-    "build_lm_head",
-    "check_inputs",
-    "default_position_ids",
-    "LorentzLinear",
-]
+__all__ = ["HelmPreTrainedModel", "check_inputs", "default_position_ids", "positional_encoding"]

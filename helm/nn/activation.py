@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import lift
-from ._checks import check_choice, check_k
+from .validation import check_choice, check_k
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -8,9 +8,7 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import expmap0, lift
-from ._checks import check_choice, check_dim, check_k, check_positive
-
-EMBEDDING_MODES = ("lorentz", "space")
+from .validation import EMBEDDING_MODES, check_choice, check_dim, check_k, check_positive
 
 
 def wrapped_normal_(weight: torch.Tensor, *, k: float, std: float) -> torch.Tensor:

@@ -9,10 +9,8 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import upcast
-from ._checks import check_choice, check_dim, check_k, check_positive
+from .validation import LM_HEAD_MODES, check_choice, check_dim, check_k, check_positive
 from .embedding import wrapped_normal_
-
-HEAD_MODES = ("linear", "distance")
 
 
 class LorentzLMHead(nn.Module):
@@ -32,7 +30,7 @@ class LorentzLMHead(nn.Module):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(vocab_size, "vocab_size")
         check_k(k, "k")
-        check_choice(mode, "mode", HEAD_MODES)
+        check_choice(mode, "mode", LM_HEAD_MODES)
         check_positive(tau, "tau")
         self.k, self.mode, self.init_std, self.init_tau = float(k), mode, init_std, float(tau)
         if mode == "linear":

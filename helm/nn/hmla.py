@@ -8,10 +8,14 @@ from typing import Optional
 import torch
 
 from ..manifold.math import hcat, lift
-from ._checks import check_dim
+from ..ops.attention import AttentionMask
 from .attention import LorentzAttentionBase
 from .linear import LorentzLinear
 from .norm import LorentzRMSNorm
+from .positional import PositionalTables
+from .validation import check_dim
+
+_NO_POSITIONS = PositionalTables()
 
 
 class HMLA(LorentzAttentionBase):
@@ -20,7 +24,8 @@ class HMLA(LorentzAttentionBase):
     All dims are ambient (they count the time coordinate, like the paper's 65 / 33 / 17):
 
     * ``c_KV = RMSNorm_L(HLT_kv_a(x))`` ``[1+n_kv]`` — the latent, the only per-head-free state cached;
-    * ``k^R = PE(HLT_kr(x)_s)`` ``[1+d_r]`` — one rotary key shared by all heads, also cached;
+    * ``k^R = PE(HLT_kr(x)_s)`` ``[1+d_r]`` — one rotary key shared by all heads, also cached (the positional
+      encoding acts on the ``d_r`` rope coordinates only: rotation, and the score bias of ``hope_boost``);
     * ``k^C_h, v^C_h = HLT_kv_b(c_KV)`` per head ``[1+d_n]``, ``[1+d_v]`` — rebuilt from the cache every step;
     * ``q^C_h, q^R_h`` from ``HLT_q(x)`` (or through a latent ``c_Q`` when ``q_lora_rank > 0``), ``q^R`` rotated;
     * ``q_h = HCat(q^C_h, q^R_h)``, ``k_h = HCat(k^C_h, k^R)``, Eq. 3 with ``τ`` initialised to
@@ -29,14 +34,14 @@ class HMLA(LorentzAttentionBase):
     The cache (a ``transformers`` ``DynamicCache``; ``layer_idx`` selects the layer) holds exactly
     ``c_KV`` as its "keys" ``[B, 1, T, 1+n_kv]`` and ``k^R`` as its "values" ``[B, 1, T, 1+d_r]``.
 
-    ``forward(x [B, T, 1+n], position_ids, attention_mask, segment_ids, past_key_values) -> [B, T, 1+n]``.
+    ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
+    None, past_key_values) -> [B, T, 1+n]`` (tables and mask built once per forward by the model).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int = 0, k: float = 1.0,
-                 positional: str = "hope", max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
                  tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True, rms_norm_eps: float = 1e-12, pe_options: Optional[dict] = None):
+                 bias: bool = True, rms_norm_eps: float = 1e-12):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(kv_lora_rank, "kv_lora_rank", minimum=2)
         check_dim(qk_nope_head_dim, "qk_nope_head_dim", minimum=2)
@@ -46,14 +51,9 @@ class HMLA(LorentzAttentionBase):
         if q_lora_rank == 1:
             raise ValueError("q_lora_rank must be 0 (no query compression) or an ambient dim >= 2, got 1")
         dn, dr, dv = qk_nope_head_dim - 1, qk_rope_head_dim - 1, v_head_dim - 1
-        if positional in ("hope", "rope3d", "hope_boost") and dr % 2:
-            raise ValueError(f"qk_rope_head_dim must be 1 + an even number for rotary encodings, got {qk_rope_head_dim}")
-        super().__init__(num_heads=num_heads, k=k, positional=positional, pe_dim=dr,
-                         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-                         tau_init=math.sqrt(dn + dr) if tau_init is None else tau_init, attn_impl=attn_impl,
-                         layer_idx=layer_idx, pe_options=pe_options or {})
+        super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(dn + dr) if tau_init is None else tau_init,
+                         attn_impl=attn_impl, layer_idx=layer_idx)
         self.dn, self.dr, self.dv = dn, dr, dv
-        self.pe_offset = dn  # q = HCat(q^C, q^R): the positional encoding acts on the trailing d_r coordinates
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         H = num_heads
         if q_lora_rank:
@@ -68,21 +68,22 @@ class HMLA(LorentzAttentionBase):
         self.kv_b_proj = LorentzLinear(kv_lora_rank, 1 + H * (dn + dv), k=k, bias=bias)
         self.o_proj = LorentzLinear(1 + H * dv, hidden_size, k=k, bias=bias)
 
-    def latent(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+    def latent(self, x: torch.Tensor, position_embeddings: PositionalTables) -> tuple:
         """What the cache stores for new tokens: ``c_KV [B, 1, T, 1+n_kv]``, rotated ``k^R [B, 1, T, 1+d_r]``."""
         c_kv = self.kv_a_layernorm(self.kv_a_proj(x)).unsqueeze(1)
-        k_rope = self.pe.rotate(self.k_rope_proj.space(x).unsqueeze(1), position_ids)
+        k_rope = position_embeddings.rotate(self.k_rope_proj.space(x).unsqueeze(1))
         return c_kv, lift(k_rope, k=self.k)
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, past_key_values=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_embeddings: Optional[PositionalTables] = None,
+                attention_mask: Optional[AttentionMask] = None, past_key_values=None) -> torch.Tensor:
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
+        pos = _NO_POSITIONS if position_embeddings is None else position_embeddings
         q_in = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else x
         q_s = (self.q_b_proj if self.q_lora_rank else self.q_proj).space(q_in).view(B, T, H, dn + dr).transpose(1, 2)
-        q_s = torch.cat([q_s[..., :dn], self.pe.rotate(q_s[..., dn:], position_ids)], dim=-1)
+        q_s = torch.cat([q_s[..., :dn], pos.rotate(q_s[..., dn:])], dim=-1)
 
-        c_kv, k_rope = self.latent(x, position_ids)
+        c_kv, k_rope = self.latent(x, pos)
         if past_key_values is not None:
             c_kv, k_rope = past_key_values.update(c_kv, k_rope, self.layer_idx)
         Tk = c_kv.shape[-2]
@@ -90,5 +91,6 @@ class HMLA(LorentzAttentionBase):
         # HCat(k^C_h, k^R): concatenated space parts, one recomputed time coordinate (lift).
         k_s = torch.cat([kv_s[..., :dn].to(k_rope.dtype), k_rope[..., 1:].expand(B, H, Tk, dr)], dim=-1)
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(kv_s[..., dn:], k=self.k)
-        out = self._attend(q, key, value, attention_mask=attention_mask, segment_ids=segment_ids)
+        out = self.attend(q, key, value, q_pe=q[..., 1 + dn:], k_pe=key[..., 1 + dn:], position_embeddings=pos,
+                          attention_mask=attention_mask)
         return self.o_proj(hcat(out.transpose(1, 2), k=self.k, dim=-2))

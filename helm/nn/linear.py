@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..manifold.math import lift
-from ._checks import check_dim, check_k
+from .validation import check_dim, check_k
 
 Curv = Union[float, torch.Tensor]
 

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import curvature_to_k, normalize, rescale
-from ._checks import check_choice, check_dim, check_k
+from .validation import SCORING_FUNCS, check_choice, check_dim, check_k
 from .mlp import LorentzSwiGLU
 
-SCORING_FUNCS = ("sigmoid", "softmax")
 # log k is clamped to this range in the forward pass: any optimiser step leaves k finite and positive
 # (K between -1e-4 and -1e4 covers every curvature the paper or its ablations use by orders of magnitude).
 LOG_K_RANGE = (math.log(1e-4), math.log(1e4))
@@ -81,8 +80,7 @@ class MiCE(nn.Module):
                  num_experts_per_tok: int, n_shared_experts: int = 1, k: float = 1.0,
                  routed_curvatures: Optional[Sequence[float]] = None, trainable_curvatures: bool = True,
                  scoring_func: str = "sigmoid", norm_topk_prob: bool = True, aux_loss_alpha: float = 1e-4,
-                 bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True,
-                 initializer_range: float = 0.02):
+                 bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True):
         super().__init__()
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(moe_intermediate_size, "moe_intermediate_size", minimum=2)
@@ -101,7 +99,6 @@ class MiCE(nn.Module):
         self.k, self.top_k, self.n_routed = float(k), num_experts_per_tok, n_routed_experts
         self.scoring_func, self.norm_topk_prob = scoring_func, norm_topk_prob
         self.aux_loss_alpha, self.bias_update_speed = aux_loss_alpha, bias_update_speed
-        self.initializer_range = initializer_range
         self.gate = nn.Linear(hidden_size - 1, n_routed_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(n_routed_experts, dtype=torch.float32))
         self.register_buffer("last_expert_load", torch.zeros(n_routed_experts, dtype=torch.float32), persistent=False)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import upcast, lift
-from ._checks import check_dim, check_k, check_positive
+from .validation import check_dim, check_k, check_positive
 
 
 class LorentzRMSNorm(nn.Module):

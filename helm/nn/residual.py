@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import upcast, lift, normalize, sqdist
-from ._checks import check_k, check_positive
+from .validation import check_k, check_positive
 
 
 class LorentzResidual(nn.Module):

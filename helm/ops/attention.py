@@ -20,23 +20,24 @@ is switched off inside), so the time coordinate's cancellation in ``<q, k>_L`` n
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from ..manifold.math import upcast, normalize
+from transformers.utils import logging
 
-logger = logging.getLogger("helm")
+from ..manifold.math import normalize, upcast
+
+logger = logging.get_logger(__name__)
 
 Tau = Union[float, torch.Tensor]
 
 __all__ = [
     "ATTENTION_IMPLS",
     "lorentz_attention",
-    "register_attention_impl",
+    "AttentionMask",
     "available_attention_impls",
     "build_attention_mask",
     "alibi_bias",
@@ -52,6 +53,69 @@ def _logit_scale(tau: Tau, num_heads: int, like: torch.Tensor) -> torch.Tensor:
     return (2.0 / tau).view(1, num_heads, 1, 1)
 
 
+class AttentionMask:
+    """Who may attend to whom, built once per model forward and read by every attention layer.
+
+    Queries are the *last* ``Tq`` of the ``Tk`` positions (bottom-right alignment, as in cached decoding).
+    ``padding`` ``[B, Tk]``: True for real tokens (the Hugging Face ``attention_mask``). ``segment_ids``
+    ``[B, Tk]``: document ids of packed rows; a query attends only to keys of its own document.
+
+    Two forms, one meaning: the Triton kernel reads ``padding`` and ``segment_ids`` (it never materialises a
+    ``Tq × Tk`` mask); eager and sdpa read :meth:`keep`, the dense boolean mask, computed on first use and
+    then shared by every layer of the forward. Rows that would mask every key (a padding query under left
+    padding) are unmasked entirely: their output is ignored by the caller and this keeps the softmax finite
+    without a host-side check.
+    """
+
+    __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "_keep")
+
+    def __init__(self, batch: int, q_len: int, kv_len: int, *, causal: bool = True,
+                 padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None):
+        for name, t in (("attention_mask", padding), ("segment_ids", segment_ids)):
+            if t is not None and tuple(t.shape) != (batch, kv_len):
+                raise ValueError(f"{name} must be [B, Tk] = {(batch, kv_len)}, got {tuple(t.shape)}")
+        self.batch, self.q_len, self.kv_len, self.causal, self.device = batch, q_len, kv_len, bool(causal), device
+        self.padding = None if padding is None else padding.to(device=device, dtype=torch.bool)
+        self.segment_ids = None if segment_ids is None else segment_ids.to(device)
+        self._keep = None
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Causal over a square problem with nothing else masked: fused kernels can use their causal flag."""
+        return self.causal and self.padding is None and self.segment_ids is None and self.q_len == self.kv_len
+
+    def keep(self) -> Optional[torch.Tensor]:
+        """Boolean keep-mask ``[B, 1, Tq, Tk]`` (True = may attend), or None when nothing is masked."""
+        if self._keep is None:
+            self._keep = _dense_keep(self)
+        return self._keep if isinstance(self._keep, torch.Tensor) else None
+
+    def __repr__(self) -> str:
+        return (f"AttentionMask(B={self.batch}, Tq={self.q_len}, Tk={self.kv_len}, causal={self.causal}, "
+                f"padding={self.padding is not None}, segments={self.segment_ids is not None})")
+
+
+def _dense_keep(mask: AttentionMask):
+    """The dense form of ``mask``; ``False`` (not None, so it is cached) when nothing is masked."""
+    B, Tq, Tk, device = mask.batch, mask.q_len, mask.kv_len, mask.device
+    keep = None
+    if mask.causal:
+        qi = torch.arange(Tk - Tq, Tk, device=device).view(Tq, 1)
+        kj = torch.arange(Tk, device=device).view(1, Tk)
+        keep = (kj <= qi).view(1, 1, Tq, Tk).expand(B, 1, Tq, Tk)
+    if mask.padding is not None:
+        pad = mask.padding.view(B, 1, 1, Tk)
+        keep = pad if keep is None else keep & pad
+    if mask.segment_ids is not None:
+        seg = mask.segment_ids
+        same = seg[:, -Tq:].view(B, 1, Tq, 1) == seg.view(B, 1, 1, Tk)
+        keep = same if keep is None else keep & same
+    if keep is None:
+        return False
+    keep = keep.expand(B, 1, Tq, Tk)
+    return keep | ~keep.any(-1, keepdim=True)
+
+
 def build_attention_mask(
     batch: int,
     q_len: int,
@@ -62,30 +126,9 @@ def build_attention_mask(
     segment_ids: Optional[torch.Tensor] = None,
     device=None,
 ) -> Optional[torch.Tensor]:
-    """Boolean keep-mask ``[B, 1, Tq, Tk]`` (True = may attend), or None when nothing is masked.
-
-    Queries are the *last* ``Tq`` of the ``Tk`` positions (bottom-right alignment, as in cached decoding).
-    ``attention_mask`` ``[B, Tk]``: 1 for real tokens (Hugging Face convention). ``segment_ids`` ``[B, Tk]``:
-    document ids of packed rows; a query attends only to keys of its own document. Rows that would mask
-    every key (a padding query under left padding) are unmasked entirely: their output is ignored by
-    the caller and this keeps the softmax finite without a host-side check.
-    """
-    keep = None
-    if causal:
-        qi = torch.arange(kv_len - q_len, kv_len, device=device).view(q_len, 1)
-        kj = torch.arange(kv_len, device=device).view(1, kv_len)
-        keep = (kj <= qi).view(1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len)
-    if attention_mask is not None:
-        pad = attention_mask.to(device=device, dtype=torch.bool).view(batch, 1, 1, kv_len)
-        keep = pad if keep is None else keep & pad
-    if segment_ids is not None:
-        seg = segment_ids.to(device)
-        same = seg[:, -q_len:].view(batch, 1, q_len, 1) == seg.view(batch, 1, 1, kv_len)
-        keep = same if keep is None else keep & same
-    if keep is None:
-        return None
-    keep = keep.expand(batch, 1, q_len, kv_len)
-    return keep | ~keep.any(-1, keepdim=True)
+    """The dense keep-mask ``[B, 1, Tq, Tk]`` of :class:`AttentionMask` (None when nothing is masked)."""
+    return AttentionMask(batch, q_len, kv_len, causal=causal, padding=attention_mask, segment_ids=segment_ids,
+                         device=device).keep()
 
 
 def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
@@ -106,9 +149,8 @@ def _floor(k):
     return k / 2
 
 
-def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, position_bias, alibi_slopes,
-             causal_flag_ok=False):
-    """Promote to the accumulation dtype; build the keep-mask and the additive logits bias.
+def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_slopes, causal_flag_ok=False):
+    """Promote to the accumulation dtype; read the keep-mask and build the additive logits bias.
 
     With ``causal_flag_ok`` (sdpa) a plain causal square problem returns no mask, so the fused kernels run
     with ``is_causal=True`` and never materialise a ``T × T`` mask.
@@ -118,11 +160,8 @@ def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, positi
     q, kk, v = q.to(dtype), kk.to(dtype), v.to(dtype)
     B, H, Tq, _ = q.shape
     Tk = kk.shape[-2]
-    plain_causal = attention_mask is None and segment_ids is None and position_bias is None \
-        and alibi_slopes is None and Tq == Tk
-    keep = None if (causal_flag_ok and plain_causal) else build_attention_mask(
-        B, Tq, Tk, causal=causal, attention_mask=attention_mask, segment_ids=segment_ids, device=q.device
-    )
+    plain_causal = mask.is_plain_causal and position_bias is None and alibi_slopes is None
+    keep = None if (causal_flag_ok and plain_causal) else mask.keep()
     bias = None
     if position_bias is not None:
         bias = position_bias.to(dtype)
@@ -132,11 +171,10 @@ def _prepare(query, key, value, tau, attention_mask, segment_ids, causal, positi
     return q, kk, v, _logit_scale(tau, H, q), keep, bias
 
 
-def eager_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
-                    position_bias=None, alibi_slopes=None) -> torch.Tensor:
+def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
+                    alibi_slopes=None) -> torch.Tensor:
     """Reference: explicit squared Lorentz distances, ``ν = softmax(-d²/τ + b)``, Lorentz centroid of values."""
-    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
-                                           position_bias, alibi_slopes)
+    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes)
     curv = torch.as_tensor(k, dtype=q.dtype, device=q.device)
     lorentz_inner = q[..., 1:] @ kk[..., 1:].transpose(-1, -2) - q[..., :1] * kk[..., :1].transpose(-1, -2)
     sqd = -2 * curv - 2 * lorentz_inner
@@ -149,24 +187,21 @@ def eager_attention(query, key, value, *, k, tau, causal=True, attention_mask=No
     return normalize(weights @ v, k=k, floor=_floor(k))
 
 
-def sdpa_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
-                   position_bias=None, alibi_slopes=None) -> torch.Tensor:
+def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
+                   alibi_slopes=None) -> torch.Tensor:
     """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`."""
-    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, attention_mask, segment_ids, causal,
-                                           position_bias, alibi_slopes, causal_flag_ok=True)
+    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes,
+                                           causal_flag_ok=True)
     # J q · 2/τ in one broadcast multiply: the sign flip of the time coordinate rides on the scale vector
     sign = torch.ones(q.shape[-1], dtype=q.dtype, device=q.device)
     sign[0] = -1
     q = q * (scale * sign)
-    mask = keep
+    attn_mask = keep
     if bias is not None:
-        mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
-    Tq, Tk = q.shape[-2], kk.shape[-2]
-    use_causal_flag = causal and mask is None and Tq == Tk
+        attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+    use_causal_flag = attn_mask is None and mask.is_plain_causal
     with torch.autocast(device_type=q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(
-            q, kk, v, attn_mask=None if use_causal_flag else mask, is_causal=use_causal_flag, scale=1.0
-        )
+        out = F.scaled_dot_product_attention(q, kk, v, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
     return normalize(out, k=k, floor=_floor(k))
 
 
@@ -193,17 +228,18 @@ def _triton_available(device: torch.device) -> Optional[str]:
     return _load_kernel()[1]
 
 
-def triton_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
-                     position_bias=None, alibi_slopes=None) -> torch.Tensor:
-    """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`)."""
+def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
+                     alibi_slopes=None) -> torch.Tensor:
+    """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`); it reads the mask's
+    padding and segment ids and builds no dense mask."""
     reason = _triton_available(query.device)
     if reason is not None:
         raise ValueError(reason)
     if position_bias is not None:
         raise ValueError("impl='triton' supports ALiBi slopes but not a dense position_bias; use impl='sdpa'")
     kernel, _ = _load_kernel()
-    return kernel(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                  segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+    return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
+                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes)
 
 
 ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {
@@ -212,11 +248,6 @@ ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {
     "triton": triton_attention,
 }
 _AUTO_LOGGED: set = set()
-
-
-def register_attention_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
-    """Add or replace an implementation under ``name`` (same keyword signature as :func:`eager_attention`)."""
-    ATTENTION_IMPLS[name] = fn
 
 
 def available_attention_impls() -> tuple:
@@ -234,12 +265,9 @@ def _resolve_impl(impl: str, device: torch.device, needs_dense_bias: bool) -> st
     return choice
 
 
-def _validate(query, key, value, tau, attention_mask, segment_ids, position_bias, alibi_slopes, impl):
+def _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl):
     if impl not in ATTENTION_IMPLS and impl != "auto":
         raise ValueError(f"impl must be one of {available_attention_impls()}, got {impl!r}")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [B, H, T, 1+d], got shape {tuple(t.shape)}")
     B, H, Tq, D = query.shape
     if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
         raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
@@ -256,9 +284,9 @@ def _validate(query, key, value, tau, attention_mask, segment_ids, position_bias
             raise ValueError(f"tau must be positive, got {tau!r}")
     elif tau.dim() > 1 or (tau.dim() == 1 and tau.numel() not in (1, H)):
         raise ValueError(f"tau must be a scalar or have shape [H={H}], got {tuple(tau.shape)}")
-    for name, m in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
-        if m is not None and tuple(m.shape) != (B, Tk):
-            raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
+    if (mask.batch, mask.q_len, mask.kv_len) != (B, Tq, Tk):
+        raise ValueError(f"the attention mask was built for [B, Tq, Tk] = {(mask.batch, mask.q_len, mask.kv_len)}, "
+                         f"got {(B, Tq, Tk)}")
     if position_bias is not None and (position_bias.dim() != 4 or position_bias.shape[-2:] != (Tq, Tk)):
         raise ValueError(f"position_bias must be [B|1, H|1, Tq, Tk] with Tq, Tk = {(Tq, Tk)}, "
                          f"got {tuple(position_bias.shape)}")
@@ -279,6 +307,7 @@ def lorentz_attention(
     position_bias: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     impl: str = "auto",
+    mask: Optional[AttentionMask] = None,
 ) -> torch.Tensor:
     """Multi-head Lorentz attention (paper Eq. 3).
 
@@ -294,11 +323,22 @@ def lorentz_attention(
         position_bias: additive logits ``[B|1, H|1, Tq, Tk]`` (e.g. a positional encoding's score bias).
         alibi_slopes: ``[H]`` ALiBi slopes, bias ``-m_h (i - j)``; supported by every implementation.
         impl: ``eager``, ``sdpa``, ``triton`` or ``auto``.
+        mask: a prebuilt :class:`AttentionMask` (models build one per forward for all layers); replaces
+            ``causal``, ``attention_mask`` and ``segment_ids``.
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` (fp32 for half-precision inputs, else the input dtype).
     """
-    _validate(query, key, value, tau, attention_mask, segment_ids, position_bias, alibi_slopes, impl)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, H, T, 1+d], got shape {tuple(t.shape)}")
+    if mask is None:
+        B, _, Tq, _ = query.shape
+        mask = AttentionMask(B, Tq, key.shape[-2], causal=causal, padding=attention_mask, segment_ids=segment_ids,
+                             device=query.device)
+    elif attention_mask is not None or segment_ids is not None:
+        raise ValueError("pass either mask or attention_mask / segment_ids, not both")
+    _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl)
     name = _resolve_impl(impl, query.device, position_bias is not None)
-    return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                                 segment_ids=segment_ids, position_bias=position_bias, alibi_slopes=alibi_slopes)
+    return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
+                                 alibi_slopes=alibi_slopes)

@@ -17,10 +17,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
+from tests.kernels.device import ON_GPU
+
 KERNELS = "kernels.lorentz_attention"
 _CHILD_FLAG = "HELM_KERNEL_TESTS_INTERPRETED_CHILD"
 

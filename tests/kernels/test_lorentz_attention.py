@@ -17,7 +17,7 @@ import torch
 from helm.manifold import lift, manifold_error
 from helm.ops import lorentz_attention
 
-from .conftest import DEVICE, ON_GPU
+from tests.kernels.device import DEVICE, ON_GPU
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FP32_TOL = 1e-4  # issue: relative error of the fp32 kernel against the fp64 eager reference

@@ -11,7 +11,7 @@ from helm.nn import (
     LorentzRMSNorm,
     LorentzSwiGLU,
 )
-from tests.helpers import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, space_parts
+from tests.helpers import BATCH_SHAPES, CURVATURES, EDGE_KINDS, MANIFOLD_TOL, assert_close, space_parts
 
 D = 1 + 17  # ambient dim with an odd space part
 
@@ -86,7 +86,7 @@ def test_lm_head(mode):
         wrapped_normal_(head.weight, k=2.0, std=0.5)  # prototypes on the manifold to fp64 precision
         logits = head(x)
         ref = -sqdist(x.unsqueeze(-2), head.weight, k=2.0) / head.log_tau.exp()
-        assert torch.allclose(logits, ref, rtol=1e-9, atol=1e-9)
+        assert_close(logits, ref, rtol=1e-9)
 
 
 def _grad_cases(k):
@@ -136,7 +136,7 @@ def test_rmsnorm_scale_invariance_prop_4_5(delta, k):
     xs = torch.randn(4, 9, D - 1)
     ref = norm(lift(xs, k=k))
     out = norm(lift(delta * xs, k=k))
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert_close(out, ref)
 
 
 @pytest.mark.parametrize("kind", EDGE_KINDS)

@@ -3,17 +3,20 @@
 import itertools
 import math
 
+import mpmath
 import pytest
 import torch
 
 from helm.manifold import inner, lift
 from helm.nn.positional import (
     POSITIONAL_ENCODINGS,
+    PositionalTables,
     alibi_slopes,
     build_positional_encoding,
     hope_boost_bias,
     rope_frequencies,
 )
+from tests.helpers import assert_close
 
 K = 1.0
 TAU = 8.0
@@ -48,9 +51,6 @@ def complex_pairs(x):
     return torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# registry and argument validation
-# ---------------------------------------------------------------------------------------------------------
 
 
 def test_registry_attributes():
@@ -105,9 +105,6 @@ def test_position_ids_must_be_integer_and_match_tokens():
         pe.rotate(x, torch.arange(4)[None])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# HELM Prop. 4.1: relative kinds give shift-invariant Lorentz scores and probabilities (bias included)
-# ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", [n for n in POSITIONAL_ENCODINGS if n not in ("learned", "rope3d")])
@@ -125,12 +122,22 @@ def test_prop_4_1_relative_scores_are_shift_invariant(name, d, shift):
     assert (causal_probs(s0, pos, pos) - causal_probs(s1, pos + shift, pos + shift)).abs().max() <= 1e-6
 
 
-def test_prop_4_1_test_detects_a_non_relative_encoding():
-    pe = build("learned")  # absolute: embedding the same tokens at shifted positions changes them
-    x = space(1, 7, 16)
-    pos = torch.arange(7)[None]
+@pytest.mark.parametrize("name", ["learned", "rope3d"])
+def test_prop_4_1_test_detects_a_non_relative_encoding(name):
+    """The shift check above fails for the absolute kinds: shifting positions changes their scores."""
+    pe = build(name, chunk_size=16) if name == "rope3d" else build(name, head_dim=16, hidden_space_dim=16)
     assert not pe.relative
-    assert (pe.embed(x, pos) - pe.embed(x, pos + 3)).abs().max() > 1e-3
+    B, H, T, d = 1, 3, 20, 16
+    q, k = space(B, H, T, d, seed=1), space(B, H, T, d, seed=2)
+    pos = torch.arange(T)[None]
+
+    def scores(p):
+        if pe.absolute:  # learned positions enter through the token embedding, per head here
+            return logits(pe, pe.embed(q.flatten(0, 1), p.expand(B * H, T)).view_as(q),
+                          pe.embed(k.flatten(0, 1), p.expand(B * H, T)).view_as(k), p, p)
+        return logits(pe, q, k, p, p)
+
+    assert (scores(pos) - scores(pos + 5)).abs().max() > 1e-3
 
 
 def test_hope_scores_depend_on_the_offset():
@@ -141,9 +148,6 @@ def test_hope_scores_depend_on_the_offset():
     assert min(abs(a - b) for a, b in itertools.pairwise(s)) > 1e-4
 
 
-# ---------------------------------------------------------------------------------------------------------
-# rotations: norm preserving (Lorentz rotation), exact angles at long range, dtypes, broadcasting
-# ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["hope", "rope3d"])
@@ -219,9 +223,6 @@ def test_rotation_is_interleaved_pairs():
     torch.testing.assert_close(y[0, 0, 0], torch.tensor([0, 0, math.cos(theta1), math.sin(theta1), 0, 0, 0, 0]))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# rope3d (3D-RPE)
-# ---------------------------------------------------------------------------------------------------------
 
 
 def test_rope3d_equals_hope_within_one_chunk():
@@ -269,15 +270,11 @@ def test_rope3d_is_relative_inside_chunks_but_not_across_boundaries():
     assert (straddle - base).abs().max() > 1e-3
 
 
-# ---------------------------------------------------------------------------------------------------------
-# hope_boost (seed 000)
-# ---------------------------------------------------------------------------------------------------------
 
 
 def boost_reference(q, k, qp, kp, theta, theta_prime):
     """Seed 000 Algorithm 1 verbatim, in 40-digit arithmetic: the naive form multiplies factors up to
     ``e^{±50}`` that cancel, which float64 cannot follow."""
-    mpmath = pytest.importorskip("mpmath")
     with mpmath.workdps(40):
         total = mpmath.mpf(0)
         for pair, th in enumerate(theta.tolist()):
@@ -381,9 +378,6 @@ def test_hope_boost_learnable_decay_trains_and_stays_above_max_theta():
     assert pe.theta_prime.item() > pe.max_theta  # the fp32 floor keeps θ' strictly above max θ_l
 
 
-# ---------------------------------------------------------------------------------------------------------
-# ALiBi
-# ---------------------------------------------------------------------------------------------------------
 
 
 def test_alibi_slopes_follow_press_et_al():
@@ -407,9 +401,6 @@ def test_alibi_penalty_grows_linearly_with_distance_per_head():
     assert (bias[:, :, -1, 0] < bias[:, :, -1, -2]).all()  # farther keys are penalised more
 
 
-# ---------------------------------------------------------------------------------------------------------
-# learned absolute positions (HELM-D-L ablation)
-# ---------------------------------------------------------------------------------------------------------
 
 
 def test_learned_adds_a_table_row_and_rejects_positions_past_the_table():
@@ -429,9 +420,6 @@ def test_learned_adds_a_table_row_and_rejects_positions_past_the_table():
         pe.embed(space(2, 7, 16), pos)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# dtypes and gradients
-# ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", POSITIONAL_ENCODINGS)
@@ -467,3 +455,51 @@ def test_hope_boost_bias_gradcheck(segments):
                                checkpoint_segments=segments)
 
     assert torch.autograd.gradcheck(f, (q, k, tp))
+
+
+def test_registry_properties_describe_each_kind():
+    """One vocabulary: each kind's properties are its class attributes, read by configs, models and layers."""
+    props = {name: (cls.rotary, cls.pairs, cls.has_score_bias, cls.absolute) for name, cls in
+             POSITIONAL_ENCODINGS.items()}
+    assert props == {"hope": (True, True, False, False), "learned": (False, False, False, True),
+                     "none": (False, False, False, False), "alibi": (False, False, True, False),
+                     "rope3d": (True, True, False, False), "hope_boost": (False, True, True, False)}
+
+
+@pytest.mark.parametrize("name", ["hope", "rope3d", "alibi", "hope_boost", "none"])
+def test_model_tables_equal_the_stand_alone_encoding(name):
+    """``pe(position_ids, kv_len)`` (what a model builds once per forward) applies the same rotation and bias
+    as the stand-alone ``rotate`` / ``score_bias`` at index positions."""
+    pe = build(name, chunk_size=8) if name == "rope3d" else build(name)
+    B, H, T, past = 2, 3, 5, 7
+    position_ids = torch.arange(past, past + T)[None] + torch.tensor([[0], [3]])
+    tables = pe(position_ids, kv_len=past + T)
+    assert isinstance(tables, PositionalTables)
+    x = space(B, H, T, 16)
+    assert torch.equal(tables.rotate(x), pe.rotate(x, position_ids))
+    q, k = space(B, H, T, 16, seed=3), space(B, H, past + T, 16, seed=4)
+    q_pos, k_pos = torch.arange(past, past + T).expand(B, T), torch.arange(past + T).expand(B, past + T)
+    want = pe.score_bias(q, k, q_pos, k_pos, scale=SCALE)
+    got = tables.score_bias(q, k, SCALE)
+    if name == "alibi":  # the model hands ALiBi to the attention as slopes, which builds this same bias
+        from helm.ops import alibi_bias as ops_alibi_bias
+
+        assert got is None
+        assert_close(ops_alibi_bias(tables.alibi_slopes, T, past + T).expand_as(want), want)
+    elif want is None:
+        assert got is None and tables.alibi_slopes is None
+    else:
+        assert torch.equal(got, want)
+
+
+def test_tables_follow_the_model_dtype():
+    pe = build("hope")
+    pos = torch.arange(4)[None]
+    assert pe(pos, kv_len=4).cos.dtype == torch.float32
+    assert pe(pos, kv_len=4, dtype=torch.bfloat16).cos.dtype == torch.float32
+    assert pe(pos, kv_len=4, dtype=torch.float64).cos.dtype == torch.float64
+
+
+def test_unknown_options_list_what_the_kind_accepts():
+    with pytest.raises(ValueError, match=r"accepted options: \('chunk_size', 'chunk_base'\)"):
+        build("rope3d", theta_prime=2.0)

@@ -1,14 +1,10 @@
 import pytest
 import torch
 
+import helm.ops.attention as ops_attention
 from helm.manifold import lift, manifold_error
-from helm.ops import alibi_bias, build_attention_mask, lorentz_attention
-
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+from helm.ops import AttentionMask, alibi_bias, build_attention_mask, lorentz_attention
+from tests.helpers import MANIFOLD_TOL, assert_close, relative_error
 
 
 def qkv(B=2, H=3, Tq=63, Tk=63, d=16, dv=12, k=0.5, dtype=torch.float64, seed=0, scale=1.0):
@@ -59,11 +55,11 @@ def test_eager_and_sdpa_agree_on_outputs_and_gradients(case, dtype):
         weights = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
         grads = torch.autograd.grad((out * weights).sum(), [q, k, v, tau])
         results[impl] = (out, grads)
-        assert manifold_error(out, 0.5).max() <= (1e-12 if dtype == torch.float64 else 1e-5)
+        assert manifold_error(out, 0.5).max() <= MANIFOLD_TOL[dtype]
     (o_e, g_e), (o_s, g_s) = results["eager"], results["sdpa"]
-    assert rel_err(o_s, o_e) <= TOL[dtype]
+    assert_close(o_s, o_e)
     for name, a, b in zip("qkvτ", g_s, g_e):
-        assert rel_err(a, b) <= TOL[dtype], f"grad {name}"
+        assert_close(a, b, msg=f"grad {name}")
 
 
 def test_matches_explicit_paper_formula():
@@ -77,7 +73,7 @@ def test_matches_explicit_paper_formula():
     w = (-d2 / tau).masked_fill(~mask, float("-inf")).softmax(-1)
     ref = centroid(v.unsqueeze(-3).expand(1, 2, 9, 9, 5), w, k=0.5, dim=-2)
     for impl in ("eager", "sdpa"):
-        assert rel_err(lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl), ref) <= 1e-12
+        assert_close(lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl), ref, rtol=1e-12)
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -103,7 +99,7 @@ def test_padding_queries_stay_finite_and_real_tokens_ignore_padding():
     out = lorentz_attention(q, k, v, k=0.5, tau=1.0, attention_mask=m, impl="sdpa")
     assert torch.isfinite(out).all()
     ref = lorentz_attention(q[1:, :, 6:], k[1:, :, 6:], v[1:, :, 6:], k=0.5, tau=1.0, impl="sdpa")
-    assert rel_err(out[1:, :, 6:], ref) <= 1e-5
+    assert_close(out[1:, :, 6:], ref)
 
 
 def test_mask_builder_and_alibi_bias():
@@ -111,7 +107,7 @@ def test_mask_builder_and_alibi_bias():
     assert keep[0, 0].tolist() == [[True, True, True, True, False], [True] * 5]
     bias = alibi_bias(torch.tensor([1.0, 0.5]), 3, 3)
     assert bias[0, 0].tolist() == [[0, 1, 2], [-1, 0, 1], [-2, -1, 0]]
-    assert torch.allclose(bias[0, 1], bias[0, 0] * 0.5)
+    assert torch.equal(bias[0, 1], bias[0, 0] * 0.5)
 
 
 def test_scores_stay_fp32_under_bf16_autocast():
@@ -123,7 +119,7 @@ def test_scores_stay_fp32_under_bf16_autocast():
         out = lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa")
     assert out.dtype == torch.float32 and manifold_error(out, 0.5).max() <= 1e-5
     assert torch.equal(out, lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa"))
-    assert rel_err(out.double(), ref) < 1e-4
+    assert relative_error(out, ref) < 1e-4
 
 
 BAD = [
@@ -159,3 +155,39 @@ def test_mismatched_shapes_raise(shapes, match):
     q, k, v = (torch.randn(*s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         lorentz_attention(q, k, v, k=1.0, tau=1.0, impl="sdpa")
+
+
+def test_one_mask_object_serves_every_call_and_builds_its_dense_form_once(monkeypatch):
+    """What a model does: one AttentionMask per forward, passed to every layer's attention call."""
+    calls = []
+    dense = ops_attention._dense_keep
+    monkeypatch.setattr(ops_attention, "_dense_keep", lambda m: calls.append(1) or dense(m))
+    q, k, v = qkv(2, 3, 20, 20, dtype=torch.float32)
+    pad = torch.ones(2, 20, dtype=torch.long)
+    pad[1, :4] = 0
+    seg = torch.zeros(2, 20, dtype=torch.long)
+    seg[:, 12:] = 1
+    mask = AttentionMask(2, 20, 20, padding=pad, segment_ids=seg)
+    outs = [lorentz_attention(q, k, v, k=0.5, tau=1.0, mask=mask, impl=impl) for impl in ("eager", "sdpa", "eager")]
+    assert len(calls) == 1
+    ref = lorentz_attention(q, k, v, k=0.5, tau=1.0, attention_mask=pad, segment_ids=seg, impl="eager")
+    for out in outs:
+        assert_close(out, ref)
+    assert torch.equal(mask.keep(), build_attention_mask(2, 20, 20, causal=True, attention_mask=pad, segment_ids=seg))
+
+
+def test_plain_causal_mask_has_no_dense_form_for_sdpa():
+    mask = AttentionMask(1, 9, 9)
+    assert mask.is_plain_causal
+    assert not AttentionMask(1, 3, 9).is_plain_causal and AttentionMask(1, 3, 9).keep().shape == (1, 1, 3, 9)
+    assert AttentionMask(1, 9, 9, causal=False).keep() is None  # nothing masked at all
+
+
+def test_mask_errors_name_the_problem():
+    q, k, v = qkv(2, 3, 9, 9, dtype=torch.float32)
+    with pytest.raises(ValueError, match="attention mask was built for"):
+        lorentz_attention(q, k, v, k=0.5, tau=1.0, mask=AttentionMask(2, 8, 8), impl="sdpa")
+    with pytest.raises(ValueError, match="either mask or attention_mask"):
+        lorentz_attention(q, k, v, k=0.5, tau=1.0, mask=AttentionMask(2, 9, 9), attention_mask=torch.ones(2, 9))
+    with pytest.raises(ValueError, match="segment_ids must be"):
+        AttentionMask(2, 9, 9, segment_ids=torch.zeros(2, 8))

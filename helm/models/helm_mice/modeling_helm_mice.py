@@ -7,31 +7,44 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from ...manifold.math import curvature_to_k
+from ...manifold.math import lift
+from ...nn.attention import LorentzSelfAttention
+from ...nn.embedding import LorentzEmbedding
+from ...nn.head import LorentzLMHead
+from ...nn.hmla import HMLA
 from ...nn.mice import MiCE
 from ...nn.mlp import LorentzSwiGLU
 from ...nn.norm import LorentzRMSNorm
-from ..modeling_common import (
-    HelmCausalLMMixin,
-    HelmDecoderStack,
-    HelmPreTrainedModel,
-    build_attention,
-    build_residual,
-)
+from ...nn.positional import PositionalTables
+from ...nn.residual import LorentzResidual
+from ...ops.attention import AttentionMask
+from ..modeling_common import HelmPreTrainedModel, check_inputs, default_position_ids, positional_encoding
 from .configuration_helm_mice import HelmMiCEConfig
 
 
 class HelmMiCEDecoderLayer(nn.Module):
-    """``x ← x ⊕ HMLA(RMSNorm_L(x))``, then ``x ← x ⊕ MiCE(RMSNorm_L(x))`` (dense SwiGLU_L in the first layers)."""
+    """``x ← x ⊕ HMLA(RMSNorm_L(x))``, then ``x ← x ⊕ MiCE(RMSNorm_L(x))`` (dense SwiGLU_L in the first
+    ``first_k_dense_replace`` layers; Eq. 3 self-attention instead of HMLA when ``attention_type="mha"``)."""
 
     def __init__(self, config: HelmMiCEConfig, layer_idx: int):
         super().__init__()
-        k = curvature_to_k(config.curvature)
+        k = config.k
         self.input_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
-        self.self_attn = build_attention(config, k, layer_idx, config.attention_type)
-        self.attn_residual = build_residual(config, k)
+        if config.attention_type == "hmla":
+            self.self_attn = HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+                                  q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
+                                  qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
+                                  tau_init=config.tau_init, attn_impl=config.attn_impl, layer_idx=layer_idx,
+                                  bias=config.attention_bias, rms_norm_eps=config.rms_norm_eps)
+        else:
+            self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim,
+                                                  k=k, tau_init=config.tau_init, attn_impl=config.attn_impl,
+                                                  layer_idx=layer_idx, bias=config.attention_bias)
+        self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
+                                             space_scale=config.residual_space_scale)
         self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
         if layer_idx < config.first_k_dense_replace:
             self.mlp = LorentzSwiGLU(config.hidden_size, config.intermediate_size, k=k, hidden_act=config.hidden_act,
@@ -43,17 +56,23 @@ class HelmMiCEDecoderLayer(nn.Module):
                             trainable_curvatures=config.trainable_curvatures, scoring_func=config.scoring_func,
                             norm_topk_prob=config.norm_topk_prob, aux_loss_alpha=config.aux_loss_alpha,
                             bias_update_speed=config.bias_update_speed, hidden_act=config.hidden_act,
-                            bias=config.mlp_bias, initializer_range=config.initializer_range)
-        self.mlp_residual = build_residual(config, k)
+                            bias=config.mlp_bias)
+        self.mlp_residual = LorentzResidual(k=k, weight=config.residual_weight,
+                                            space_scale=config.residual_space_scale)
 
-    def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
-        x = self.attn_residual(x, self.self_attn(self.input_layernorm(x), **attn_kwargs))
-        return self.mlp_residual(x, self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, hidden_states: torch.Tensor, *, position_embeddings: PositionalTables,
+                attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None) -> torch.Tensor:
+        """Points ``[B, T, 1+n] -> [B, T, 1+n]``; a MiCE layer keeps its balance loss in ``mlp.aux_loss``."""
+        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=past_key_values)
+        hidden_states = self.attn_residual(hidden_states, attn)
+        return self.mlp_residual(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class HelmMiCEPreTrainedModel(HelmPreTrainedModel):
     config_class = HelmMiCEConfig
     config: HelmMiCEConfig
+    _no_split_modules = ["HelmMiCEDecoderLayer"]
 
     def mice_layers(self) -> list:
         return [m for m in self.modules() if isinstance(m, MiCE)]
@@ -68,29 +87,93 @@ class HelmMiCEPreTrainedModel(HelmPreTrainedModel):
         return torch.stack([m.last_expert_load for m in self.mice_layers()])
 
 
-class HelmMiCEModel(HelmDecoderStack, HelmMiCEPreTrainedModel):
-    output_class = MoeModelOutputWithPast
+class HelmMiCEModel(HelmMiCEPreTrainedModel):
+    """Token embeddings, ``num_hidden_layers`` decoder layers and the final RMSNorm_L; returns points
+    ``[B, T, 1+n]``. ``segment_ids [B, T_past+T]`` are document ids of packed rows."""
 
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
-        self.build_stack(config, HelmMiCEDecoderLayer)
+        self.embed_tokens = LorentzEmbedding(config.vocab_size, config.hidden_size, k=config.k,
+                                             mode=config.embedding_mode, init_std=config.initializer_range)
+        rope_dims = config.qk_rope_head_dim - 1 if config.attention_type == "hmla" else config.head_dim - 1
+        self.pos_encoding = positional_encoding(config, head_dim=rope_dims)
+        self.layers = nn.ModuleList(HelmMiCEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LorentzRMSNorm(config.hidden_size, k=config.k, eps=config.rms_norm_eps)
         self.post_init()
 
+    def get_input_embeddings(self):
+        return self.embed_tokens
 
-class HelmMiCEForCausalLM(HelmCausalLMMixin, HelmMiCEPreTrainedModel, GenerationMixin):
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
+                **kwargs) -> MoeModelOutputWithPast:
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        batch, seq_len = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:2]
+        check_inputs(self.config, input_ids, inputs_embeds, past_len, seq_len, attention_mask, segment_ids)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, past_len, seq_len, batch, device)
+
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.pos_encoding.absolute:
+            hidden_states = lift(self.pos_encoding.embed(hidden_states[..., 1:], position_ids), k=self.config.k)
+        # built once here, read by every layer
+        position_embeddings = self.pos_encoding(position_ids, kv_len=past_len + seq_len, dtype=hidden_states.dtype)
+        mask = AttentionMask(batch, seq_len, past_len + seq_len, padding=attention_mask, segment_ids=segment_ids,
+                             device=device)
+
+        all_hidden_states = []
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
+                                  past_key_values=past_key_values)
+            all_hidden_states.append(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
+                                      past_key_values=past_key_values if use_cache else None,
+                                      hidden_states=tuple(all_hidden_states) if output_hidden_states else None)
+
+
+class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
     """HELM-MiCE with the LM head; in training the summed balance loss is ``aux_loss`` and is added to ``loss``."""
 
-    output_class = MoeCausalLMOutputWithPast
-
     def __init__(self, config: HelmMiCEConfig):
         super().__init__(config)
-        self.build_head(config, HelmMiCEModel)
+        self.model = HelmMiCEModel(config)
+        self.lm_head = LorentzLMHead(config.hidden_size, config.vocab_size, k=config.k, mode=config.lm_head_mode,
+                                     init_std=config.initializer_range)
         self.post_init()
 
-    def aux_loss(self) -> Optional[torch.Tensor]:
-        """Sum of the MiCE layers' sequence-wise balance losses of the last forward (training only)."""
-        losses = [m.aux_loss for m in self.mice_layers() if m.aux_loss is not None]
-        return torch.stack(losses).sum() if losses and self.training else None
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
+                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0,
+                **kwargs) -> MoeCausalLMOutputWithPast:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             segment_ids=segment_ids, output_hidden_states=output_hidden_states)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        # the sequence-wise balance losses of this forward's MiCE layers (set only in training)
+        balance = [m.aux_loss for m in self.model.mice_layers() if m.aux_loss is not None]
+        aux_loss = torch.stack(balance).sum() if self.training and balance else None
+        if loss is not None and aux_loss is not None:
+            loss = loss + aux_loss
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states)
 
 
 __all__ = ["HelmMiCEPreTrainedModel", "HelmMiCEModel", "HelmMiCEForCausalLM", "HelmMiCEDecoderLayer"]

@@ -1,0 +1,59 @@
+"""Positional encodings for Lorentz attention (shared/DESIGN.md §5; derivations in ``POSITIONAL.md`` here).
+
+A model owns one :class:`PositionalEncoding` and calls it once per forward; the returned
+:class:`PositionalTables` go to every attention layer, which applies them:
+
+* ``rotate`` — on the *space parts* of queries and keys before the time coordinate is recomputed. Rotary
+  kinds return ``R_p x_s`` with ``R_p`` orthogonal, so ``lift(R_p x_s)`` is a Lorentz rotation
+  ``diag(1, R_p)·lift(x_s)`` (time coordinate unchanged).
+* ``alibi_slopes`` / ``score_bias`` — additive terms on the final logits ``scale·<q, k>_L`` (``scale = 2/τ``).
+
+``learned`` is ``absolute``: the model adds its table to the token embeddings (``embed``) instead.
+
+========== ======================================================================= ========== =============
+kind       what it does                                                            relative   acts through
+========== ======================================================================= ========== =============
+hope       HELM Eq. 4: RoPE on interleaved pairs of the space part                 yes        rotate
+learned    absolute learned table added to the token space parts (HELM-D-L)        no         embed
+none       nothing                                                                 yes        —
+alibi      ``-slope_h·(m - n)`` on the logits (Press et al.)                       yes        alibi_slopes
+rope3d     3D-RPE (seed 002 Eq. 4): in-chunk RoPE + per-chunk Bloch-sphere phase  no         rotate
+hope_boost seed 000: damped Lorentz boost ``e^{-|Δ|θ'} B(Δθ)`` on the space form   yes        score_bias
+========== ======================================================================= ========== =============
+
+Files: ``base`` (the protocol and the tables), ``rotary`` (hope, rope3d), ``alibi``, ``boost`` (hope_boost),
+``learned``, ``registry`` (the vocabulary of kinds).
+"""
+
+from .alibi import ALiBi, alibi_bias, alibi_slopes
+from .base import NoPositionalEncoding, PositionalEncoding, PositionalTables, index_positions
+from .boost import HoPEBoost, hope_boost_bias
+from .learned import LearnedPositionalEncoding
+from .registry import (
+    POSITIONAL_ENCODINGS,
+    build_positional_encoding,
+    positional_encoding_class,
+    register_positional_encoding,
+)
+from .rotary import HoPE, RoPE3D, rope_frequencies, rotate_pairs
+
+__all__ = [
+    "POSITIONAL_ENCODINGS",
+    "ALiBi",
+    "HoPE",
+    "HoPEBoost",
+    "LearnedPositionalEncoding",
+    "NoPositionalEncoding",
+    "PositionalEncoding",
+    "PositionalTables",
+    "RoPE3D",
+    "alibi_bias",
+    "alibi_slopes",
+    "build_positional_encoding",
+    "hope_boost_bias",
+    "index_positions",
+    "positional_encoding_class",
+    "register_positional_encoding",
+    "rope_frequencies",
+    "rotate_pairs",
+]

@@ -1,0 +1,159 @@
+"""What every positional encoding is: a model-level module whose ``forward`` builds one :class:`PositionalTables`
+per model forward, which every attention layer then applies (as Llama's ``rotary_emb`` builds ``cos, sin``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
+
+import torch
+from torch import nn
+
+Scale = torch.Tensor | float
+ScoreBias = Callable[[torch.Tensor, torch.Tensor, Scale], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PositionalTables:
+    """Position-dependent tensors of one forward, built once by the model and read by every layer.
+
+    * ``cos, sin`` ``[B, T, P]``: rotation of the new tokens' space parts (rotary kinds), ``P = d/2`` pairs;
+    * ``alibi_slopes`` ``[H]``: per-head linear distance penalty (every attention impl takes slopes);
+    * ``bias``: ``bias(q_s, k_s, scale) -> [B, H, Tq, Tk]``, an additive term on the logits ``scale·<q, k>_L``
+      that depends on the content (``hope_boost``); its positions are bound when the tables are built.
+    """
+
+    cos: Optional[torch.Tensor] = None
+    sin: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    bias: Optional[ScoreBias] = None
+
+    def rotate(self, x_s: torch.Tensor) -> torch.Tensor:
+        """Space parts ``[B, H, T, d]`` (``H`` may be 1) -> ``[B, H, T, d]``; identity without rotary tables."""
+        if self.cos is None:
+            return x_s
+        cos, sin = _per_token(self.cos, x_s), _per_token(self.sin, x_s)
+        return rotate_pairs(x_s.to(cos.dtype), cos, sin).to(x_s.dtype)
+
+    def score_bias(self, q_s: torch.Tensor, k_s: torch.Tensor, scale: Scale) -> Optional[torch.Tensor]:
+        """``[B, H, Tq, Tk]`` bias on the logits for queries ``q_s [B, H, Tq, d]`` and keys ``k_s``, or None."""
+        return None if self.bias is None else self.bias(q_s, k_s, scale)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x_{2l}, x_{2l+1})`` by the angle whose cosine/sine are given.
+
+    ``[x_{2l}, x_{2l+1}] ↦ [x_{2l} cos - x_{2l+1} sin, x_{2l} sin + x_{2l+1} cos]`` (RoFormer / HELM Eq. 4).
+    Shapes: ``x [..., T, d]``, ``cos, sin`` broadcastable to ``[..., T, d/2]``; returns ``[..., T, d]`` in
+    the dtype of ``x · cos``.
+    """
+    pairs = x.unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def index_positions(batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the queries and keys in the key index space, ``[B, Tq]`` and ``[B, Tk]``.
+
+    Relative encodings only see differences, and within one row (or one packed document, or the real tokens
+    of a left-padded row) index differences equal position differences.
+    """
+    k_pos = torch.arange(kv_len, device=device).expand(batch, kv_len)
+    return k_pos[:, kv_len - q_len:], k_pos
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64 (gradcheck, references); everything else is encoded in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_position_ids(x: torch.Tensor, position_ids: torch.Tensor, name: str = "position_ids") -> None:
+    """Static checks only (dtype/shape): no host synchronisation."""
+    if position_ids.is_floating_point() or position_ids.is_complex():
+        raise TypeError(f"{name} must be an integer tensor (int64), got {position_ids.dtype}")
+    if position_ids.dim() != 2 or position_ids.shape[-1] != x.shape[-2]:
+        raise ValueError(f"{name} must have shape [B, T] with T = {x.shape[-2]} (the token dim of the input), "
+                         f"got {tuple(position_ids.shape)}")
+
+
+def _per_token(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, P]`` -> ``[B, 1, ..., 1, T, P]`` so it broadcasts over the head dims of ``x [B, ..., T, d]``."""
+    return table.reshape(table.shape[0], *([1] * (x.dim() - 3)), *table.shape[1:])
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: no rotation, no bias, no embedding.
+
+    Properties of a kind (class attributes; the registry is the one vocabulary of kinds):
+        kind: the registry name.
+        relative: the attention logits depend on positions only through ``m - n``.
+        rotary: rotates the space parts of queries and keys (a Lorentz rotation; time coordinate unchanged).
+        pairs: acts on pairs of space coordinates, so it needs an even number of them.
+        has_score_bias: adds a bias to the logits.
+        absolute: adds a table to the token embeddings instead of acting in attention (``learned``).
+        options: the keyword options of :meth:`build`, each mapped to the config field that supplies it
+            (``None``: the model derives it).
+
+    ``forward(position_ids [B, T], *, kv_len) -> PositionalTables``: the model calls it once per forward.
+    ``tables(position_ids, q_pos, k_pos, dtype)`` builds the tables from the new tokens' positions and the
+    query/key positions the biases compare; subclasses override it.
+    """
+
+    kind: ClassVar[str] = "none"
+    relative: ClassVar[bool] = True
+    rotary: ClassVar[bool] = False
+    pairs: ClassVar[bool] = False
+    has_score_bias: ClassVar[bool] = False
+    absolute: ClassVar[bool] = False
+    options: ClassVar[dict] = {}
+    max_positions: int | None = None
+
+    @classmethod
+    def build(cls, *, head_dim: int, num_heads: int, max_position_embeddings: int, rope_theta: float, **options):
+        """The encoding for heads of ``head_dim`` space dims (the model's space dim for ``absolute`` kinds);
+        ``options`` are those named in :attr:`options`. Kinds without arguments ignore the rest."""
+        return cls()
+
+    def tables(self, position_ids: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+               dtype: torch.dtype) -> PositionalTables:
+        """Tables in ``dtype`` (fp32, or fp64 for fp64 models) for the new tokens at ``position_ids [B, T]``;
+        biases compare queries at ``q_pos [B, Tq]`` with keys at ``k_pos [B, Tk]``."""
+        return PositionalTables()
+
+    def forward(self, position_ids: torch.Tensor, *, kv_len: int, dtype: torch.dtype = torch.float32
+                ) -> PositionalTables:
+        """Tables for new tokens at ``position_ids [B, T]`` attending to ``kv_len`` keys (cache + new), for
+        hidden states of ``dtype``. Biases see index positions (:func:`index_positions`)."""
+        B, T = position_ids.shape
+        q_pos, k_pos = index_positions(B, T, kv_len, position_ids.device)
+        return self.tables(position_ids, q_pos, k_pos, work_dtype(dtype))
+
+    def rotate(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Stand-alone use: rotate space parts ``[B, H, T, d]`` at ``position_ids [B, T]``."""
+        if not self.rotary:
+            return x_s
+        check_position_ids(x_s, position_ids)
+        pos = position_ids.to(x_s.device)
+        return self.tables(pos, pos, pos, work_dtype(x_s.dtype)).rotate(x_s)
+
+    def score_bias(self, q_s: torch.Tensor, k_s: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
+                   scale: Scale) -> torch.Tensor | None:
+        """Stand-alone use: bias ``[B, H, Tq, Tk]`` for queries at ``q_pos [B, Tq]`` and keys at ``k_pos [B, Tk]``."""
+        if not self.has_score_bias:
+            return None
+        q_pos, k_pos = q_pos.to(q_s.device), k_pos.to(q_s.device)
+        return self.tables(q_pos, q_pos, k_pos, work_dtype(q_s.dtype)).score_bias(q_s, k_s, scale)
+
+    def embed(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token space parts ``[B, T, n]`` -> ``[B, T, n]`` (the caller lifts); identity unless ``absolute``."""
+        return x_s
+
+
+class NoPositionalEncoding(PositionalEncoding):
+    """``none``: no positional information at all (scores are trivially relative)."""
+
+    kind = "none"
+
+
+__all__ = ["NoPositionalEncoding", "PositionalEncoding", "PositionalTables", "Scale", "ScoreBias",
+           "check_position_ids", "index_positions", "rotate_pairs", "work_dtype"]

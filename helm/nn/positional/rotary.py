@@ -1,0 +1,157 @@
+"""Rotary encodings: ``hope`` (HELM Eq. 4) and ``rope3d`` (3D-RPE, seed 002 Eq. 4–5).
+
+Rotation angles never pass through a large fp32 product ``p·θ`` (whose rounding, ``ulp(65536) ≈ 0.008`` rad,
+would break Prop. 4.1 at long range): positions are split into base-256 digits and the angle is assembled
+from per-digit ``cos``/``sin`` tables built in float64, so angles are accurate to a few fp32 ulps for every
+position ``|p| < 2^32`` (derivation in ``POSITIONAL.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..validation import check, check_dim, greater_than, integer, positive
+from .base import PositionalEncoding, PositionalTables, rotate_pairs
+
+_DIGIT_BITS = 8
+_NUM_DIGITS = 4  # positions are exact for |p| < 256**4 = 2**32
+
+
+def rope_frequencies(head_dim: int, base: float, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """RoPE angles ``θ_l = base^(-2l/d)`` for ``l = 0 .. d/2 - 1`` (so ``max θ_l = θ_0 = 1``). Shape ``[d/2]``."""
+    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64, device="cpu") * (-2.0 / head_dim)
+    return torch.pow(torch.tensor(float(base), dtype=torch.float64, device="cpu"), exponents).to(dtype)
+
+
+def check_pairs(dim: int, kind: str) -> int:
+    check_dim(dim, "head_dim")
+    if dim % 2:
+        raise ValueError(f"head_dim must be even for {kind!r} (it acts on pairs of space dims), got {dim}")
+    return dim
+
+
+class AngleTable:
+    """``cos(p·θ_l)``, ``sin(p·θ_l)`` for integer positions ``p`` without a large floating product.
+
+    ``|p| = Σ_k d_k 256^k`` with digits ``d_k < 256``; ``cos/sin(d·256^k·θ_l)`` are tabulated in float64
+    (argument reduced mod 2π) and combined by angle addition, ``e^{i p θ} = Π_k e^{i d_k 256^k θ}``, in the
+    working dtype; ``sin`` takes the sign of ``p``. The error is a few ulps of the working dtype whatever
+    ``p`` (exact for ``|p| < 2^32``), so ``R_{p+s}`` and ``R_p`` differ by the same rounding everywhere and
+    Prop. 4.1 holds to fp32 precision at 64K positions.
+
+    Tables live in a per-(device, dtype) cache, not in buffers: ``module.to(torch.bfloat16)`` must not round
+    them, and they never enter a ``state_dict`` or the meta-device construction of ``from_pretrained``.
+    """
+
+    def __init__(self, freqs: torch.Tensor):
+        self.freqs = freqs.detach().to("cpu", torch.float64)
+        self._cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        if key not in self._cache:
+            digit = torch.arange(1 << _DIGIT_BITS, dtype=torch.float64, device="cpu")
+            place = torch.tensor([float(1 << (_DIGIT_BITS * k)) for k in range(_NUM_DIGITS)], dtype=torch.float64,
+                                 device="cpu")
+            # reduce each place value's angle first so the digit product stays small and exact
+            step = torch.remainder(place[:, None] * self.freqs[None, :], 2 * math.pi)  # [D, P]
+            angle = torch.remainder(digit[None, :, None] * step[:, None, :], 2 * math.pi)  # [D, 256, P]
+            self._cache[key] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
+        return self._cache[key]
+
+    def __call__(self, positions: torch.Tensor, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [...]`` (integer) -> ``cos, sin`` of shape ``[..., P]`` in ``dtype`` (fp32 or fp64)."""
+        cos_t, sin_t = self._tables(positions.device, dtype)
+        mag = positions.abs()
+        mask = (1 << _DIGIT_BITS) - 1
+        cos = sin = None
+        for k in range(_NUM_DIGITS):
+            d = (mag >> (_DIGIT_BITS * k)) & mask
+            c, s = cos_t[k][d], sin_t[k][d]
+            if cos is None:
+                cos, sin = c, s
+            else:
+                cos, sin = cos * c - sin * s, sin * c + cos * s
+        return cos, torch.where((positions < 0).unsqueeze(-1), -sin, sin)
+
+
+class HoPE(PositionalEncoding):
+    """HELM Eq. 4: ``HoPE(z) = lift(R_{p,Θ} z_s)``, ``R_{p,Θ} = ⊕_l R(p θ_l)`` on interleaved pairs.
+
+    ``θ_l = base^(-2l/d)``. ``R`` is orthogonal, so the time coordinate is unchanged and
+    ``<HoPE(q_m), HoPE(k_n)>_L = -q_t k_t + q_sᵀ R((n - m)Θ) k_s`` depends on ``m - n`` only (Prop. 4.1).
+    """
+
+    kind = "hope"
+    rotary = True
+    pairs = True
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.base = check_pairs(head_dim, self.kind), float(check(base, "rope_theta", positive))
+        self.angles = AngleTable(rope_frequencies(head_dim, base))
+
+    @classmethod
+    def build(cls, *, head_dim: int, rope_theta: float = 10000.0, **_):
+        return cls(head_dim, base=rope_theta)
+
+    def angle_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.angles(position_ids, dtype=dtype)
+
+    def tables(self, position_ids, q_pos, k_pos, dtype) -> PositionalTables:
+        cos, sin = self.angle_cos_sin(position_ids, dtype)
+        return PositionalTables(cos=cos, sin=sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"
+
+
+class RoPE3D(HoPE):
+    """3D-RPE (seed 002 Eq. 4) on interleaved pairs: ``R(p) = ⊕_l R((p mod c)θ_l + ψ_{⌊p/c⌋})``.
+
+    The in-chunk angle is HoPE's at the in-chunk index ``p mod c``; the between-chunk angle is one phase
+    per chunk shared by all pairs, the Bloch-sphere angle ``π/2 - φ_j`` with ``φ_j = base_c^{-j}`` of the
+    paper shifted by the constant ``π/2 - φ_0`` (which cancels in every score) so that chunk 0 gets no extra
+    rotation::
+
+        ψ_j = φ_0 - φ_j = 1 - base_c^{-j}            (odd extension ψ_{-j} = -ψ_j for negative positions)
+
+    Hence ``rope3d`` equals ``hope`` exactly for ``0 <= p < c``, and a query in chunk ``i`` at in-chunk index
+    ``m`` against a key in chunk ``j`` at index ``n`` scores ``Re Σ_l z_q,l z̄_k,l e^{i((m-n)θ_l + ψ_i - ψ_j)}``
+    — the paper's Eq. 5 (``ψ_i - ψ_j = φ_j - φ_i``). Norm-preserving, but not relative across chunk
+    boundaries (``relative = False``).
+    """
+
+    kind = "rope3d"
+    relative = False
+    options = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base"}
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0, chunk_size: int = 512,
+                 chunk_base: float | None = None):
+        super().__init__(head_dim, base=base)
+        self.chunk_size = check(chunk_size, "chunk_size", integer(1))
+        self.chunk_base = float(check(base if chunk_base is None else chunk_base, "chunk_base", greater_than(1)))
+        self._log_chunk_base = math.log(self.chunk_base)
+
+    @classmethod
+    def build(cls, *, head_dim: int, rope_theta: float = 10000.0, chunk_size: int = 512,
+              chunk_base: float | None = None, **_):
+        return cls(head_dim, base=rope_theta, chunk_size=chunk_size, chunk_base=chunk_base)
+
+    def angle_cos_sin(self, position_ids, dtype):
+        in_chunk = position_ids.abs() % self.chunk_size
+        chunk = position_ids.abs() // self.chunk_size
+        cos, sin = self.angles(torch.where(position_ids < 0, -in_chunk, in_chunk), dtype=dtype)
+        # ψ_j = 1 - base^{-j} = -expm1(-j ln base): accurate near j = 0 and exactly 0 in chunk 0
+        psi = -torch.expm1(-chunk.to(dtype) * self._log_chunk_base)
+        psi = torch.where(position_ids < 0, -psi, psi).unsqueeze(-1)
+        cp, sp = psi.cos(), psi.sin()
+        return cos * cp - sin * sp, sin * cp + cos * sp
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, chunk_base={self.chunk_base:g}"
+
+
+__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "rope_frequencies", "rotate_pairs"]
