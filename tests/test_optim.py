@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy as copy_module
-import math
 
 import geoopt
 import pytest
