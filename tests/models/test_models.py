@@ -47,9 +47,14 @@ def active(model):
 
 
 # Exact counts of this implementation (measured with from_config on the meta device). The paper's counts
-# (DESIGN §4: 114,770,253; ≈126.4M / ≈117M active; ≈967M / ≈520M active) were measured on the official code,
-# which is larger by 292,036 (0.25%), ≈0.36M (0.28%) and ≈1.5M (0.15%): its layers carry parameters ours do
-# not reproduce term by term. Pinning our own counts exactly makes any change to a layer's parameters visible.
+# (DESIGN §4: 114,770,253; ≈126.4M / ≈117M active; ≈967M / ≈520M active) were measured on the official code.
+# For helm-d-115m the official model is larger by exactly 292,036 (0.25%), read off the official state dict
+# (shared/official/helm_d_tiny.pt has the same layout): a Lorentz token table of 390 columns where ours stores
+# the 389 space parts (+128,256 = vocab), a final_proj HLT 390 -> 390 before the last norm (+389·390 + 389 =
+# 152,099), output projections fed the flattened heads 6·65 = 390 instead of HCat's 385 (+5·389 per layer,
+# +11,670), one learned score bias per layer (+6, it cancels in the softmax), the embedding's positional
+# residual weight and scale (+2) and three trainable model-level curvatures (+3). The MiCE presets differ by
+# the same kinds of terms (≈0.36M, 0.28%; ≈1.5M, 0.15%).
 @pytest.mark.parametrize("preset,total,act", [
     ("helm-d-115m", 114_478_217, None),
     ("helm-d-115m-learned", 115_274_889, None),
