@@ -14,6 +14,21 @@ centroid normalisation. Implementations:
 * ``triton`` the fused kernel of :mod:`kernels` (loaded lazily; CUDA, or the Triton interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
 
+**Normalisation far from the origin.** With ``Σ_j ν_ij = 1`` and ``S = Σ_j ν_j v_j``, the centroid identity for
+points of ``H_k`` (``<v_i, v_j>_L = -k - d²_ij/2``) gives ``|<S, S>_L| = k + ½ Σ_ij ν_i ν_j d²(v_i, v_j)``. For any
+centre ``c`` this pairwise form equals::
+
+    N = k + (E - <D, D>_L),   w_j = v_j - c,   e_j = <w_j, w_j>_L,   E = Σ_j ν_j e_j,   D = Σ_j ν_j w_j,   S = c + D
+
+(expand: ``E - <D, D>_L = Σ_j ν_j <v_j, v_j>_L - <S, S>_L``) whenever all the keys a row attends to share ``c``, and every implementation evaluates it so, with a
+detached centre per (batch, head, document) (:func:`_value_centres`), ``e_j`` and ``<D, D>_L`` accumulated in fp64 from fp32
+operands, and ``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))``. Why: the naive ``-<S, S>_L = S_t² - |S_s|²`` in fp32
+cancels to nothing once ``|v_s| ≳ 1e3`` (a one-hot row must give ``N = k`` from two terms of size ``|v_s|²``: 41% to
+100% output error at ``1e4``), and on fp32-rounded values it is not even well defined: rounding ``v_t`` moves
+``<v, v>_L`` by ``~|v_s| ulp(|v_s|)`` (``±10`` at ``1e4``). The pairwise form measures each value's own
+``<v_j, v_j>_L`` (so a one-hot row gives exactly ``k``), and summing centred values keeps the fp32 error of ``D``
+at the scale of the values' spread instead of their norm when they cluster far from the origin.
+
 Scores, softmax and the normalisation are computed in at least fp32 (bf16 inputs are promoted and autocast
 is switched off inside), so the time coordinate's cancellation in ``<q, k>_L`` never happens in bf16.
 """
@@ -28,7 +43,7 @@ import torch.nn.functional as F
 
 from transformers.utils import logging
 
-from ..manifold.math import normalize, upcast
+from ..manifold.math import lift, sqnorm, upcast
 
 logger = logging.get_logger(__name__)
 
@@ -67,7 +82,7 @@ class AttentionMask:
     without a host-side check.
     """
 
-    __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "_keep")
+    __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "_keep", "_groups")
 
     def __init__(self, batch: int, q_len: int, kv_len: int, *, causal: bool = True,
                  padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None):
@@ -78,6 +93,7 @@ class AttentionMask:
         self.padding = None if padding is None else padding.to(device=device, dtype=torch.bool)
         self.segment_ids = None if segment_ids is None else segment_ids.to(device)
         self._keep = None
+        self._groups = False
 
     @property
     def is_plain_causal(self) -> bool:
@@ -89,6 +105,13 @@ class AttentionMask:
         if self._keep is None:
             self._keep = _dense_keep(self)
         return self._keep if isinstance(self._keep, torch.Tensor) else None
+
+    def groups(self) -> Optional[torch.Tensor]:
+        """``[B, Tk]``: the first key of each key's group (document and padding flag), or None for one group;
+        the values are centred per group (see the module docstring). Computed on first use, then shared."""
+        if self._groups is False:
+            self._groups = _key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
+        return self._groups
 
     def __repr__(self) -> str:
         return (f"AttentionMask(B={self.batch}, Tq={self.q_len}, Tk={self.kv_len}, causal={self.causal}, "
@@ -139,7 +162,7 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
 
 
 def _floor(k):
-    """Floor for ``|<s, s>_L|`` of a softmax-weighted sum of values.
+    """Floor for ``N = |<s, s>_L|`` of a softmax-weighted sum of values.
 
     The exact bound is ``k (Σν)² = k``, and a row with a single key attains it, so rounding can put the norm
     a hair below ``k``; clamping there would zero that row's gradient at random. Half the bound never binds
@@ -147,6 +170,94 @@ def _floor(k):
     kernel uses the same rule.
     """
     return k / 2
+
+
+# Per-key centres of the values. Restated verbatim in kernels/lorentz_attention/centre.py (the kernels do not
+# import helm): keep the two in step.
+def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
+               device) -> Optional[torch.Tensor]:
+    """``[B, Tk]`` int64: for each key, the index of the first key of its group (same segment id, same padding
+    flag); None when all keys form one group."""
+    if segment_ids is None and padding is None:
+        return None
+    key = torch.zeros(batch, kv_len, dtype=torch.int64, device=device)
+    if segment_ids is not None:
+        seg = segment_ids.to(device=device, dtype=torch.int64)
+        key = seg - seg.amin(dim=1, keepdim=True)
+    key = 2 * key
+    if padding is not None:
+        key = key + (~padding.to(device=device, dtype=torch.bool)).to(torch.int64)
+    s, perm = key.sort(dim=1, stable=True)
+    start = torch.ones_like(s, dtype=torch.bool)
+    start[:, 1:] = s[:, 1:] != s[:, :-1]
+    pos = torch.arange(kv_len, device=device).expand(batch, kv_len)
+    run_start = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    first = perm.gather(1, run_start)  # stable sort: the run's first entry is the group's lowest key index
+    return torch.empty_like(first).scatter_(1, perm, first)
+
+
+def _group_sum(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group (fp64 cumulative sums over the keys sorted by group)."""
+    B, H, Tk, C = x.shape
+    order = groups.argsort(dim=1, stable=True)
+    idx = order.view(B, 1, Tk, 1).expand(B, H, Tk, C)
+    xs = x.gather(2, idx)
+    cs = torch.cat([torch.zeros_like(xs[:, :, :1]), xs.cumsum(2)], dim=2)
+    g_sorted = groups.gather(1, order)
+    start = torch.ones_like(g_sorted, dtype=torch.bool)
+    start[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
+    end = torch.ones_like(start)
+    end[:, :-1] = start[:, 1:]
+    pos = torch.arange(Tk, device=x.device).expand(B, Tk)
+    first = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    last = torch.where(end, pos, torch.full_like(pos, Tk)).flip(1).cummin(dim=1).values.flip(1)
+    total = cs.gather(2, (last + 1).view(B, 1, Tk, 1).expand(B, H, Tk, C)) - \
+        cs.gather(2, first.view(B, 1, Tk, 1).expand(B, H, Tk, C))
+    return torch.empty_like(total).scatter_(2, idx, total)
+
+
+def _value_centres(v: torch.Tensor, groups: Optional[torch.Tensor]) -> torch.Tensor:
+    """Detached centres ``c_j``: ``[B, H, 1, 1+dv]`` (one group) or ``[B, H, Tk, 1+dv]`` (``groups`` from
+    :func:`_key_groups`), in ``v``'s dtype."""
+    v = v.detach()
+    wide = v.double() if v.device.type != "mps" else v.float()
+    if groups is None:
+        m = wide.mean(-2, keepdim=True)
+        var = (wide - m).pow(2).sum(-1, keepdim=True).mean(-2, keepdim=True)
+    else:
+        ones = torch.ones_like(wide[..., :1])
+        count = _group_sum(ones, groups)
+        m = _group_sum(wide, groups) / count
+        var = _group_sum((wide - m).pow(2).sum(-1, keepdim=True), groups) / count
+    m2 = m.pow(2).sum(-1, keepdim=True)
+    beta = (1 - 100 * var / m2.clamp_min(torch.finfo(m2.dtype).tiny)).clamp_min(0)
+    return (m * beta).to(v.dtype)
+
+
+def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
+    """``(c_rows, [w | e])``: the centred values ``w_j = v_j - c_j`` (:func:`_value_centres`, one centre per
+    document of the mask) with ``e_j = <w_j, w_j>_L`` (accumulated in fp64, :func:`~helm.manifold.math.sqnorm`)
+    appended as one more column, so a single ``ν @ ·`` (or SDPA) yields both ``D = Σ ν w`` and ``E = Σ ν e``; and
+    the centre of each query row (that of the key at the query's position, which is in its document)."""
+    c = _value_centres(v, mask.groups())
+    w = v - c
+    c_rows = c if c.shape[-2] == 1 else c[..., mask.kv_len - mask.q_len:, :]
+    return c_rows, torch.cat([w, sqnorm(w, keepdim=True)], dim=-1)
+
+
+def _normalise(de: torch.Tensor, c: torch.Tensor, k) -> torch.Tensor:
+    """``O = lift(sqrt(k) (c_s + D_s) / sqrt(max(N, k/2)))``, ``N = k + (E - <D, D>_L)``, from ``de = [D | E]``.
+
+    ``E - <D, D>_L`` is formed first (``k`` would be lost in ``k + E`` when ``E ~ |v|²``); ``<D, D>_L`` accumulates in
+    fp64. The floor: the exact ``N >= k`` (a one-key row attains it), so ``k/2`` never binds for values on the
+    manifold and keeps degenerate inputs finite (see :func:`_floor`)."""
+    d, e = de[..., :-1], de[..., -1:]
+    kk = k.to(dtype=d.dtype, device=d.device) if isinstance(k, torch.Tensor) else float(k)
+    n = (e - sqnorm(d, keepdim=True)) + kk
+    floor = _floor(kk)
+    n = n.clamp_min(floor) if not isinstance(floor, torch.Tensor) else torch.maximum(n, floor)
+    scale = n.rsqrt() * (kk.sqrt() if isinstance(kk, torch.Tensor) else kk ** 0.5)
+    return lift((c[..., 1:] + d[..., 1:]) * scale, k=k)
 
 
 def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_slopes, causal_flag_ok=False):
@@ -184,7 +295,8 @@ def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_
     if keep is not None:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = scores.softmax(-1)
-    return normalize(weights @ v, k=k, floor=_floor(k))
+    c, we = _centred_values(v, mask)
+    return _normalise(weights @ we, c, k)
 
 
 def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
@@ -200,9 +312,10 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
     if bias is not None:
         attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
     use_causal_flag = attn_mask is None and mask.is_plain_causal
+    c, we = _centred_values(v, mask)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q, kk, v, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
-    return normalize(out, k=k, floor=_floor(k))
+        out = F.scaled_dot_product_attention(q, kk, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
+    return _normalise(out, c, k)
 
 
 def _load_kernel():

@@ -5,7 +5,11 @@ row ``i`` sits at position ``pos_i = Tk - Tq + i``)::
 
     z_ij = c_h <q_i, k_j>_L - slope_h (pos_i - j)      c_h = 2 / τ_h,   <x, y>_L = -x_t y_t + x_s · y_s
     P_ij = softmax_j(z_ij)  over the kept keys            S_i = Σ_j P_ij v_j
-    O_i  = lift(sqrt(k) S_i,s / sqrt(max(|<S_i, S_i>_L|, k)))
+    O_i  = lift(sqrt(k) S_i,s / sqrt(max(N_i, k/2)))      N_i = k + (E_i - <D_i, D_i>_L)   (= |<S_i, S_i>_L|)
+    D_i  = Σ_j P_ij w_j,  E_i = Σ_j P_ij e_j,  S_i = c_i + D_i   with  w_j = v_j - c_j,  e_j = <w_j, w_j>_L
+
+The kernels only ever see the centred values ``w`` (passed as ``V``), ``e`` and the row centres ``c``, all made by
+:func:`prepare` (:mod:`.centre` explains the centres and ``kernels/README.md`` the pairwise form of ``N``).
 
 The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
 ``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` (converted to fp32 at once) and
@@ -21,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .centre import key_groups, value_centres
+
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare"]
+           "launch_args", "needs_grad", "prepare", "centre_values"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
 # same decision so launchers choose interpreter-friendly blocks and fp32 dots consistently.
@@ -61,7 +67,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 class Prepared:
     """Kernel-ready inputs (see :func:`prepare`)."""
 
-    __slots__ = ("q", "k", "v", "scale", "slopes", "kc", "qid", "kid", "causal", "out_dtype")
+    __slots__ = ("q", "k", "v", "e", "c", "scale", "slopes", "kc", "qid", "kid", "causal", "out_dtype")
 
     def __init__(self, **kw):
         for name, value in kw.items():
@@ -141,15 +147,31 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
         kid = kid.to(torch.int32).contiguous()
     out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return Prepared(q=q, k=kk, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=bool(causal),
-                    out_dtype=out_dtype)
+    w, e, c = centre_values(v, segment_ids, attention_mask, Tq)
+    return Prepared(q=q, k=kk, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                    causal=bool(causal), out_dtype=out_dtype)
+
+
+def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
+    """``(w, e, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride), ``e_j = <w_j,
+    w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64) and the centre of each query row
+    ``c [B, H, Tq, 1+dv]`` fp32 (detached); see :mod:`.centre`. ``w`` and ``e`` stay in the autograd graph."""
+    B, H, Tk, _ = v.shape
+    groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
+    vf = v.float()
+    c = value_centres(vf, groups)
+    w = _last_dim_contiguous((vf - c).to(v.dtype))
+    wide = w.double() if w.device.type != "mps" else w.float()
+    e = (wide[..., 1:].pow(2).sum(-1) - wide[..., 0].pow(2)).float().contiguous()
+    c_rows = c.expand(B, H, Tk, c.shape[-1])[:, :, Tk - q_len:].contiguous()
+    return w, e, c_rows
 
 
 def needs_grad(p: Prepared) -> bool:
     """Whether autograd will ask for gradients of any kernel input."""
     if not torch.is_grad_enabled():
         return False
-    return any(t is not None and t.requires_grad for t in (p.q, p.k, p.v, p.scale, p.slopes, p.kc))
+    return any(t is not None and t.requires_grad for t in (p.q, p.k, p.v, p.e, p.scale, p.slopes, p.kc))
 
 
 def launch_args(p: Prepared) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,28 +258,32 @@ def _store_points(p_x, b_t, b_s, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _centroid_normalise(b_st, b_ss, kc):
-    """Lorentz normalisation of the softmax-weighted sums ``S`` (rows): ``O_s = sqrt(k) S_s / sqrt(max(
-    |<S, S>_L|, k/2))``, ``O_t = sqrt(|O_s|^2 + k)``. The centroid bound for weights that sum to one is
-    ``k``; a row with one key attains it, so the floor sits at half of it, where it never binds for values
-    on the manifold (as ``helm.ops``). Recomputing ``O_t`` puts the output on the hyperboloid to rounding."""
-    b_n = tl.abs(tl.sum(b_ss * b_ss, 1) - b_st * b_st)
+def _centroid_normalise(b_dt, b_ds, b_e, b_ct, b_cs, kc):
+    """Lorentz normalisation of the rows from their centred sums ``D`` (time ``b_dt``, space ``b_ds``), ``E`` and
+    centres ``c``: ``N = k + (E - <D, D>_L)`` with ``<D, D>_L`` accumulated in fp64, ``O_s = sqrt(k) (c_s + D_s) /
+    sqrt(max(N, k/2))``, ``O_t = sqrt(|O_s|^2 + k)``. The exact ``N >= k`` (a one-key row attains it); the floor
+    ``k/2`` never binds for values on the manifold (as ``helm.ops``). Recomputing ``O_t`` puts the output on the
+    hyperboloid to rounding. Returns ``(O_t, O_s, N)`` (``N`` before the floor)."""
+    b_ds64 = b_ds.to(tl.float64)
+    b_dt64 = b_dt.to(tl.float64)
+    b_dd = (tl.sum(b_ds64 * b_ds64, 1) - b_dt64 * b_dt64).to(tl.float32)
+    b_n = (b_e - b_dd) + kc
     b_a = tl.sqrt(kc) / tl.sqrt(tl.maximum(b_n, 0.5 * kc))
-    b_os = b_ss * b_a[:, None]
+    b_os = (b_ds + b_cs) * b_a[:, None]
     b_ot = tl.sqrt(tl.sum(b_os * b_os, 1) + kc)
-    return b_ot, b_os
+    return b_ot, b_os, b_n
 
 
 @triton.jit
-def _attend_blocks(acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows,
-                   p_k, p_v, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows,
+                   p_k, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """Online softmax over the key blocks starting in ``[lo, hi)`` for one block of query rows.
 
     Carries, per row, the running max ``m_i`` and sum ``l_i`` of ``2^(z log2 e)`` and the unnormalised sums
-    ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) v``. Normal pass: keys kept by
+    ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) w`` and ``acc_e [BM]`` of ``2^(...) e``. Normal pass: keys kept by
     the causal / segment mask. ``FALLBACK`` pass: only rows flagged in ``m_rows`` take part, and they attend
     to every key (the convention for rows whose mask keeps nothing).
     """
@@ -269,6 +295,7 @@ def _attend_blocks(acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows
         m_n = o_n < Tk
         b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+        b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FALLBACK:
             m_s = m_rows[:, None] & m_n[None, :]
@@ -282,7 +309,8 @@ def _attend_blocks(acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows
         b_p = tl.exp2(b_s - m_use[:, None])
         l_i = l_i * b_alpha + tl.sum(b_p, 1)
         acc_t = acc_t * b_alpha + tl.sum(b_p * b_vt[None, :], 1)
+        acc_e = acc_e * b_alpha + tl.sum(b_p * b_e[None, :], 1)
         acc_s = acc_s * b_alpha[:, None] + _dot(b_p.to(b_vs.dtype), b_vs, DOT_F32, PREC)
         m_i = m_new
-    return acc_t, acc_s, l_i, m_i
+    return acc_t, acc_s, acc_e, l_i, m_i
 

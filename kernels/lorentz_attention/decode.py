@@ -5,7 +5,7 @@ so there is no autograd Function; training goes through :mod:`.fwd_bwd`).
 
 With ``Tq <= 16`` the forward kernel would run one program per batch·head, each walking the whole cache.
 Here the keys are cut into ``n_splits`` contiguous chunks; program ``(split, b·h)`` runs the online softmax
-of all query rows over its chunk and writes the partial state ``(m, l, acc_t, acc_s)``; a combine kernel
+of all query rows over its chunk and writes the partial state ``(m, l, acc_t, acc_s, acc_e)``; a combine kernel
 merges the chunks (``l = Σ_s l_s 2^(m_s - m)``, same for ``acc``) and applies the Lorentz normalisation.
 
 HMLA caches only its latent ``c_KV`` and the shared ``k^R``; the HMLA layer up-projects them to per-head
@@ -53,7 +53,7 @@ DECODE_BLOCK_M = 16
 
 @triton.jit
 def lorentz_attention_decode_split_kernel(
-    Q, K, V, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S,
+    Q, K, V, E, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S, ACC_E,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, Tq, Tk, keys_per_split, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,9 +87,11 @@ def lorentz_attention_decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_t = tl.zeros([BLOCK_M], tl.float32)
     acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc_t, acc_s, l_i, m_i = _attend_blocks(
-        acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q,
-        K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, KID + i_b * Tk,
+    acc_e = tl.zeros([BLOCK_M], tl.float32)
+    acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
+        acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q,
+        K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, E + i_bh.to(tl.int64) * Tk,
+        KID + i_b * Tk,
         stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
 
@@ -97,12 +99,13 @@ def lorentz_attention_decode_split_kernel(
     tl.store(M_PART + o_part, m_i)
     tl.store(L_PART + o_part, l_i)
     tl.store(ACC_T + o_part, acc_t)
+    tl.store(ACC_E + o_part, acc_e)
     tl.store(ACC_S + o_part[:, None] * BLOCK_DV + o_dv[None, :], acc_s)
 
 
 @triton.jit
 def lorentz_attention_decode_combine_kernel(
-    Q, K, V, SCALE, SLOPES, KC, M_PART, L_PART, ACC_T, ACC_S, OUT,
+    Q, K, V, E, C, SCALE, SLOPES, KC, M_PART, L_PART, ACC_T, ACC_S, ACC_E, OUT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     H, Tq, Tk, n_splits,
@@ -122,6 +125,7 @@ def lorentz_attention_decode_combine_kernel(
     l_g = tl.zeros([BLOCK_M], tl.float32)
     acc_t = tl.zeros([BLOCK_M], tl.float32)
     acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc_e = tl.zeros([BLOCK_M], tl.float32)
     for i_s in range(0, n_splits):
         o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
         b_m = tl.load(M_PART + o_part)
@@ -131,6 +135,7 @@ def lorentz_attention_decode_combine_kernel(
         b_beta = tl.exp2(b_m - m_use)
         l_g = l_g * b_alpha + tl.load(L_PART + o_part) * b_beta
         acc_t = acc_t * b_alpha + tl.load(ACC_T + o_part) * b_beta
+        acc_e = acc_e * b_alpha + tl.load(ACC_E + o_part) * b_beta
         acc_s = acc_s * b_alpha[:, None] + tl.load(ACC_S + o_part[:, None] * BLOCK_DV + o_dv[None, :]) * b_beta[:, None]
         m_g = m_new
 
@@ -146,14 +151,17 @@ def lorentz_attention_decode_combine_kernel(
             slope = 0.0
             if HAS_ALIBI:
                 slope = tl.load(SLOPES + i_h) * LOG2E
-            acc_t, acc_s, l_g, m_g = _attend_blocks(
-                acc_t, acc_s, l_g, m_g, b_qt, b_qs, o_m + (Tk - Tq), m_q, o_m, m_full,
-                K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, K,
+            acc_t, acc_s, acc_e, l_g, m_g = _attend_blocks(
+                acc_t, acc_s, acc_e, l_g, m_g, b_qt, b_qs, o_m + (Tk - Tq), m_q, o_m, m_full,
+                K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh,
+                E + i_bh.to(tl.int64) * Tk, K,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope,
                 D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC)
 
     l_safe = tl.where(l_g == 0.0, 1.0, l_g)
-    b_ot, b_os = _centroid_normalise(acc_t / l_safe, acc_s / l_safe[:, None], tl.load(KC))
+    b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
+    b_ot, b_os, b_n = _centroid_normalise(acc_t / l_safe, acc_s / l_safe[:, None], acc_e / l_safe, b_ct, b_cs,
+                                          tl.load(KC))
     _store_points(OUT + i_b * stride_ob + i_h * stride_oh, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
 
 
@@ -197,18 +205,19 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     l_part = alloc((B * H, n_splits, BM), torch.float32, dev)
     acc_t = alloc((B * H, n_splits, BM), torch.float32, dev)
     acc_s = alloc((B * H, n_splits, BM, BDV), torch.float32, dev)
+    acc_e = alloc((B * H, n_splits, BM), torch.float32, dev)
     slopes, qid, kid, kc = launch_args(p)
     common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=BDV,
                   HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
                   PREC=dot_precision(q.dtype), num_warps=warps)
     lorentz_attention_decode_split_kernel[(n_splits, B * H)](
-        q, k, v, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s,
+        q, k, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,
         CAUSAL=p.causal, **common,
     )
     o = alloc((B, H, Tq, 1 + DV), p.out_dtype, dev)
     lorentz_attention_decode_combine_kernel[(B * H,)](
-        q, k, v, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, o,
+        q, k, v, p.e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits, **common,
     )
     return o

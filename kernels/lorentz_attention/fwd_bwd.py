@@ -4,9 +4,10 @@ Layout: kernels -> launchers -> :class:`LorentzFlashAttention` (autograd) -> :fu
 The maths is derived in ``kernels/README.md``; :mod:`.common` fixes the notation (``z``, ``P``, ``S``, ``O``).
 
 * forward: one program per (block of ``BLOCK_M`` query rows, batch·head); online softmax over key blocks,
-  causal blocks past the diagonal skipped, the Lorentz normalisation of ``S`` fused into the epilogue.
-  Saves ``S`` (fp32), the base-2 log-sum-exp and a per-row flag for rows whose mask kept no key.
-* backward: a row-wise preprocess kernel differentiates the normalisation (``dO -> dS``, ``D = dS·S``,
+  causal blocks past the diagonal skipped, the Lorentz normalisation of ``S = c + D`` (pairwise form, see
+  :mod:`.common`) fused into the epilogue. Saves ``D`` and ``E`` (fp32), the base-2 log-sum-exp and a per-row
+  flag for rows whose mask kept no key.
+* backward: a row-wise preprocess kernel differentiates the normalisation (``dO -> dD, dE``, ``δ = dD·D + dE E``,
   the curvature gradient), then one kernel per key block accumulates ``dK, dV`` and one per query block
   accumulates ``dQ`` and the per-row pieces of the ``τ`` and ALiBi-slope gradients; no atomics.
 """
@@ -54,7 +55,7 @@ DECODE_MAX_Q = 16
 
 @triton.jit
 def lorentz_attention_fwd_kernel(
-    Q, K, V, SCALE, SLOPES, KC, QID, KID, OUT, S, LSE, FULL,
+    Q, K, V, E, C, SCALE, SLOPES, KC, QID, KID, OUT, S, EBAR, LSE, FULL,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     H, Tq, Tk,
@@ -62,8 +63,10 @@ def lorentz_attention_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (same
-    layout, fp32), ``LSE [B*H, Tq]`` (base 2) and ``FULL [B*H, Tq]`` (int8: the row attends to every key)."""
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the centred values ``V`` (``w``), ``E [B*H, Tk]`` (``e``) and the row
+    centres ``C [B*H, Tq, 1+DV]``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the
+    centred sums ``D``, same layout, fp32), ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and
+    ``FULL [B*H, Tq]`` (int8: the row attends to every key)."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -71,6 +74,7 @@ def lorentz_attention_fwd_kernel(
     p_q = Q + i_b * stride_qb + i_h * stride_qh
     p_k = K + i_b * stride_kb + i_h * stride_kh
     p_v = V + i_b * stride_vb + i_h * stride_vh
+    p_e = E + i_bh.to(tl.int64) * Tk
     p_kid = KID + i_b * Tk
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,44 +100,48 @@ def lorentz_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_t = tl.zeros([BLOCK_M], tl.float32)
     acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc_t, acc_s, l_i, m_i = _attend_blocks(
-        acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_v, p_kid, stride_kt, stride_vt,
-        0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
+    acc_e = tl.zeros([BLOCK_M], tl.float32)
+    acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
+        acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_v, p_e, p_kid, stride_kt,
+        stride_vt, 0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
         DOT_F32, PREC)
     # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
     # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
     m_full = m_q & (l_i == 0.0)
     if HAS_SEG:
         if tl.max(m_full.to(tl.int32), 0) > 0:
-            acc_t, acc_s, l_i, m_i = _attend_blocks(
-                acc_t, acc_s, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_v, p_kid, stride_kt,
-                stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
+            acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
+                acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_v, p_e, p_kid,
+                stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
                 HAS_ALIBI, True, DOT_F32, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past Tq only
     b_st = acc_t / l_safe
     b_ss = acc_s / l_safe[:, None]
-    b_ot, b_os = _centroid_normalise(b_st, b_ss, kc)
+    b_e = acc_e / l_safe
+    b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
+    b_ot, b_os, b_n = _centroid_normalise(b_st, b_ss, b_e, b_ct, b_cs.to(tl.float32), kc)
     off_o = i_b * stride_ob + i_h * stride_oh
     _store_points(OUT + off_o, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
     if STORE_S:
         _store_points(S + off_o, b_st, b_ss, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
+        tl.store(EBAR + i_bh * Tq + o_m, b_e, mask=m_q)
         tl.store(LSE + i_bh * Tq + o_m, m_i + tl.log2(l_safe), mask=m_q)
         tl.store(FULL + i_bh * Tq + o_m, m_full.to(tl.int8), mask=m_q)
 
 
 @triton.jit
 def lorentz_attention_bwd_preprocess_kernel(
-    S, DO, KC, DS_T, DS_S, DELTA, DKC,
+    S, EBAR, C, DO, KC, DS_T, DS_S, DE, DELTA, DKC,
     stride_sb, stride_sh, stride_st, stride_dob, stride_doh, stride_dot,
     H, Tq,
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Backward of the normalisation epilogue, row-wise. Grid ``(cdiv(Tq, BLOCK_M), B*H)``.
 
-    From ``S`` and ``dO`` writes ``dS`` (time ``DS_T [B*H, Tq]`` fp32, space ``DS_S [B*H, Tq, DV]`` in the
-    dtype the attention kernels multiply with), ``DELTA = dS·S [B*H, Tq]`` and the per-row curvature
-    gradient ``DKC [B*H, Tq]``.
+    From the centred sums ``D`` (in ``S``), ``E`` (``EBAR``), the row centres ``C`` and ``dO`` writes ``dD`` (time
+    ``DS_T [B*H, Tq]`` fp32, space ``DS_S [B*H, Tq, DV]`` in the dtype the attention kernels multiply with),
+    ``dE`` (``DE [B*H, Tq]``), ``DELTA = dD·D + dE E [B*H, Tq]`` and the per-row curvature gradient ``DKC``.
     """
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -145,44 +153,43 @@ def lorentz_attention_bwd_preprocess_kernel(
     b_st, b_ss = _load_points(S + i_b * stride_sb + i_h * stride_sh, o_m, m_q, stride_st, o_dv, DV, BLOCK_DV)
     b_dot, b_dos = _load_points(DO + i_b * stride_dob + i_h * stride_doh, o_m, m_q, stride_dot, o_dv, DV,
                                 BLOCK_DV)
+    b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
+    b_e = tl.load(EBAR + i_bh * Tq + o_m, mask=m_q, other=0.0)
     b_dos = b_dos.to(tl.float32)
     kc = tl.load(KC)
 
-    # Forward again: n = max(|<S,S>_L|, k/2), a = sqrt(k / n), O_s = a S_s, O_t = sqrt(|O_s|^2 + k).
-    b_sn = tl.sum(b_ss * b_ss, 1) - b_st * b_st
-    b_sign = tl.where(b_sn > 0, 1.0, tl.where(b_sn < 0, -1.0, 0.0))
-    # Whether n follows S. For points of H_k the weights are a convex combination, so |<S,S>_L| >= k exactly
-    # (a row with one key attains it); the floor k/2 binds only for off-manifold values, and then, as in
-    # eager, n = k/2 is constant.
-    m_free = tl.abs(b_sn) >= 0.5 * kc
-    b_n = tl.maximum(tl.abs(b_sn), 0.5 * kc)
+    # Forward again: N = k + (E - <D,D>_L), n = max(N, k/2), a = sqrt(k/n), O_s = a (c_s + D_s), O_t = sqrt(|O_s|^2 + k).
+    b_ot, b_os, b_nraw = _centroid_normalise(b_st, b_ss, b_e, b_ct, b_cs, kc)
+    # Whether n follows N: the exact N >= k (a row with one key attains it); the floor k/2 binds only for
+    # off-manifold values, and then, as in eager, n = k/2 is constant.
+    m_free = b_nraw >= 0.5 * kc
+    b_n = tl.maximum(b_nraw, 0.5 * kc)
     b_a = tl.sqrt(kc) / tl.sqrt(b_n)
-    b_os = b_ss * b_a[:, None]
-    b_ot = tl.sqrt(tl.sum(b_os * b_os, 1) + kc)
     # Through lift: the time output feeds back into the space output.
     b_gs = b_dos + (b_dot / b_ot)[:, None] * b_os
-    b_ga = tl.sum(b_gs * b_ss, 1)
-    # Through n = sign(<S,S>_L) <S,S>_L:  dn = -ga a / (2n),  d<S,S>_L/dS = 2 J S.
+    b_ga = tl.sum(b_gs * (b_ss + b_cs), 1)
+    # Through n:  dN = -ga a / (2n);  dN/dE = 1,  dN/dD = -2 J D.
     b_dn = tl.where(m_free, -0.5 * b_ga * b_a / b_n, 0.0)
-    b_dst = -2.0 * b_sign * b_dn * b_st
-    b_dss = b_gs * b_a[:, None] + (2.0 * b_sign * b_dn)[:, None] * b_ss
-    # D must match the dP the attention kernels form from the rounded dS, so round first.
+    b_dst = 2.0 * b_dn * b_st
+    b_dss = b_gs * b_a[:, None] - (2.0 * b_dn)[:, None] * b_ss
+    # D must match the dP the attention kernels form from the rounded dD, so round first.
     b_dss = b_dss.to(DS_S.dtype.element_ty)
-    b_delta = b_dst * b_st + tl.sum(b_dss.to(tl.float32) * b_ss, 1)
-    # dO/dk: a = sqrt(k/n) grows as sqrt(k) while the norm is free (with the floor, a = 1), and O_t has +k.
-    b_dkc = tl.where(m_free, 0.5 * b_ga * b_a / kc, 0.0) + 0.5 * b_dot / b_ot
+    b_delta = b_dst * b_st + tl.sum(b_dss.to(tl.float32) * b_ss, 1) + b_dn * b_e
+    # dO/dk: a = sqrt(k/n) with n = N(k) = ... + k while free (with the floor, a = sqrt(2)), and O_t has +k.
+    b_dkc = tl.where(m_free, 0.5 * b_ga * b_a / kc + b_dn, 0.0) + 0.5 * b_dot / b_ot
 
     o_row = i_bh * Tq + o_m
     tl.store(DS_T + o_row, b_dst, mask=m_q)
     p_dss = DS_S + o_row.to(tl.int64)[:, None] * DV + o_dv[None, :]
     tl.store(p_dss, b_dss, mask=m_q[:, None] & (o_dv[None, :] < DV))
+    tl.store(DE + o_row, b_dn, mask=m_q)
     tl.store(DELTA + o_row, b_delta, mask=m_q)
     tl.store(DKC + o_row, b_dkc, mask=m_q)
 
 
 @triton.jit
-def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid,
-                 p_q, p_qid, p_dst, p_dss, p_lse, p_delta, p_full, stride_qt, lo, hi, Tq, Tk, qk_scale, slope,
+def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid,
+                 p_q, p_qid, p_dst, p_dss, p_de, p_lse, p_delta, p_full, stride_qt, lo, hi, Tq, Tk, qk_scale, slope,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
@@ -199,6 +206,7 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid
         b_qt, b_qs = _load_points(p_q, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
         b_dst = tl.load(p_dst + o_m, mask=m_q, other=0.0)
         b_dss = _load_rows(p_dss, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
+        b_de = tl.load(p_de + o_m, mask=m_q, other=0.0)
         b_lse = tl.load(p_lse + o_m, mask=m_q, other=float("inf"))
         b_delta = tl.load(p_delta + o_m, mask=m_q, other=0.0)
 
@@ -222,17 +230,19 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid
 
         dv_t += tl.sum(b_pT * b_dst[None, :], 1)
         dv_s += _dot(b_pT.to(b_dss.dtype), b_dss, DOT_F32, PREC)
-        # dP_ij = dS_i · v_j (Euclidean: S is a plain weighted sum of the value vectors).
-        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC) + b_vt[:, None] * b_dst[None, :]
+        de += tl.sum(b_pT * b_de[None, :], 1)
+        # dP_ij = dD_i · w_j + dE_i e_j (Euclidean: D and E are plain weighted sums of w and e).
+        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC) + b_vt[:, None] * b_dst[None, :] + \
+            b_e[:, None] * b_de[None, :]
         b_dzT = b_pT * (b_dpT - b_delta[None, :])
         dk_t += tl.sum(b_dzT * b_qt[None, :], 1)
         dk_s += _dot(b_dzT.to(b_qs.dtype), b_qs, DOT_F32, PREC)
-    return dk_t, dk_s, dv_t, dv_s
+    return dk_t, dk_s, dv_t, dv_s, de
 
 
 @triton.jit
 def lorentz_attention_bwd_dkdv_kernel(
-    Q, K, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, LSE, DELTA, FULL, DK, DV_,
+    Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DV_, DEK,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     H, Tq, Tk,
@@ -240,7 +250,8 @@ def lorentz_attention_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i``, ``dV = Σ_i P_ij dS_i`` for one key block."""
+    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i``, ``dW = Σ_i P_ij dD_i`` and
+    ``de = Σ_i P_ij dE_i`` (``DEK [B*H, Tk]``) for one key block."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -251,6 +262,7 @@ def lorentz_attention_bwd_dkdv_kernel(
     o_dv = tl.arange(0, BLOCK_DV)
     b_kt, b_ks = _load_points(K + i_b * stride_kb + i_h * stride_kh, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
     b_vt, b_vs = _load_points(V + i_b * stride_vb + i_h * stride_vh, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+    b_e = tl.load(E + i_bh.to(tl.int64) * Tk + o_n, mask=m_n, other=0.0)
     b_kid = o_n
     if HAS_SEG:
         b_kid = tl.load(KID + i_b * Tk + o_n, mask=m_n, other=-1)
@@ -268,13 +280,14 @@ def lorentz_attention_bwd_dkdv_kernel(
     dk_s = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv_t = tl.zeros([BLOCK_N], tl.float32)
     dv_s = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    de = tl.zeros([BLOCK_N], tl.float32)
     lo = 0
     if CAUSAL:
         # Query rows before this key block's first position cannot see it (causally).
         lo = (tl.maximum(i_n * BLOCK_N - (Tk - Tq), 0) // BLOCK_M) * BLOCK_M
-    dk_t, dk_s, dv_t, dv_s = _bwd_kv_rows(
-        dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row, p_dss,
-        LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
+    dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
+        dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row,
+        p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
         D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
     if CAUSAL and HAS_SEG:
         # ... unless their mask kept nothing: such rows attend to every key, future ones included.
@@ -282,9 +295,9 @@ def lorentz_attention_bwd_dkdv_kernel(
         for m0 in range(0, lo, BLOCK_M):
             b_full = tl.load(FULL + p_row + m0 + o_m0, mask=m0 + o_m0 < Tq, other=0)
             if tl.max(b_full.to(tl.int32), 0) > 0:
-                dk_t, dk_s, dv_t, dv_s = _bwd_kv_rows(
-                    dk_t, dk_s, dv_t, dv_s, b_kt, b_ks, b_vt, b_vs, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row,
-                    p_dss, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0, m0 + BLOCK_M, Tq, Tk,
+                dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
+                    dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qid,
+                    DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0, m0 + BLOCK_M, Tq, Tk,
                     qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True,
                     DOT_F32, PREC)
 
@@ -293,11 +306,12 @@ def lorentz_attention_bwd_dkdv_kernel(
                   BLOCK_D)
     _store_points(DV_ + i_b * stride_dvb + i_h * stride_dvh, dv_t, dv_s, o_n, m_n, stride_dvt, o_dv, DV,
                   BLOCK_DV)
+    tl.store(DEK + i_bh.to(tl.int64) * Tk + o_n, de, mask=m_n)
 
 
 @triton.jit
-def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-                  p_k, p_v, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+                  p_k, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
@@ -311,6 +325,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_d
         m_n = o_n < Tk
         b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
+        b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FULL_ONLY:
             m_s = b_full[:, None] & m_n[None, :]
@@ -319,7 +334,8 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_d
             if HAS_SEG:
                 m_s = m_s | (b_full[:, None] & m_n[None, :])
         b_p = tl.exp2(tl.where(m_s, b_s, float("-inf")) - b_lse[:, None])
-        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC) + b_dst[:, None] * b_vt[None, :]
+        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC) + b_dst[:, None] * b_vt[None, :] + \
+            b_de[:, None] * b_e[None, :]
         b_dz = b_p * (b_dp - b_delta[:, None])
         dq_t += tl.sum(b_dz * b_kt[None, :], 1)
         dq_s += _dot(b_dz.to(b_ks.dtype), b_ks, DOT_F32, PREC)
@@ -331,7 +347,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_d
 
 @triton.jit
 def lorentz_attention_bwd_dq_kernel(
-    Q, K, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, LSE, DELTA, FULL, DQ, DSCALE, DSLOPE,
+    Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DSCALE, DSLOPE,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dqb, stride_dqh, stride_dqt,
     H, Tq, Tk,
@@ -354,6 +370,7 @@ def lorentz_attention_bwd_dq_kernel(
     b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
     b_dst = tl.load(DS_T + p_row + o_m, mask=m_q, other=0.0)
     b_dss = _load_rows(DS_S + p_row * DV, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
+    b_de = tl.load(DE + p_row + o_m, mask=m_q, other=0.0)
     b_lse = tl.load(LSE + p_row + o_m, mask=m_q, other=float("inf"))
     b_delta = tl.load(DELTA + p_row + o_m, mask=m_q, other=0.0)
     b_qid = o_m
@@ -368,6 +385,7 @@ def lorentz_attention_bwd_dq_kernel(
         slope = tl.load(SLOPES + i_h) * LOG2E
     p_k = K + i_b * stride_kb + i_h * stride_kh
     p_v = V + i_b * stride_vb + i_h * stride_vh
+    p_e = E + i_bh.to(tl.int64) * Tk
     p_kid = KID + i_b * Tk
     hi = Tk
     if CAUSAL:
@@ -378,15 +396,15 @@ def lorentz_attention_bwd_dq_kernel(
     b_dsc = tl.zeros([BLOCK_M], tl.float32)
     b_dsl = tl.zeros([BLOCK_M], tl.float32)
     dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
-        dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-        p_k, p_v, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
+        dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+        p_k, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
     if CAUSAL and HAS_SEG:
         # Rows whose mask kept nothing also attend to the keys past the causal horizon.
         if tl.max(b_full.to(tl.int32), 0) > 0:
             dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
-                dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-                p_k, p_v, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
+                dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
+                m_q, p_k, p_v, p_e, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
                 D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC)
 
     _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, -c * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
@@ -429,33 +447,34 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype) -> Tuple[int, int, int, int
 
 
 def lorentz_attention_fwd(p: Prepared, store_s: bool):
-    """Launch the forward kernel. Returns ``(O, S, LSE, FULL)``; the last three are None unless ``store_s``."""
+    """Launch the forward kernel. Returns ``(O, S, EBAR, LSE, FULL)``; the last four are None unless ``store_s``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, Dq = q.shape
     Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
     BM, BN, warps, stages = _fwd_config(D, DV, q.dtype)
     o = alloc((B, H, Tq, 1 + DV), p.out_dtype, q.device)
-    s = lse = full = None
+    s = ebar = lse = full = None
     if store_s:
         s = alloc((B, H, Tq, 1 + DV), torch.float32, q.device)
+        ebar = alloc((B * H, Tq), torch.float32, q.device)
         lse = alloc((B * H, Tq), torch.float32, q.device)
         full = alloc((B * H, Tq), torch.int8, q.device)
     slopes, qid, kid, kc = launch_args(p)
     grid = (triton.cdiv(Tq, BM), B * H)
     lorentz_attention_fwd_kernel[grid](
-        q, k, v, p.scale, slopes, kc, qid, kid, o, s if store_s else o, lse if store_s else kc,
-        full if store_s else kc,
+        q, k, v, p.e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
+        lse if store_s else kc, full if store_s else kc,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, Tq, Tk,
         D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
         HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, DOT_F32=INTERPRET,
         PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
-    return o, s, lse, full
+    return o, s, ebar, lse, full
 
 
-def lorentz_attention_bwd(p: Prepared, s, lse, full, do):
-    """Launch the three backward kernels. Returns ``(dq, dk, dv, dscale [H], dslopes [H] | None, dkc [1])``."""
+def lorentz_attention_bwd(p: Prepared, s, ebar, lse, full, do):
+    """Launch the three backward kernels. Returns ``(dq, dk, dw, de, dscale [H], dslopes [H] | None, dkc [1])``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, Dq = q.shape
     Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
@@ -466,10 +485,11 @@ def lorentz_attention_bwd(p: Prepared, s, lse, full, do):
     ds_dtype = v.dtype  # dS_s only ever multiplies v (and P cast to its dtype)
     ds_t = alloc((B * H, Tq), torch.float32, dev)
     ds_s = alloc((B * H, Tq, DV), ds_dtype, dev)
+    de_row = alloc((B * H, Tq), torch.float32, dev)
     delta = alloc((B * H, Tq), torch.float32, dev)
     dkc_row = alloc((B * H, Tq), torch.float32, dev)
     lorentz_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BM), B * H)](
-        s, do, p.kc, ds_t, ds_s, delta, dkc_row, *s.stride()[:3], *do.stride()[:3], H, Tq,
+        s, ebar, p.c, do, p.kc, ds_t, ds_s, de_row, delta, dkc_row, *s.stride()[:3], *do.stride()[:3], H, Tq,
         DV=DV, BLOCK_M=BM, BLOCK_DV=block_d(DV), num_warps=warps,
     )
     slopes, qid, kid, _ = launch_args(p)
@@ -478,20 +498,21 @@ def lorentz_attention_bwd(p: Prepared, s, lse, full, do):
                  PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     dk = alloc(k.shape, k.dtype, dev)
     dv = alloc(v.shape, v.dtype, dev)
+    de = alloc(p.e.shape, torch.float32, dev)
     lorentz_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * H)](
-        q, k, v, p.scale, slopes, qid, kid, ds_t, ds_s, lse, delta, full, dk, dv,
+        q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dv, de,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, Tq, Tk, **flags,
     )
     dq = alloc(q.shape, q.dtype, dev)
     dscale_row = alloc((B * H, Tq), torch.float32, dev)
     dslope_row = alloc((B * H, Tq), torch.float32, dev) if p.slopes is not None else dscale_row
     lorentz_attention_bwd_dq_kernel[(triton.cdiv(Tq, BM), B * H)](
-        q, k, v, p.scale, slopes, qid, kid, ds_t, ds_s, lse, delta, full, dq, dscale_row, dslope_row,
+        q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dscale_row, dslope_row,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], H, Tq, Tk, **flags,
     )
     dscale = dscale_row.view(B, H, Tq).sum(dim=(0, 2))
     dslopes = dslope_row.view(B, H, Tq).sum(dim=(0, 2)) if p.slopes is not None else None
-    return dq, dk, dv, dscale, dslopes, dkc_row.sum().reshape(1)
+    return dq, dk, dv, de, dscale, dslopes, dkc_row.sum().reshape(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -500,25 +521,27 @@ def lorentz_attention_bwd(p: Prepared, s, lse, full, do):
 
 
 class LorentzFlashAttention(torch.autograd.Function):
-    """Differentiable in ``q, k, v``, ``scale = 2/τ`` ``[H]``, the ALiBi ``slopes`` ``[H]`` and ``kc`` ``[1]``."""
+    """Differentiable in ``q, k``, the centred values ``w`` and their ``e = <w, w>_L`` (both functions of the
+    values, made by :func:`~.common.prepare` in torch, so autograd carries their gradients back to ``v``),
+    ``scale = 2/τ`` ``[H]``, the ALiBi ``slopes`` ``[H]`` and ``kc`` ``[1]``; the row centres ``c`` are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, slopes, kc, qid, kid, causal: bool, out_dtype: torch.dtype):
-        p = Prepared(q=q, k=k, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
+    def forward(ctx, q, k, w, e, c, scale, slopes, kc, qid, kid, causal: bool, out_dtype: torch.dtype):
+        p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
                      out_dtype=out_dtype)
-        o, s, lse, full = lorentz_attention_fwd(p, store_s=True)
-        ctx.save_for_backward(q, k, v, scale, slopes, kc, qid, kid, s, lse, full)
+        o, s, ebar, lse, full = lorentz_attention_fwd(p, store_s=True)
+        ctx.save_for_backward(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
         ctx.causal = causal
         ctx.out_dtype = out_dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, scale, slopes, kc, qid, kid, s, lse, full = ctx.saved_tensors
-        p = Prepared(q=q, k=k, v=v, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=ctx.causal,
-                     out_dtype=ctx.out_dtype)
-        dq, dk, dv, dscale, dslopes, dkc = lorentz_attention_bwd(p, s, lse, full, do)
-        return dq, dk, dv, dscale, dslopes, dkc, None, None, None, None
+        q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
+        p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                     causal=ctx.causal, out_dtype=ctx.out_dtype)
+        dq, dk, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(p, s, ebar, lse, full, do)
+        return dq, dk, dw, de, None, dscale, dslopes, dkc, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -573,5 +596,5 @@ def lorentz_flash_attention(
 
             return lorentz_attention_decode_fwd(p)
         return lorentz_attention_fwd(p, store_s=False)[0]
-    return LorentzFlashAttention.apply(p.q, p.k, p.v, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
+    return LorentzFlashAttention.apply(p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
                                        p.out_dtype)

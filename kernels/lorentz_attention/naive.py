@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from .centre import key_groups, value_centres
+
 
 def naive_lorentz_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
                             alibi_slopes=None) -> torch.Tensor:
-    """``O = lift(sqrt(k) S_s / sqrt(max(|<S,S>_L|, k/2)))`` with ``S = softmax(2<q,k>_L/τ + bias) v``.
+    """``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))`` with ``S = P v``, ``P = softmax(2<q,k>_L/τ + bias)``.
 
-    (The exact bound is ``k``; half of it never binds for values on the manifold, see ``helm.ops``.)
+    ``N = |<S,S>_L|`` in the pairwise form ``k + (P e - <D, D>_L)``, ``D = P w``, ``S = c + D``, for the centred
+    values ``w_j = v_j - c_j`` (one centre per document, :mod:`.centre`) and ``e_j = <w_j, w_j>_L``, the last two
+    Minkowski norms accumulated in fp64 (see ``kernels/README.md``). The exact ``N >= k``; the floor ``k/2`` never
+    binds for values on the manifold (see ``helm.ops``).
 
     Shapes as :func:`kernels.lorentz_attention.lorentz_flash_attention`; computes in fp32 (fp64 for fp64).
     """
@@ -36,8 +41,18 @@ def naive_lorentz_attention(query, key, value, *, k, tau, causal=True, attention
     if segment_ids is not None:
         keep = keep & (segment_ids[:, Tk - Tq:].view(B, 1, Tq, 1) == segment_ids.view(B, 1, 1, Tk))
     keep = keep | ~keep.any(-1, keepdim=True)  # a row that keeps nothing attends to every key
-    s = logits.masked_fill(~keep, float("-inf")).softmax(-1) @ v
-    norm = (s[..., 1:].pow(2).sum(-1, keepdim=True) - s[..., :1].pow(2)).abs()
+    c = value_centres(v, key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(),
+                                    q.device))
+    w = v - c
+    c_rows = c.expand_as(v)[:, :, Tk - Tq:]
+
+    def minkowski(x):  # <x, x>_L accumulated in fp64
+        x = x.double()
+        return (x[..., 1:].pow(2).sum(-1, keepdim=True) - x[..., :1].pow(2)).to(dtype)
+
+    p = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+    d, e = p @ w, p @ minkowski(w)
     kt = torch.as_tensor(k, dtype=dtype, device=q.device)
-    out_s = s[..., 1:] * (kt.sqrt() / torch.maximum(norm, kt / 2).sqrt())
+    n = (e - minkowski(d)) + kt
+    out_s = (c_rows[..., 1:] + d[..., 1:]) * (kt.sqrt() / torch.maximum(n, kt / 2).sqrt())
     return torch.cat([(out_s.pow(2).sum(-1, keepdim=True) + kt).sqrt(), out_s], dim=-1)

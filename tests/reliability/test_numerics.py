@@ -1,0 +1,182 @@
+"""Issue 11, item 7 ("far from the origin"): the public manifold functions and Lorentz attention stay accurate
+for space-part norms up to 1e4 in fp32.
+
+Every case builds its inputs in fp64, rounds them to fp32 once, and compares the function evaluated in fp32
+with the *same* function evaluated in fp64 on the fp32-rounded inputs (so input rounding is not counted, only
+the arithmetic). Errors are relative to the largest entry of the fp64 result (``tests.helpers.relative_error``).
+The Triton kernel gets the same sweep in ``tests/kernels/test_far_from_origin.py`` (it needs the interpreter
+set up by that folder's conftest).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import helm.manifold.math as M
+from helm.ops import lorentz_attention
+from tests.helpers import assert_close, relative_error
+
+NORMS = [1.0, 1e2, 1e3, 1e4]
+NORM_IDS = ["1", "1e2", "1e3", "1e4"]
+K = 0.7  # a curvature other than 1 so a missing k would show
+
+# Bounds (relative error of fp32 against fp64 on the same fp32 inputs). fp32 unit roundoff is 6e-8.
+# * Elementwise maps and single reductions over n <= 64 coordinates (lift, inner, rescale, hcat, logmap0,
+#   expmap0, manifold_error): a few dozen roundings at most -> 1e-5 (tests.helpers.RTOL[float32]).
+# * Results that divide by a Minkowski norm or take a square root of a difference that can be small
+#   (sqdist, dist, normalize, centroid): the formulations avoid the cancellation, so the error is still a few
+#   dozen roundings of the result's own scale -> 1e-5 as well.
+# * Attention: a softmax over 16 keys (scores up to 2|q||k|/tau ~ 1e8 at 1e4, whose own fp32 rounding moves the
+#   weights by at most a few ulps relative), a weighted sum of 16 values and the normalisation -> 1e-4, the
+#   kernel tests' fp32 bound (tests/kernels/test_lorentz_attention.py::FP32_TOL).
+TOL = 1e-5
+ATTN_TOL = 1e-4
+
+
+def _unit(shape, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, n, generator=g, dtype=torch.float64)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def space(r, shape=(5, 3), n=16, seed=0):
+    """Space parts of norm ``r`` (fp64, random directions)."""
+    return r * _unit(shape, n, seed)
+
+
+def points(r, shape=(5, 3), n=16, seed=0, k=K):
+    """Points of ``H_k`` with space-part norm ``r``, lifted in fp64 (rounded to fp32 by the caller)."""
+    return M.lift(space(r, shape, n, seed), k=k)
+
+
+def near(x, eps, seed, k=K):
+    """Points at Euclidean distance ~``eps`` of ``x`` (space part perturbed, time recomputed)."""
+    g = torch.Generator().manual_seed(seed)
+    return M.lift(x[..., 1:] + eps * torch.randn(x[..., 1:].shape, generator=g, dtype=torch.float64), k=k)
+
+
+def _tangent_for_norm(r, shape=(5, 3), n=16, seed=0, k=K):
+    """Tangent vectors at the origin whose image under expmap0 has space norm ``r`` (|u| = sqrt(k) asinh(r/sqrt k)):
+    expmap0 of a tangent of norm 1e4 is e^(1e4), beyond every float format."""
+    u = math.sqrt(k) * math.asinh(r / math.sqrt(k)) * _unit(shape, n, seed)
+    return torch.cat([torch.zeros_like(u[..., :1]), u], dim=-1)
+
+
+# name -> (function of fp-typed inputs, inputs builder(r) returning fp64 tensors, bound)
+CASES = {
+    "inner": (lambda x, y: M.inner(x, y), lambda r: (points(r), points(r, seed=1)), TOL),
+    "inner-near": (lambda x, y: M.inner(x, y), lambda r: (points(r), near(points(r), 1.0, 2)), TOL),
+    "sqnorm": (lambda s: M.sqnorm(s), lambda r: (points(r) * 1.5 + points(r, seed=1),), TOL),
+    "lift": (lambda s: M.lift(s, k=K), lambda r: (space(r),), TOL),
+    "sqdist": (lambda x, y: M.sqdist(x, y, k=K), lambda r: (points(r), points(r, seed=1)), TOL),
+    "sqdist-near": (lambda x, y: M.sqdist(x, y, k=K), lambda r: (points(r), near(points(r), 1.0, 2)), TOL),
+    "dist": (lambda x, y: M.dist(x, y, k=K), lambda r: (points(r), points(r, seed=1)), TOL),
+    "dist-near": (lambda x, y: M.dist(x, y, k=K), lambda r: (points(r), near(points(r), 1.0, 2)), TOL),
+    "expmap0": (lambda u: M.expmap0(u, k=K), lambda r: (_tangent_for_norm(r),), TOL),
+    "logmap0": (lambda x: M.logmap0(x, k=K), lambda r: (points(r),), TOL),
+    # normalize: a time-like vector close to the hyperboloid (a scaled point) is the hard case: |<s,s>_L| ~ k
+    # while s_t^2 ~ |s_s|^2 ~ r^2.
+    "normalize": (lambda s: M.normalize(s, k=K), lambda r: (2.5 * points(r),), TOL),
+    "normalize-mix": (lambda s: M.normalize(s, k=K), lambda r: (0.3 * points(r) + 0.7 * near(points(r), 1.0, 3),),
+                      TOL),
+    "centroid": (lambda x, w: M.centroid(x, w, k=K),
+                 lambda r: (torch.stack([points(r), near(points(r), 1.0, 4), points(r, seed=5)], -2),
+                            torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)), TOL),
+    "centroid-cluster": (lambda x: M.centroid(x, k=K),
+                         lambda r: (torch.stack([near(points(r), 1.0, s) for s in range(4)], -2),), TOL),
+    "rescale": (lambda x: M.rescale(x, k_in=K, k_out=2.0), lambda r: (points(r),), TOL),
+    "hcat": (lambda x: M.hcat(x, k=K, dim=-2), lambda r: (points(r),), TOL),
+    "manifold_error": (lambda x: M.manifold_error(x, K), lambda r: (points(r),), TOL),
+}
+
+
+def _round(t):
+    return t.to(torch.float32)
+
+
+@pytest.mark.parametrize("r", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_manifold_function_far_from_origin(name, r, request):
+    fn, build, bound = CASES[name]
+    inputs32 = [_round(t) for t in build(r)]
+    out32 = fn(*inputs32)
+    out64 = fn(*[t.double() for t in inputs32])
+    # manifold_error measures in fp64 whatever it is given; every other function returns the input precision
+    assert out32.dtype == (torch.float64 if name == "manifold_error" else torch.float32)
+    assert_close(out32, out64, rtol=bound, msg=f"{name} at |x_s| = {r:g}")
+
+
+def test_every_public_function_is_swept():
+    swept = {name.split("-")[0] for name in CASES} | {"origin"}
+    helpers = {"upcast", "curvature_to_k", "k_to_curvature", "check_k"}  # no floating-point maths of points
+    assert set(M.__all__) - helpers <= swept
+
+
+@pytest.mark.parametrize("k", [0.1, 1.0, 10.0])
+def test_origin(k):
+    assert_close(M.origin(3, 17, k=k, dtype=torch.float32), M.origin(3, 17, k=k, dtype=torch.float64), rtol=TOL)
+
+
+# --- attention -------------------------------------------------------------------------------------------
+
+B, H, T, D, DV = 1, 2, 16, 8, 8
+TAU = 3.0
+
+
+def _attention_inputs(kind, r):
+    """fp64 q, k, v for one scenario at space norm ``r``:
+    * ``all``: queries, keys and values at norm r (scores ~ r^2: the softmax is one-hot far out);
+    * ``values``: q, k near the origin (flat softmax), values at norm r in random directions;
+    * ``cluster``: flat softmax over values clustered (Euclidean spread 1) around one point at norm r, the
+      case where the weighted sum lies close to the hyperboloid and <S,S>_L cancels most."""
+    qn, vn = (r, r) if kind == "all" else (1.0, r)
+    q = points(qn, (B, H, T), D, seed=11)
+    k = points(qn, (B, H, T), D, seed=12)
+    if kind == "cluster":
+        centre = points(r, (B, H, 1), DV, seed=13).expand(B, H, T, 1 + DV)
+        v = near(centre, 1.0, 14)
+    else:
+        v = points(vn, (B, H, T), DV, seed=13)
+    return q, k, v
+
+
+ATTN_KINDS = ["all", "values", "cluster"]
+
+
+@pytest.mark.parametrize("r", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize("kind", ATTN_KINDS)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_attention_far_from_origin(impl, kind, r):
+    q, k, v = (_round(t) for t in _attention_inputs(kind, r))
+    out32 = lorentz_attention(q, k, v, k=K, tau=TAU, impl=impl)
+    out64 = lorentz_attention(q.double(), k.double(), v.double(), k=K, tau=TAU, impl="eager")
+    assert out32.dtype == torch.float32
+    assert_close(out32, out64, rtol=ATTN_TOL, msg=f"{impl} {kind} at |x_s| = {r:g}")
+    # The result lies on the manifold by construction (time recomputed from space): manifold_error alone
+    # cannot see the errors this test is about.
+    assert M.manifold_error(out32, K).max() <= 1e-5
+
+
+def measure():  # pragma: no cover - `python -m tests.reliability.test_numerics` prints the error table
+    for name, (fn, build, _) in CASES.items():
+        errs = []
+        for r in NORMS:
+            inputs32 = [_round(t) for t in build(r)]
+            errs.append(relative_error(fn(*inputs32), fn(*[t.double() for t in inputs32])))
+        print(f"{name:18s}", " ".join(f"{e:9.2e}" for e in errs))
+    for impl in ("eager", "sdpa"):
+        for kind in ATTN_KINDS:
+            errs = []
+            for r in NORMS:
+                q, k, v = (_round(t) for t in _attention_inputs(kind, r))
+                o32 = lorentz_attention(q, k, v, k=K, tau=TAU, impl=impl)
+                o64 = lorentz_attention(q.double(), k.double(), v.double(), k=K, tau=TAU, impl="eager")
+                errs.append(relative_error(o32, o64))
+            print(f"attn-{impl}-{kind:8s}", " ".join(f"{e:9.2e}" for e in errs))
+
+
+if __name__ == "__main__":
+    measure()
