@@ -24,11 +24,16 @@ from ..nn.validation import (
     check_fields,
     field,
     greater_than,
+    init_std,
     integer,
     negative,
+    norm_eps,
     one_of,
     optional,
     positive,
+    residual_scale_factor,
+    residual_weight,
+    temperature,
 )
 from ..ops.attention import available_attention_impls
 
@@ -54,6 +59,24 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
 
     Dimensions are *ambient*: they count the time coordinate, like the paper (the 115M model has
     ``hidden_size=390 = 1 + 389`` and heads of ``head_dim=65 = 1 + 64``).
+
+    Every float field is finite (nan and inf are refused, naming the field), and those below lie in documented
+    ranges, justified in :mod:`helm.nn.validation` (fp32 is the precision of every norm, time coordinate and
+    curvature):
+
+    ==============================  ==================  ==================================================
+    field                           range               why
+    ==============================  ==================  ==================================================
+    ``curvature``                   ``|K| in [1e-4, 1e4]``, ``K < 0``  ``k = -1/K``, ``sqrt(k)``, ``k·(Σw)²`` far from
+                                                        fp32 limits; ``<x,x>_L = -k`` resolvable next to ``|x_s|²``
+    ``rms_norm_eps``                ``(0, 1e-2]``       a regulariser, not a change of unit-scale outputs
+    ``initializer_range``           ``(0, 1]``          ``cosh(std·sqrt(n/k))`` of the wrapped-normal tables
+                                                        stays far from fp32 overflow
+    ``tau_init``                    ``[1e-3, 1e4]``     softmax of ``-d²/τ`` neither one-hot nor uniform
+    ``residual_weight``             ``[1e-4, 1e4]``     both centroid terms above fp32 resolution
+    ``residual_space_scale_factor`` ``[1e-2, 1e2]``     ``|x_s|²`` below ``k/ε₃₂``, above RMSNorm's eps
+    ``rope_theta``, ``hope_boost_*``  ``> 0``, finite   (``rope3d_chunk_base > 1``)
+    ==============================  ==================  ==================================================
 
     HELM-specific fields:
         curvature: the paper's ``K < 0`` of the whole model; ``config.k = -1/K`` is geoopt's parameter.
@@ -86,8 +109,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     head_dim: int | None = field(optional(integer(2)), None)
     hidden_act: str = field(one_of(ACTIVATIONS), "silu")
     max_position_embeddings: int = field(integer(1), 2048)
-    initializer_range: float = field(positive, 0.02)
-    rms_norm_eps: float = field(positive, 1e-12)
+    initializer_range: float = field(init_std, 0.02)
+    rms_norm_eps: float = field(norm_eps, 1e-12)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -105,9 +128,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     hope_boost_angle_scale: float = field(positive, 1.0)
     hope_boost_learnable_decay: bool = field(boolean, False)
     attn_impl: str = field(one_of(available_attention_impls()), "auto")
-    tau_init: float | None = field(optional(positive), None)
-    residual_weight: float = field(positive, 1.0)
-    residual_space_scale_factor: float | None = field(optional(positive), None)
+    tau_init: float | None = field(optional(temperature), None)
+    residual_weight: float = field(residual_weight, 1.0)
+    residual_space_scale_factor: float | None = field(optional(residual_scale_factor), None)
     lm_head_mode: str = field(one_of(LM_HEAD_MODES), "linear")
     validate_inputs: bool = True
 

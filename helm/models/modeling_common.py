@@ -1,5 +1,6 @@
-"""What the HELM-D and HELM-MiCE models share: the base class (init, geometry, save hooks) and three functions
-their ``forward`` calls: input checks, default positions, and the positional encoding built from a config."""
+"""What the HELM-D and HELM-MiCE models share: the base class (init, geometry, strict loading, save hooks) and
+the functions their ``forward`` calls: input checks, default positions, the positional encoding built from a
+config, and the causal-LM loss."""
 
 from __future__ import annotations
 
@@ -17,10 +18,24 @@ from ..nn.norm import LorentzRMSNorm
 from ..nn.positional import PositionalEncoding
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
+from ..nn.validation import check_tensor
 
 
 class HelmPreTrainedModel(PreTrainedModel):
-    """Weight init, geometry bookkeeping and remote-code saving common to every HELM model."""
+    """Weight init, geometry bookkeeping, strict loading and remote-code saving common to every HELM model.
+
+    ``from_pretrained`` is strict: a checkpoint with weights missing (they would silently stay randomly
+    initialised), weights the model does not use, or weights of the wrong shape raises ``RuntimeError`` instead
+    of ``transformers``' logged load report. The only exceptions are ``transformers``' own: the LM head of a
+    causal-LM checkpoint loaded into the bare model (``_keys_to_ignore_on_load_unexpected``) and
+    ``ignore_mismatched_sizes=True``, which re-initialises mismatched weights on request. A missing or corrupt
+    ``model.safetensors`` fails in ``transformers`` / ``safetensors`` (``OSError`` / ``SafetensorError``).
+
+    ``dtype=torch.float16`` (or ``bfloat16``) is applied, on CPU too: weight matrices and tables are stored in
+    that dtype, while the scalars that parametrise the geometry (temperatures, residual weights, curvatures) stay
+    fp32 parameters and every time coordinate, norm and logit is computed in fp32, so outputs stay finite and
+    on the manifold (``tests/reliability/test_inputs.py``).
+    """
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
@@ -63,8 +78,14 @@ class HelmPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
-        return model.restore_geometry()
+        """``transformers``' loader, strict about the weights (see the class docstring), then
+        :meth:`restore_geometry`. ``output_loading_info=True`` returns ``(model, info)`` as in ``transformers``."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        check_loading_info(cls.__name__, where, info, ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes"))
+        model.restore_geometry()
+        return (model, info) if want_info else model
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
@@ -87,6 +108,25 @@ class HelmPreTrainedModel(PreTrainedModel):
             write_remote_code(save_directory, type(self))
 
 
+def check_loading_info(name: str, where, info: dict, *, ignore_mismatched_sizes: bool = False) -> None:
+    """Raise ``RuntimeError`` listing the weights a checkpoint lacks, has in excess or has in the wrong shape."""
+    problems = []
+    if info.get("missing_keys"):
+        keys = sorted(info["missing_keys"])
+        problems.append(f"{len(keys)} weights missing from the checkpoint (they would stay randomly initialised): "
+                        f"{keys}")
+    if info.get("unexpected_keys"):
+        keys = sorted(info["unexpected_keys"])
+        problems.append(f"{len(keys)} weights in the checkpoint not used by the model: {keys}")
+    if info.get("mismatched_keys") and not ignore_mismatched_sizes:
+        problems.append(f"weights of the wrong shape (key, checkpoint, model): {sorted(info['mismatched_keys'])}")
+    if info.get("error_msgs"):
+        problems.extend(info["error_msgs"])
+    if problems:
+        raise RuntimeError(f"{name}.from_pretrained({str(where)!r}): the checkpoint does not match the model: "
+                           + "; ".join(problems))
+
+
 def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
     """The model's positional encoding from ``config``: ``head_dim`` space dims per head get it (``absolute``
     kinds act on the token stream, ``hidden_size - 1`` dims); kind-specific options come from the config
@@ -99,28 +139,47 @@ def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
                                      rope_theta=config.rope_theta, **options)
 
 
-def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds, past_len: int, seq_len: int,
-                 attention_mask: Optional[torch.Tensor], segment_ids: Optional[torch.Tensor]) -> None:
-    """Clear errors for ids outside the vocabulary, masks of the wrong length, and lengths the positional
-    encoding cannot reach.
+def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_len: int,
+                 attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                 segment_ids: Optional[torch.Tensor]) -> tuple[int, int]:
+    """Check a forward's inputs and return ``(B, T)``.
 
-    The vocabulary check reads one boolean back from the device per forward (skipped while compiling);
-    ``config.validate_inputs = False`` turns it off.
+    Exactly one of ``input_ids [B, T]`` (integers in ``[0, vocab_size)``) and ``inputs_embeds [B, T, 1+n]``
+    (floating point; points, time coordinate first), with ``B, T >= 1``; ``attention_mask [B, T_past+T]``;
+    ``segment_ids [B, T_past+T]`` (integers); ``position_ids [B, T]`` or ``[1, T]`` (integers, broadcast over the
+    batch as in ``transformers``); lengths the positional encoding can reach. Each error is a ``ValueError``
+    naming the argument and the expected shape.
+
+    Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
+    (skipped while compiling); ``config.validate_inputs = False`` turns it off.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
-    if input_ids is not None and config.validate_inputs and not torch.compiler.is_compiling():
-        if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= config.vocab_size)).any()):
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size}); got values in [{lo}, {hi}]"
-                             " (is the tokenizer's vocabulary larger than the model's?)")
-    for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
-        if t is not None and (t.dim() != 2 or t.shape[-1] != past_len + seq_len):
-            raise ValueError(f"{name} must be [B, T_past+T] = [B, {past_len + seq_len}], got {tuple(t.shape)}")
+    if input_ids is not None:
+        check_tensor(input_ids, "input_ids", (None, None), "[B, T]", dtype="integer", nonempty=True)
+        if config.validate_inputs and not torch.compiler.is_compiling():
+            if bool(((input_ids < 0) | (input_ids >= config.vocab_size)).any()):
+                lo, hi = int(input_ids.min()), int(input_ids.max())
+                raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size}); got values in "
+                                 f"[{lo}, {hi}] (is the tokenizer's vocabulary larger than the model's?)")
+        batch, seq_len = input_ids.shape
+    else:
+        check_tensor(inputs_embeds, "inputs_embeds", (None, None, config.hidden_size), "[B, T, hidden_size]",
+                     dtype="floating", nonempty=True, note=" points (time coordinate first)")
+        batch, seq_len = inputs_embeds.shape[:2]
+    total = past_len + seq_len
+    if attention_mask is not None:
+        check_tensor(attention_mask, "attention_mask", (batch, total), "[B, T_past+T]")
+    if segment_ids is not None:
+        check_tensor(segment_ids, "segment_ids", (batch, total), "[B, T_past+T]", dtype="integer")
+    if position_ids is not None:
+        check_tensor(position_ids, "position_ids", (batch, seq_len), "[B, T]", alternative=(1, seq_len),
+                     dtype="integer")
     if config.positional == "learned" and past_len + seq_len > config.max_position_embeddings:
         raise ValueError(f"sequence length {past_len + seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
                          "beyond its table; use a relative encoding (e.g. positional='hope') for longer inputs")
+    return batch, seq_len
 
 
 def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, seq_len: int,
@@ -132,4 +191,25 @@ def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, 
     return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
 
 
-__all__ = ["HelmPreTrainedModel", "check_inputs", "default_position_ids", "positional_encoding"]
+def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``model.loss_function`` (transformers' ``ForCausalLMLoss``: labels shifted inside, ``-100`` ignored),
+    normalised by the number of labelled tokens, at least 1.
+
+    ``labels`` must be integers of the logits' ``[B, T]``. Without ``num_items_in_batch`` transformers takes the
+    mean over the labelled tokens, which is ``0/0 = NaN`` when every label is ``-100`` (``LlamaForCausalLM``
+    returns NaN there) and turns the step's gradients into NaN. Here the count is passed as
+    ``num_items_in_batch = max(#labelled, 1)``, computed on the device (no synchronisation): the same loss as the
+    mean whenever a token is labelled, 0 with zero gradients when none is, and exactly transformers' value when
+    the caller passes ``num_items_in_batch`` itself (gradient accumulation).
+    """
+    check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]", dtype="integer")
+    if kwargs.get("num_items_in_batch") is None:
+        ignore_index = kwargs.get("ignore_index", -100)
+        shifted = kwargs.get("shift_labels")
+        shifted = labels[..., 1:] if shifted is None else shifted
+        kwargs["num_items_in_batch"] = (shifted != ignore_index).sum().clamp_min(1)
+    return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+
+
+__all__ = ["HelmPreTrainedModel", "causal_lm_loss", "check_inputs", "check_loading_info", "default_position_ids",
+           "positional_encoding"]

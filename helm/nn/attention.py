@@ -12,7 +12,7 @@ from ..manifold.math import hcat, lift
 from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
 from .linear import LorentzLinear
 from .positional import PositionalTables
-from .validation import check_choice, check_dim, check_k, check_positive
+from .validation import check, check_choice, check_dim, check_k, temperature
 
 _NO_POSITIONS = PositionalTables()
 
@@ -24,7 +24,7 @@ class LorentzAttentionBase(nn.Module):
         super().__init__()
         check_dim(num_heads, "num_heads")
         check_k(k, "k")
-        check_positive(tau_init, "tau_init")
+        check(tau_init, "tau_init", temperature)
         check_choice(attn_impl, "attn_impl", available_attention_impls())
         self.num_heads, self.k, self.attn_impl, self.layer_idx = num_heads, float(k), attn_impl, layer_idx
         self.tau_init = float(tau_init)

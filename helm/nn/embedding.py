@@ -8,7 +8,7 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import expmap0, lift
-from .validation import EMBEDDING_MODES, check_choice, check_dim, check_k, check_positive
+from .validation import EMBEDDING_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule
 
 
 def wrapped_normal_(weight: torch.Tensor, *, k: float, std: float) -> torch.Tensor:
@@ -39,7 +39,7 @@ class LorentzEmbedding(nn.Module):
         check_dim(embedding_dim, "embedding_dim", minimum=2)
         check_k(k, "k")
         check_choice(mode, "mode", EMBEDDING_MODES)
-        check_positive(init_std, "init_std")
+        check(init_std, "init_std", init_std_rule)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.k, self.mode, self.init_std, self.padding_idx = float(k), mode, init_std, padding_idx
         if mode == "lorentz":

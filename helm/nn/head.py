@@ -9,7 +9,7 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import upcast
-from .validation import LM_HEAD_MODES, check_choice, check_dim, check_k, check_positive
+from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import wrapped_normal_
 
 
@@ -31,7 +31,8 @@ class LorentzLMHead(nn.Module):
         check_dim(vocab_size, "vocab_size")
         check_k(k, "k")
         check_choice(mode, "mode", LM_HEAD_MODES)
-        check_positive(tau, "tau")
+        check(tau, "tau", temperature)
+        check(init_std, "init_std", init_std_rule)
         self.k, self.mode, self.init_std, self.init_tau = float(k), mode, init_std, float(tau)
         if mode == "linear":
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))

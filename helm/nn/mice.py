@@ -10,19 +10,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import curvature_to_k, normalize, rescale
-from .validation import SCORING_FUNCS, check_choice, check_dim, check_k
+from .validation import (
+    CURVATURE_RANGE,
+    SCORING_FUNCS,
+    check,
+    check_choice,
+    check_dim,
+    check_k,
+    negative_list,
+    non_negative,
+)
 from .mlp import LorentzSwiGLU
 
-# log k is clamped to this range in the forward pass: any optimiser step leaves k finite and positive
-# (K between -1e-4 and -1e4 covers every curvature the paper or its ablations use by orders of magnitude).
-LOG_K_RANGE = (math.log(1e-4), math.log(1e4))
+# The config range of log k (identity there) and the margin, in log k, the parametrisation may add beyond it.
+LOG_K_RANGE = (math.log(CURVATURE_RANGE[0]), math.log(CURVATURE_RANGE[1]))
+LOG_K_MARGIN = math.log(10.0)
+
+
+def bounded_log_k(log_k: torch.Tensor) -> torch.Tensor:
+    """Map a raw ``log k`` smoothly into ``(LOG_K_RANGE[0] - margin, LOG_K_RANGE[1] + margin)``.
+
+    The identity on ``LOG_K_RANGE`` (the config range of expert curvatures, so a config value and a saved
+    ``log_k`` mean exactly what they say); beyond it the excess ``e`` is squashed to ``margin · u / (1 + u)``,
+    ``u = e / margin``: continuous with a continuous first derivative (1 at the boundary), bounded by the margin
+    (k stays within a factor 10 of the config range, finite and positive under any optimiser step) and with
+    the derivative ``1 / (1 + u)²`` that never becomes exactly zero in fp32 for any finite parameter (a clamp
+    would freeze a curvature that crossed the boundary: zero gradient, no way back).
+    """
+    lo, hi = LOG_K_RANGE
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    offset = log_k - mid
+    excess = (offset.abs() - half).clamp_min(0.0) / LOG_K_MARGIN
+    squashed = half + LOG_K_MARGIN * excess / (1 + excess)
+    return mid + torch.where(offset.abs() <= half, offset, offset.sign() * squashed)
 
 
 class CurvatureExpert(nn.Module):
     """A SwiGLU_L expert living on its own hyperboloid ``H_{k_j}``.
 
-    ``y = rescale_{k_j → k}(SwiGLU_{L, k_j}(rescale_{k → k_j}(x)))``; ``k_j = exp(clamp(log k_j))`` is an fp32
-    parameter when ``trainable`` and a fixed float otherwise.
+    ``y = rescale_{k_j → k}(SwiGLU_{L, k_j}(rescale_{k → k_j}(x)))``; ``k_j = exp(bounded_log_k(log k_j))``
+    with ``log k_j`` an fp32 parameter, trained when ``trainable`` and frozen otherwise. ``k_expert`` must lie in
+    the config range :data:`helm.nn.validation.CURVATURE_RANGE` (refused here and at config time); training may
+    move it at most a factor 10 beyond, smoothly (see :func:`bounded_log_k`), never with a zero-gradient clamp.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, k: float, k_expert: float,
@@ -46,7 +75,7 @@ class CurvatureExpert(nn.Module):
 
     @property
     def k_expert(self) -> torch.Tensor:
-        return self.log_k.float().clamp(*LOG_K_RANGE).exp()
+        return bounded_log_k(self.log_k.float()).exp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kj = self.k_expert
@@ -91,8 +120,11 @@ class MiCE(nn.Module):
         check_choice(scoring_func, "scoring_func", SCORING_FUNCS)
         if num_experts_per_tok > n_routed_experts:
             raise ValueError(f"num_experts_per_tok={num_experts_per_tok} exceeds n_routed_experts={n_routed_experts}")
+        check(aux_loss_alpha, "aux_loss_alpha", non_negative)
+        check(bias_update_speed, "bias_update_speed", non_negative)
         if routed_curvatures is None:
             routed_curvatures = [-1.0] * n_routed_experts
+        check(list(routed_curvatures), "routed_curvatures", negative_list)
         if len(routed_curvatures) != n_routed_experts:
             raise ValueError(f"routed_curvatures must have n_routed_experts={n_routed_experts} entries, "
                              f"got {len(routed_curvatures)}")

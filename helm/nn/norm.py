@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import upcast, lift
-from .validation import check_dim, check_k, check_positive
+from .validation import check, check_dim, check_k, norm_eps
 
 
 class LorentzRMSNorm(nn.Module):
@@ -17,7 +17,8 @@ class LorentzRMSNorm(nn.Module):
 
     The space part is normalised in fp32 and the time coordinate recomputed, so the output lies on
     ``H_k``. Invariant to any positive scaling of ``x_s`` (paper Prop. 4.5) up to ``eps``; the default
-    ``eps = 1e-12`` keeps the invariance at fp32 resolution for space-part RMS down to about ``1e-3``.
+    ``eps = 1e-12`` keeps the invariance at fp32 resolution for space-part RMS down to about ``1e-3``; ``eps``
+    must lie in ``(0, 1e-2]`` (:data:`helm.nn.validation.NORM_EPS_RANGE`).
     (The paper writes ``sqrt(||·|| - 1/K)`` for the time coordinate, dropping a square; we lift.)
 
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
@@ -27,7 +28,7 @@ class LorentzRMSNorm(nn.Module):
         super().__init__()
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_k(k, "k")
-        self.eps = check_positive(eps, "eps")
+        self.eps = float(check(eps, "eps", norm_eps))
         self.k = float(k)
         self.weight = nn.Parameter(torch.ones(hidden_size - 1))
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import upcast, lift, normalize, sqdist
-from .validation import check_k, check_positive
+from .validation import check, check_k, check_positive, residual_weight
 
 
 class LorentzResidual(nn.Module):
@@ -31,7 +31,7 @@ class LorentzResidual(nn.Module):
     def __init__(self, *, k: float = 1.0, weight: float = 1.0, space_scale: Optional[float] = None):
         super().__init__()
         check_k(k, "k")
-        check_positive(weight, "weight")
+        check(weight, "weight", residual_weight)
         if space_scale is not None:
             check_positive(space_scale, "space_scale")
         self.k = float(k)

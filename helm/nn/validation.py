@@ -16,13 +16,45 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Container, Iterable
+from typing import Any, Callable, Container, Iterable, Optional, Sequence
 
+import torch
 from huggingface_hub.dataclasses import validated_field
 
-from ..manifold.math import check_k
-
 Rule = Callable[[Any], None]
+
+# Documented ranges (inclusive unless the lower bound is 0, which is excluded). Each is justified by the maths in
+# fp32, the precision every norm, time coordinate and curvature is computed in (DESIGN §2):
+#
+# * CURVATURE_RANGE bounds |K| of the paper's curvature, hence also geoopt's k = -1/K: k in [1e-4, 1e4] keeps
+#   k, 1/k, sqrt(k) and the centroid floor k·(Σw)² far from fp32 overflow and underflow, keeps the curvature
+#   change factor sqrt(k_out/k_in) between two layers <= 1e4, and keeps <x, x>_L = -k resolvable: fp32 resolves
+#   k next to |x_s|² only while |x_s|² < k/ε₃₂ ≈ 8e6·k, i.e. |x_s| < 29 at k = 1e-4. It covers the paper's
+#   -0.1 … -2.0 by three orders of magnitude on either side.
+# * NORM_EPS_RANGE: RMSNorm_L adds eps to the mean square of the space part; at 1e-2 it already scales unit-scale
+#   activations by 1/sqrt(1.01) (0.5%) and breaks Prop. 4.5's scale invariance for small ones, so larger values
+#   are not a regulariser any more; any positive value down to the fp32 denormals is harmless.
+# * INIT_STD_RANGE: Llama-style inits are 0.02. The Lorentz token table and the distance prototypes are expmap0
+#   of vectors of norm ≈ std·sqrt(n), with time coordinate sqrt(k)·cosh(std·sqrt(n/k)), which overflows fp32
+#   once std·sqrt(n/k) > 89: at std <= 1 and k = 1 that needs n > 7900, beyond every preset; a std of a few
+#   units overflows the 115M model's table to inf.
+# * TEMPERATURE_RANGE: attention logits are -d²/τ; the defaults sqrt(d) are 4–11. Below 1e-3 a squared-distance
+#   gap of 0.1 is a logit gap of 100 (e^-100 underflows fp32's normal range): the softmax is one-hot and its
+#   gradient vanishes; above 1e4 gaps of O(1) are logit gaps of 1e-4: attention is uniform and its gradient
+#   scaled by 1e-4. τ itself is learned as log τ, so any value in range stays positive.
+# * RESIDUAL_WEIGHT_RANGE: the sublayer's weight w in centroid([x, f(x)], [1, w]); in [1e-4, 1e4] both terms
+#   contribute at least 1e-4 relative (well above ε₃₂ = 1.2e-7), softplus⁻¹(w) = log(expm1(w)) is finite
+#   (expm1 overflows at 709), and k·(1 + w)² is far from overflow.
+# * RESIDUAL_SCALE_FACTOR_RANGE: after each residual the space part is scaled by factor·sqrt(n), so its squared
+#   norm is ≈ factor²·n·|c_s|² and its mean square ≈ factor²·|c_s|² (official runs: 1 and 4). Above 1e2 the
+#   squared norm exceeds k/ε₃₂ ≈ 8e6·k (k = 1, |c_s| = 1) from n ≈ 800 on, so the time coordinate no longer
+#   resolves k; below 1e-2 the mean square drops to 1e-4·|c_s|², towards RMSNorm_L's eps (up to 1e-2).
+CURVATURE_RANGE = (1e-4, 1e4)
+NORM_EPS_RANGE = (0, 1e-2)
+INIT_STD_RANGE = (0, 1)
+TEMPERATURE_RANGE = (1e-3, 1e4)
+RESIDUAL_WEIGHT_RANGE = (1e-4, 1e4)
+RESIDUAL_SCALE_FACTOR_RANGE = (1e-2, 1e2)
 
 EMBEDDING_MODES = ("lorentz", "space")
 LM_HEAD_MODES = ("linear", "distance")
@@ -64,10 +96,48 @@ def greater_than(bound: float) -> Rule:
     return rule
 
 
+def in_range(bounds: tuple) -> Rule:
+    """A positive finite number in ``[lo, hi]`` (``(0, hi]`` when ``lo == 0``): one of the documented ranges."""
+    lo, hi = bounds
+    text = f"({lo:g}, {hi:g}]" if lo == 0 else f"[{lo:g}, {hi:g}]"
+
+    def rule(value):
+        if not (_is_number(value) and math.isfinite(value) and value > 0 and lo <= value <= hi):
+            raise ValueError(f"must be a positive finite number in {text}, got {value!r}")
+
+    return rule
+
+
+def _curvature_ok(value) -> bool:
+    return (_is_number(value) and math.isfinite(value) and value < 0
+            and CURVATURE_RANGE[0] <= -value <= CURVATURE_RANGE[1])
+
+
+_CURVATURE_TEXT = f"|K| in [{CURVATURE_RANGE[0]:g}, {CURVATURE_RANGE[1]:g}]"
+
+
 def negative(value) -> None:
-    """A finite number ``< 0`` (the paper's curvature ``K``)."""
-    if not (_is_number(value) and math.isfinite(value) and value < 0):
-        raise ValueError(f"must be a negative number (paper convention K < 0), got {value!r}")
+    """The paper's curvature ``K``: a finite number ``< 0`` with ``|K|`` in :data:`CURVATURE_RANGE`."""
+    if not _curvature_ok(value):
+        raise ValueError(f"must be a negative finite number with {_CURVATURE_TEXT} (paper convention K < 0), "
+                         f"got {value!r}")
+
+
+def k_parameter(value) -> None:
+    """geoopt's curvature parameter ``k = -1/K``: a positive finite number in :data:`CURVATURE_RANGE`.
+
+    Tensors are accepted unchecked: they come from a parametrisation that keeps them in range (MiCE experts),
+    and reading them would synchronise with the device."""
+    if isinstance(value, torch.Tensor):
+        return
+    in_range(CURVATURE_RANGE)(value)
+
+
+temperature = in_range(TEMPERATURE_RANGE)
+norm_eps = in_range(NORM_EPS_RANGE)
+init_std = in_range(INIT_STD_RANGE)
+residual_weight = in_range(RESIDUAL_WEIGHT_RANGE)
+residual_scale_factor = in_range(RESIDUAL_SCALE_FACTOR_RANGE)
 
 
 def boolean(value) -> None:
@@ -96,8 +166,18 @@ def optional(rule: Rule) -> Rule:
 
 
 def negative_list(value) -> None:
+    """A list of paper curvatures, each accepted by :func:`negative`."""
     if not (isinstance(value, (list, tuple)) and all(_is_number(v) and math.isfinite(v) and v < 0 for v in value)):
-        raise ValueError(f"must be a list of negative numbers (paper K < 0), got {value!r}")
+        raise ValueError(f"must be a list of negative finite numbers (paper K < 0), got {value!r}")
+    if not all(_curvature_ok(v) for v in value):
+        raise ValueError(f"must be a list of curvatures with {_CURVATURE_TEXT}, got {value!r}")
+
+
+def curvature_pair(value) -> None:
+    """Two paper curvatures ``[first, last]`` (a range of expert curvatures), each accepted by :func:`negative`."""
+    negative_list(value)
+    if len(value) != 2:
+        raise ValueError(f"must be a pair [first, last] of curvatures, got {value!r}")
 
 
 def check(value, name: str, rule: Rule):
@@ -115,6 +195,41 @@ def check_dim(value, name: str, *, minimum: int = 1) -> int:
 
 def check_positive(value, name: str) -> float:
     return float(check(value, name, positive))
+
+
+def check_k(k, name: str = "k") -> None:
+    """geoopt's ``k`` of a layer (see :func:`k_parameter`)."""
+    check(k, name, k_parameter)
+
+
+def check_tensor(t: torch.Tensor, name: str, expected: Sequence[Optional[int]], described: str, *,
+                 dtype: str = "any", alternative: Optional[Sequence[Optional[int]]] = None,
+                 nonempty: bool = False, note: str = "") -> None:
+    """Shape and dtype of a model input (free: no device read).
+
+    ``expected`` is the shape (``None``: any size), ``described`` its symbolic form for the message
+    (``"[B, T]"``); ``alternative`` a second accepted shape (``[1, T]`` position ids that broadcast);
+    ``dtype`` ``"integer"``, ``"floating"`` or ``"any"``; ``nonempty`` refuses zero-sized dimensions;
+    ``note`` is appended to the expected shape in the message.
+    """
+    def matches(shape):
+        return t.dim() == len(shape) and all(e is None or s == e for s, e in zip(t.shape, shape))
+
+    def fmt(shape):
+        return "[" + ", ".join(d if e is None else str(e) for d, e in zip(described.strip("[]").split(", "), shape)) + "]"
+
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor {described}, got {type(t).__name__}")
+    if not (matches(expected) or (alternative is not None and matches(alternative))):
+        also = f" (or {fmt(alternative)})" if alternative is not None else ""
+        concrete = "" if fmt(expected) == described else f" = {fmt(expected)}"
+        raise ValueError(f"{name} must be {described}{concrete}{note}{also}, got {tuple(t.shape)}")
+    if nonempty and t.numel() == 0:
+        raise ValueError(f"{name} must be {described} with B >= 1 and T >= 1, got {tuple(t.shape)}")
+    if dtype == "integer" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    if dtype == "floating" and not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
 def check_choice(value, name: str, accepted: Iterable) -> str:
@@ -153,13 +268,28 @@ __all__ = [
     "check_fields",
     "check_k",
     "check_positive",
+    "check_tensor",
+    "curvature_pair",
     "field",
     "greater_than",
+    "in_range",
+    "init_std",
     "integer",
+    "k_parameter",
     "negative",
     "negative_list",
     "non_negative",
+    "norm_eps",
     "one_of",
     "optional",
     "positive",
+    "residual_scale_factor",
+    "residual_weight",
+    "temperature",
+    "CURVATURE_RANGE",
+    "INIT_STD_RANGE",
+    "NORM_EPS_RANGE",
+    "RESIDUAL_SCALE_FACTOR_RANGE",
+    "RESIDUAL_WEIGHT_RANGE",
+    "TEMPERATURE_RANGE",
 ]

@@ -19,7 +19,13 @@ from ...nn.norm import LorentzRMSNorm
 from ...nn.positional import PositionalTables
 from ...nn.residual import LorentzResidual
 from ...ops.attention import AttentionMask
-from ..modeling_common import HelmPreTrainedModel, check_inputs, default_position_ids, positional_encoding
+from ..modeling_common import (
+    HelmPreTrainedModel,
+    causal_lm_loss,
+    check_inputs,
+    default_position_ids,
+    positional_encoding,
+)
 from .configuration_helm_d import HelmDConfig
 
 
@@ -59,7 +65,12 @@ class HelmDPreTrainedModel(HelmPreTrainedModel):
 class HelmDModel(HelmDPreTrainedModel):
     """Token embeddings, ``num_hidden_layers`` decoder layers and the final RMSNorm_L; returns points
     ``[B, T, 1+n]``. ``segment_ids [B, T_past+T]`` are document ids of packed rows: attention never crosses
-    documents."""
+    documents. ``inputs_embeds [B, T, 1+n]`` are points: their space part is read and the time coordinate
+    recomputed, so an input off the hyperboloid is projected onto it. Bad inputs raise a ``ValueError`` naming the
+    argument and the expected shape (:func:`helm.models.modeling_common.check_inputs`)."""
+
+    # loading the bare model from a causal-LM checkpoint leaves its LM head unused, as in transformers
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: HelmDConfig):
         super().__init__(config)
@@ -82,13 +93,15 @@ class HelmDModel(HelmDPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        batch, seq_len = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:2]
-        check_inputs(self.config, input_ids, inputs_embeds, past_len, seq_len, attention_mask, segment_ids)
+        batch, seq_len = check_inputs(self.config, input_ids, inputs_embeds, past_len, attention_mask, position_ids,
+                                      segment_ids)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_len, seq_len, batch, device)
 
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # inputs_embeds are points: the space part is read and the time coordinate recomputed (projection)
+        hidden_states = (self.embed_tokens(input_ids) if inputs_embeds is None
+                         else lift(inputs_embeds[..., 1:], k=self.config.k))
         if self.pos_encoding.absolute:
             hidden_states = lift(self.pos_encoding.embed(hidden_states[..., 1:], position_ids), k=self.config.k)
         # built once here, read by every layer
@@ -135,7 +148,7 @@ class HelmDForCausalLM(HelmDPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = causal_lm_loss(self, logits, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states)
 

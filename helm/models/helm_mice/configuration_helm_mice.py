@@ -5,6 +5,8 @@ from __future__ import annotations
 from ...nn.validation import (
     ATTENTION_TYPES,
     SCORING_FUNCS,
+    check,
+    curvature_pair,
     field,
     integer,
     negative_list,
@@ -25,12 +27,14 @@ class HelmMiCEConfig(HelmConfigBase):
     ``n_shared_experts`` always-on experts.
 
     HELM-specific fields (besides those of :class:`HelmConfigBase`):
-        routed_curvatures: paper curvatures ``K_j < 0`` of the routed experts; default: evenly spaced from
+        routed_curvatures: paper curvatures ``K_j < 0`` of the routed experts, each with ``|K_j|`` in
+            ``[1e-4, 1e4]`` like ``curvature`` (refused at config time otherwise); default: evenly spaced from
             ``expert_curvature_range[0]`` to ``[1]`` (paper: -0.1 … -2.0).
-        trainable_curvatures: learn the expert curvatures (fp32, log-parametrised, always valid).
+        trainable_curvatures: learn the expert curvatures (fp32 ``log k``, mapped smoothly into the range with
+            at most a factor 10 of margin, never clamped with a zero gradient: :func:`helm.nn.mice.bounded_log_k`).
         attention_type: ``hmla`` (paper) or ``mha`` (the MiCE-HMHA ablation: Eq. 3 self-attention).
-        aux_loss_alpha: weight α of the sequence-wise balance loss; bias_update_speed: γ of the
-            aux-loss-free routing-bias update.
+        aux_loss_alpha: weight α of the sequence-wise balance loss (``aux_loss_alpha >= 0``, finite);
+            bias_update_speed: γ of the aux-loss-free routing-bias update (``bias_update_speed >= 0``, finite).
     """
 
     model_type = "helm_mice"
@@ -47,7 +51,7 @@ class HelmMiCEConfig(HelmConfigBase):
     qk_rope_head_dim: int = field(integer(2), 17)
     v_head_dim: int = field(integer(2), 33)
     routed_curvatures: list[float] | None = field(optional(negative_list), None)
-    expert_curvature_range: list[float] | None = field(optional(negative_list), None)
+    expert_curvature_range: list[float] | None = field(optional(curvature_pair), None)
     trainable_curvatures: bool = True
     attention_type: str = field(one_of(ATTENTION_TYPES), "hmla")
     aux_loss_alpha: float = field(non_negative, 1e-4)
@@ -58,6 +62,8 @@ class HelmMiCEConfig(HelmConfigBase):
         if self.attention_type == "mha":
             self.default_head_dim()
         if self.routed_curvatures is None and isinstance(self.n_routed_experts, int) and self.n_routed_experts > 0:
+            # checked before use (check_fields runs after the defaults are derived)
+            check(self.expert_curvature_range, "expert_curvature_range", optional(curvature_pair))
             lo, hi = self.expert_curvature_range or (-0.1, -2.0)
             n = self.n_routed_experts
             self.routed_curvatures = [lo + (hi - lo) * i / max(n - 1, 1) for i in range(n)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..validation import check_dim, check_positive
+from ..validation import check, check_dim, init_std as init_std_rule
 from .base import PositionalEncoding, check_position_ids
 
 
@@ -25,7 +25,7 @@ class LearnedPositionalEncoding(PositionalEncoding):
         super().__init__()
         self.max_positions = check_dim(max_positions, "max_position_embeddings")
         self.hidden_space_dim = check_dim(hidden_space_dim, "hidden_space_dim")
-        self.init_std = check_positive(init_std, "init_std")
+        self.init_std = float(check(init_std, "init_std", init_std_rule))
         self.weight = nn.Parameter(torch.empty(max_positions, hidden_space_dim))
         self.reset_parameters()
 

@@ -1,0 +1,194 @@
+"""Issue 11, item 4: configs and layer constructors refuse non-finite and absurd values, naming the field.
+
+Every case of the tables states the input, the exception and a fragment of its message (or, for the accepted
+boundary values, the value the config keeps). The documented ranges live in :mod:`helm.nn.validation`
+(``*_RANGE`` constants) and in the config docstrings; MiCE expert curvatures are kept inside their range by a
+smooth parametrisation instead of a zero-gradient clamp (last tests).
+"""
+
+import math
+
+import pytest
+import torch
+
+from helm.manifold import curvature_to_k
+from helm.models import HelmDConfig, HelmMiCEConfig
+from helm.nn import HMLA, LorentzEmbedding, LorentzLinear, LorentzLMHead, LorentzResidual, LorentzRMSNorm
+from helm.nn import LorentzSelfAttention, LorentzSwiGLU
+from helm.nn.mice import CurvatureExpert, MiCE
+
+NAN, INF = float("nan"), float("inf")
+
+# Every float field of both configs: nan and +inf are refused with a message that starts with the field name.
+FLOAT_FIELDS = {
+    HelmDConfig: ["initializer_range", "rms_norm_eps", "rope_theta", "curvature", "rope3d_chunk_base",
+                  "hope_boost_theta_prime", "hope_boost_angle_scale", "tau_init", "residual_weight",
+                  "residual_space_scale_factor"],
+    HelmMiCEConfig: ["curvature", "rms_norm_eps", "tau_init", "residual_weight", "aux_loss_alpha",
+                     "bias_update_speed"],
+}
+NON_FINITE = [(cls, name, value) for cls, names in FLOAT_FIELDS.items() for name in names for value in (NAN, INF)]
+
+
+@pytest.mark.parametrize("cls,name,value", NON_FINITE,
+                         ids=[f"{c.__name__}-{n}-{v}" for c, n, v in NON_FINITE])
+def test_non_finite_float_fields_are_refused(cls, name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be .*finite.*got {value!r}"):
+        cls(**{name: value})
+
+
+# (config class, field, value, message fragment after "<field> must be")
+OUT_OF_RANGE = [
+    # curvature K: |K| in [1e-4, 1e4] so that k = -1/K, sqrt(k) and k·(Σw)² stay well inside fp32
+    (HelmDConfig, "curvature", -INF, "finite"),
+    (HelmDConfig, "curvature", 0.0, "negative"),
+    (HelmDConfig, "curvature", 1.0, "negative"),
+    (HelmDConfig, "curvature", -1e-5, r"\|K\| in \[0.0001, 10000\]"),
+    (HelmDConfig, "curvature", -1e5, r"\|K\| in \[0.0001, 10000\]"),
+    (HelmDConfig, "curvature", -1e300, r"\|K\| in \[0.0001, 10000\]"),
+    # RMSNorm eps in (0, 1e-2]
+    (HelmDConfig, "rms_norm_eps", 0.0, r"positive finite number in \(0, 0.01\]"),
+    (HelmDConfig, "rms_norm_eps", -1e-6, r"positive finite number in \(0, 0.01\]"),
+    (HelmDConfig, "rms_norm_eps", 0.1, r"positive finite number in \(0, 0.01\]"),
+    # initializer_range in (0, 1]
+    (HelmDConfig, "initializer_range", 0.0, r"in \(0, 1\]"),
+    (HelmDConfig, "initializer_range", 5.0, r"in \(0, 1\]"),
+    # attention temperature in [1e-3, 1e4]
+    (HelmDConfig, "tau_init", -1.0, r"in \[0.001, 10000\]"),
+    (HelmDConfig, "tau_init", 1e-6, r"in \[0.001, 10000\]"),
+    (HelmDConfig, "tau_init", 1e6, r"in \[0.001, 10000\]"),
+    # residual weight in [1e-4, 1e4]
+    (HelmDConfig, "residual_weight", 0.0, r"in \[0.0001, 10000\]"),
+    (HelmDConfig, "residual_weight", 1e-6, r"in \[0.0001, 10000\]"),
+    (HelmDConfig, "residual_weight", 1e3 * 1e3, r"in \[0.0001, 10000\]"),
+    # residual space scale factor in [1e-2, 1e2]
+    (HelmDConfig, "residual_space_scale_factor", 0.0, r"in \[0.01, 100\]"),
+    (HelmDConfig, "residual_space_scale_factor", 1e3, r"in \[0.01, 100\]"),
+    # strings are not numbers
+    (HelmDConfig, "rms_norm_eps", "1e-6", "positive finite"),
+    # MiCE: expert curvatures inside the same range, refused at config time
+    (HelmMiCEConfig, "routed_curvatures", [-1.0, -1.0, NAN, -1.0], "list of negative"),
+    (HelmMiCEConfig, "routed_curvatures", [-1.0, -INF, -1.0, -1.0], "list of negative"),
+    (HelmMiCEConfig, "routed_curvatures", [-1e-5, -1.0, -1.0, -1.0], r"\|K\| in \[0.0001, 10000\]"),
+    (HelmMiCEConfig, "routed_curvatures", [-1.0, -1.0, -1.0, -2e4], r"\|K\| in \[0.0001, 10000\]"),
+    (HelmMiCEConfig, "expert_curvature_range", [-0.1, -1e6], r"\|K\| in \[0.0001, 10000\]"),
+    (HelmMiCEConfig, "expert_curvature_range", [-0.1, INF], "list of negative"),
+    (HelmMiCEConfig, "aux_loss_alpha", -1e-3, "non-negative"),
+    (HelmMiCEConfig, "bias_update_speed", -1.0, "non-negative"),
+    (HelmMiCEConfig, "curvature", -2e4, r"\|K\| in \[0.0001, 10000\]"),
+    (HelmMiCEConfig, "rms_norm_eps", 1.0, r"\(0, 0.01\]"),
+]
+
+
+@pytest.mark.parametrize("cls,name,value,fragment", OUT_OF_RANGE,
+                         ids=[f"{c.__name__}-{n}-{v}" for c, n, v, _ in OUT_OF_RANGE])
+def test_absurd_values_are_refused_naming_the_field(cls, name, value, fragment):
+    with pytest.raises(ValueError, match=rf"^{name} must be .*{fragment}") as err:
+        cls(**{name: value})
+    assert repr(value) in str(err.value)
+
+
+# Boundary values of each documented range are accepted and kept as given.
+ACCEPTED = [
+    (HelmDConfig, "curvature", -1e-4),
+    (HelmDConfig, "curvature", -1e4),
+    (HelmDConfig, "rms_norm_eps", 1e-2),
+    (HelmDConfig, "rms_norm_eps", 1e-30),
+    (HelmDConfig, "initializer_range", 1.0),
+    (HelmDConfig, "tau_init", 1e-3),
+    (HelmDConfig, "tau_init", 1e4),
+    (HelmDConfig, "residual_weight", 1e-4),
+    (HelmDConfig, "residual_weight", 1e4),
+    (HelmDConfig, "residual_space_scale_factor", 1e-2),
+    (HelmDConfig, "residual_space_scale_factor", 1e2),
+    (HelmDConfig, "curvature", -1),  # ints are numbers
+    (HelmMiCEConfig, "routed_curvatures", [-1e-4, -0.1, -2.0, -1e4]),
+    (HelmMiCEConfig, "aux_loss_alpha", 0.0),
+    (HelmMiCEConfig, "bias_update_speed", 0.0),
+]
+
+
+@pytest.mark.parametrize("cls,name,value", ACCEPTED, ids=[f"{c.__name__}-{n}-{v}" for c, n, v in ACCEPTED])
+def test_documented_boundaries_are_accepted(cls, name, value):
+    assert getattr(cls(**{name: value}), name) == value
+
+
+def test_ranges_are_documented_in_the_config_docstrings():
+    from helm.models.configuration_common import HelmConfigBase
+    from helm.nn import validation
+
+    assert (validation.CURVATURE_RANGE, validation.NORM_EPS_RANGE, validation.INIT_STD_RANGE,
+            validation.TEMPERATURE_RANGE, validation.RESIDUAL_WEIGHT_RANGE,
+            validation.RESIDUAL_SCALE_FACTOR_RANGE) == ((1e-4, 1e4), (0, 1e-2), (0, 1), (1e-3, 1e4), (1e-4, 1e4),
+                                                        (1e-2, 1e2))
+
+    for text in ("(0, 1e-2]", "[1e-4, 1e4]", "[1e-3, 1e4]", "[1e-2, 1e2]", "(0, 1]"):
+        assert text in HelmConfigBase.__doc__, text
+    assert "[1e-4, 1e4]" in HelmMiCEConfig.__doc__ and "aux_loss_alpha >= 0" in HelmMiCEConfig.__doc__
+
+
+# Layer constructors use the same rules (helm.nn.validation), so a config edited after construction, or a layer
+# built by hand, is refused as well. (factory, message fragment)
+LAYERS = [
+    (lambda: LorentzRMSNorm(9, eps=NAN), r"^eps must be .*\(0, 0.01\]"),
+    (lambda: LorentzRMSNorm(9, eps=0.5), r"^eps must be .*\(0, 0.01\]"),
+    (lambda: LorentzLinear(9, 9, k=NAN), r"^k must be a positive"),
+    (lambda: LorentzLinear(9, 9, k=1e5), r"^k must be a positive finite number in \[0.0001, 10000\]"),
+    (lambda: LorentzLinear(9, 9, k_out=1e-6), r"^k_out must be a positive finite number in \[0.0001, 10000\]"),
+    (lambda: LorentzSwiGLU(9, 9, k=INF), r"^k must be a positive"),
+    (lambda: LorentzResidual(weight=1e5), r"^weight must be .*\[0.0001, 10000\]"),
+    (lambda: LorentzResidual(weight=NAN), r"^weight must be .*finite"),
+    (lambda: LorentzResidual(space_scale=INF), r"^space_scale must be .*finite"),
+    (lambda: LorentzSelfAttention(9, 2, 5, tau_init=1e6), r"^tau_init must be .*\[0.001, 10000\]"),
+    (lambda: LorentzSelfAttention(9, 2, 5, tau_init=NAN), r"^tau_init must be .*finite"),
+    (lambda: HMLA(17, 2, kv_lora_rank=9, qk_nope_head_dim=5, qk_rope_head_dim=5, v_head_dim=5, rms_norm_eps=NAN),
+     r"^eps must be .*\(0, 0.01\]"),
+    (lambda: LorentzEmbedding(10, 9, init_std=NAN), r"^init_std must be .*\(0, 1\]"),
+    (lambda: LorentzEmbedding(10, 9, init_std=5.0), r"^init_std must be .*\(0, 1\]"),
+    (lambda: LorentzLMHead(9, 10, init_std=NAN), r"^init_std must be .*\(0, 1\]"),
+    (lambda: LorentzLMHead(9, 10, mode="distance", tau=INF), r"^tau must be .*finite"),
+    (lambda: MiCE(9, 9, n_routed_experts=2, num_experts_per_tok=1, routed_curvatures=[-1.0, -1e-6]),
+     r"^routed_curvatures must be .*\|K\| in \[0.0001, 10000\]"),
+    (lambda: MiCE(9, 9, n_routed_experts=2, num_experts_per_tok=1, aux_loss_alpha=-1.0),
+     r"^aux_loss_alpha must be a non-negative"),
+    (lambda: MiCE(9, 9, n_routed_experts=2, num_experts_per_tok=1, bias_update_speed=NAN),
+     r"^bias_update_speed must be a non-negative"),
+    (lambda: CurvatureExpert(9, 9, k=1.0, k_expert=2e4, trainable=True), r"^k_expert must be .*\[0.0001, 10000\]"),
+]
+
+
+@pytest.mark.parametrize("factory,match", LAYERS, ids=[f"layer{i}" for i in range(len(LAYERS))])
+def test_layer_constructors_refuse_the_same_values(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()
+
+
+def test_a_config_edited_after_construction_is_refused_when_the_model_is_built(tiny_config):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("helm_d")
+    config.rms_norm_eps = 0.5
+    with pytest.raises(ValueError, match=r"eps must be"):
+        AutoModelForCausalLM.from_config(config)
+
+
+# MiCE expert curvatures: log k is mapped smoothly into the runtime range (identity on the config range), so
+# every optimiser step leaves k finite and positive and the gradient is never exactly zero.
+@pytest.mark.parametrize("K", [-1e-4, -0.1, -1.0, -2.0, -1e4])
+def test_expert_curvature_is_exact_on_the_config_range(K):
+    expert = CurvatureExpert(9, 9, k=1.0, k_expert=curvature_to_k(K), trainable=True)
+    assert float(expert.k_expert) == pytest.approx(curvature_to_k(K), rel=1e-6)
+
+
+@pytest.mark.parametrize("log_k", [math.log(1e4) + 0.5, math.log(1e4) + 50.0, math.log(1e-4) - 3.0,
+                                   math.log(1e-4) - 1e4])
+def test_expert_curvature_beyond_the_range_stays_valid_with_a_nonzero_gradient(log_k):
+    expert = CurvatureExpert(9, 9, k=1.0, k_expert=1.0, trainable=True)
+    with torch.no_grad():
+        expert.log_k.fill_(log_k)
+    k = expert.k_expert
+    lo, hi = 1e-4, 1e4  # the config range of k (and of |K|)
+    assert torch.isfinite(k) and lo / 10 < float(k) < hi * 10
+    assert (float(k) > hi) if log_k > 0 else (float(k) < lo)
+    k.backward()
+    assert expert.log_k.grad is not None and float(expert.log_k.grad) != 0.0

@@ -1,0 +1,254 @@
+"""Issue 11, items 5 and 8 (model part): bad model inputs, labels that are all ignored, inputs_embeds off the
+manifold, checkpoints with missing or corrupted weights, fp16 on CPU.
+
+The input table states, for each case, the arguments, the exception and a fragment of its message (both HELM
+families), and what ``LlamaForCausalLM`` does with the same arguments (``"raises"`` or ``"accepts"``), which a
+second test checks, so the table doubles as a record of where HELM is stricter than Llama. Checks are on shapes
+and dtypes only (no host synchronisation); the vocabulary check is the existing one (one bool, switchable).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+from helm.manifold import lift, manifold_error
+from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config
+
+FAMILIES = ["helm_d", "helm_mice"]
+B, T, V, HIDDEN = 2, 5, 512, 33  # tiny configs: vocab 512, hidden_size 33 (1 + 32)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    return {family: AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+            for family in FAMILIES + ["llama"]}
+
+
+def ids(b=B, t=T):
+    return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(0))
+
+
+# (case id, kwargs factory, exception, message fragment for HELM, what Llama does with the same input)
+BAD_INPUTS = [
+    ("T=0", lambda: dict(input_ids=ids(B, 0)), ValueError, r"input_ids must be \[B, T\] with B >= 1 and T >= 1, got \(2, 0\)", "raises"),
+    ("B=0", lambda: dict(input_ids=ids(0, T)), ValueError, r"input_ids must be \[B, T\] with B >= 1 and T >= 1, got \(0, 5\)", "raises"),
+    ("input_ids 1-D", lambda: dict(input_ids=ids()[0]), ValueError, r"input_ids must be \[B, T\]", "raises"),
+    ("input_ids 3-D", lambda: dict(input_ids=ids()[None]), ValueError, r"input_ids must be \[B, T\]", "accepts"),
+    ("input_ids float", lambda: dict(input_ids=ids().float()), ValueError, "input_ids must be an integer tensor, got torch.float32", "raises"),
+    ("input_ids >= vocab", lambda: dict(input_ids=ids() + V), ValueError, r"input_ids must lie in \[0, vocab_size=512\)", "raises"),
+    ("input_ids < 0", lambda: dict(input_ids=-ids() - 1), ValueError, r"input_ids must lie in \[0, vocab_size=512\)", "raises"),
+    ("ids and embeds", lambda: dict(input_ids=ids(), inputs_embeds=torch.randn(B, T, HIDDEN)), ValueError, "exactly one of input_ids and inputs_embeds", "raises"),
+    ("neither", lambda: dict(), ValueError, "exactly one of input_ids and inputs_embeds", "raises"),
+    ("attention_mask 1-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(5,\)", "accepts"),
+    ("attention_mask batch", lambda: dict(input_ids=ids(), attention_mask=torch.ones(3, T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(3, 5\)", "accepts"),
+    ("attention_mask length", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T + 1)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(2, 6\)", "accepts"),
+    ("attention_mask 4-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, 1, T, T)), ValueError, r"attention_mask must be \[B, T_past\+T\]", "accepts"),
+    ("position_ids 1-D", lambda: dict(input_ids=ids(), position_ids=torch.arange(T)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\] \(or \[1, 5\]\), got \(5,\)", "raises"),
+    ("position_ids length", lambda: dict(input_ids=ids(), position_ids=torch.arange(T - 1).expand(B, T - 1)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\]", "raises"),
+    ("position_ids batch", lambda: dict(input_ids=ids(), position_ids=torch.arange(T).expand(3, T)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\] \(or \[1, 5\]\), got \(3, 5\)", "raises"),
+    ("position_ids float", lambda: dict(input_ids=ids(), position_ids=torch.arange(T).float().expand(B, T)), ValueError, "position_ids must be an integer tensor, got torch.float32", "accepts"),
+    ("segment_ids length", lambda: dict(input_ids=ids(), segment_ids=torch.zeros(B, T - 1, dtype=torch.long)), ValueError, r"segment_ids must be \[B, T_past\+T\] = \[2, 5\]", None),
+    ("segment_ids batch", lambda: dict(input_ids=ids(), segment_ids=torch.zeros(1, T, dtype=torch.long)), ValueError, r"segment_ids must be \[B, T_past\+T\] = \[2, 5\], got \(1, 5\)", None),
+    ("segment_ids float", lambda: dict(input_ids=ids(), segment_ids=torch.zeros(B, T)), ValueError, "segment_ids must be an integer tensor, got torch.float32", None),
+    ("inputs_embeds last dim", lambda: dict(inputs_embeds=torch.randn(B, T, HIDDEN - 1)), ValueError, r"inputs_embeds must be \[B, T, hidden_size\] = \[B, T, 33\] points \(time coordinate first\), got \(2, 5, 32\)", "raises"),
+    ("inputs_embeds 2-D", lambda: dict(inputs_embeds=torch.randn(T, HIDDEN)), ValueError, r"inputs_embeds must be \[B, T, hidden_size\]", "raises"),
+    ("inputs_embeds T=0", lambda: dict(inputs_embeds=torch.randn(B, 0, HIDDEN)), ValueError, r"inputs_embeds must be \[B, T, hidden_size\] with B >= 1 and T >= 1", "raises"),
+    ("inputs_embeds int", lambda: dict(inputs_embeds=torch.ones(B, T, HIDDEN, dtype=torch.long)), ValueError, "inputs_embeds must be a floating-point tensor, got torch.int64", "accepts"),
+    ("labels shape", lambda: dict(input_ids=ids(), labels=ids()[:, :3]), ValueError, r"labels must be \[B, T\] = \[2, 5\], got \(2, 3\)", "raises"),
+    ("labels float", lambda: dict(input_ids=ids(), labels=ids().float()), ValueError, "labels must be an integer tensor, got torch.float32", "raises"),
+]
+BAD_IDS = [case[0] for case in BAD_INPUTS]
+
+
+def _llama_kwargs(kwargs):
+    """The same input for the Llama of the table: its hidden size is 32 (no time coordinate)."""
+    kwargs = dict(kwargs)
+    if "inputs_embeds" in kwargs:
+        e = kwargs["inputs_embeds"]
+        kwargs["inputs_embeds"] = e[..., 1:] if e.shape[-1] == HIDDEN else e[..., :-1]
+    return kwargs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,make,exc,match,llama", BAD_INPUTS, ids=BAD_IDS)
+def test_bad_inputs_give_a_clear_error(models, family, case, make, exc, match, llama):
+    with pytest.raises(exc, match=match):
+        models[family](**make())
+
+
+@pytest.mark.parametrize("case,make,exc,match,llama", [c for c in BAD_INPUTS if c[4]],
+                         ids=[c[0] for c in BAD_INPUTS if c[4]])
+def test_what_llama_does_with_the_same_inputs(models, case, make, exc, match, llama):
+    kwargs = {k: v for k, v in _llama_kwargs(make()).items() if k != "segment_ids"}
+    if llama == "raises":
+        with pytest.raises(Exception):
+            models["llama"](**kwargs)
+    else:  # Llama broadcasts or casts where HELM refuses (a silent wrong result is worse than an error)
+        assert models["llama"](**kwargs).logits is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vocabulary_check_is_switchable(family):
+    model = AutoModelForCausalLM.from_config(tiny_config(family, validate_inputs=False)).eval()
+    with pytest.raises(IndexError):  # torch's own error from the embedding lookup
+        model(ids() + V)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_position_ids_of_one_row_broadcast_like_llama(models, family):
+    model = models[family]
+    x = ids()
+    default = model(x).logits
+    assert torch.equal(model(x, position_ids=torch.arange(T)[None]).logits, default)
+    assert torch.equal(model(x, position_ids=torch.arange(T).expand(B, T)).logits, default)
+    assert torch.equal(model(x, position_ids=torch.arange(T, dtype=torch.int32)[None]).logits, default)
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+def test_labels_all_ignored_give_a_zero_loss_and_zero_gradients(models, family):
+    """transformers' ``ForCausalLMLoss`` takes the mean over the labelled tokens, which is 0/0 = NaN when none
+    is labelled (``LlamaForCausalLM`` returns NaN, checked below) and poisons the gradients of a whole
+    accumulation step. HELM normalises by ``max(#labelled, 1)`` on the device (no synchronisation): the same
+    value as the mean whenever a token is labelled, and what transformers itself returns when the trainer passes
+    ``num_items_in_batch`` (sum over labelled tokens / count), i.e. 0 with zero gradients here."""
+    model = models[family]
+    x = ids()
+    labels = torch.full_like(x, -100)
+    if family == "llama":
+        assert torch.isnan(model(x, labels=labels).loss)
+        assert model(x, labels=labels, num_items_in_batch=torch.tensor(1)).loss == 0.0
+        return
+    model.zero_grad()
+    loss = model(x, labels=labels).loss
+    assert loss == 0.0 and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() and not g.any() for g in grads)
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_partially_ignored_labels_average_over_the_labelled_tokens(models, family):
+    model = models[family]
+    x = ids()
+    labels = x.clone()
+    labels[0, :3] = -100
+    out = model(x, labels=labels)
+    shifted = labels[:, 1:].reshape(-1)
+    logits = out.logits[:, :-1].reshape(-1, V)
+    keep = shifted != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep], shifted[keep])
+    assert_close(out.loss, expected)
+    # and exactly transformers' loss with the count passed explicitly
+    ref = model.loss_function(logits=out.logits, labels=labels, vocab_size=V, num_items_in_batch=keep.sum())
+    assert_close(out.loss, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_embeds_are_read_as_points_and_projected(models, family):
+    """``inputs_embeds`` are points ``[B, T, 1+n]``; only the space part is read and the time coordinate
+    recomputed (``lift``), so an input off the hyperboloid is projected onto it instead of corrupting the
+    Lorentz residuals (no synchronisation, one sqrt)."""
+    model = models[family]
+    x = ids()
+    on = model.model.embed_tokens(x)
+    assert torch.equal(model(inputs_embeds=on).logits, model(x).logits)
+    off = on.clone()
+    off[..., 0] = 123.0  # time coordinate off the hyperboloid
+    out = model(inputs_embeds=off, output_hidden_states=True)
+    assert torch.equal(out.logits, model(inputs_embeds=lift(off[..., 1:], k=model.config.k)).logits)
+    for h in out.hidden_states:
+        assert manifold_error(h, model.config.k).max() <= MANIFOLD_TOL[torch.float32]
+
+
+# ---- from_pretrained of damaged checkpoints (item 8) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, models):
+    root = tmp_path_factory.mktemp("saved")
+    for family in FAMILIES:
+        models[family].save_pretrained(root / family)
+    return root
+
+
+def _rewrite(fn):
+    def edit(path):
+        sd = load_file(path / "model.safetensors")
+        fn(sd)
+        save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return edit
+
+
+def _truncate(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _drop_tail(path):  # header intact, tensor data cut short
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-64])
+
+
+WEIGHT = "model.layers.0.attn_residual.raw_weight"
+MATRIX = "model.layers.1.self_attn.o_proj.linear.weight"
+# (case id, damage to the saved directory, exception, message fragment)
+DAMAGED = [
+    ("no weights file", lambda p: os.remove(p / "model.safetensors"), OSError, "no file named model.safetensors"),
+    ("truncated file", _truncate, SafetensorError, "deserializing header"),
+    ("tensor data cut", _drop_tail, SafetensorError, "deserializing header"),
+    ("not safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100), SafetensorError, "header"),
+    ("missing key", _rewrite(lambda sd: sd.pop(MATRIX)), RuntimeError, rf"missing from the checkpoint.*{MATRIX}"),
+    ("missing scalar", _rewrite(lambda sd: sd.pop(WEIGHT)), RuntimeError, rf"missing from the checkpoint.*{WEIGHT}"),
+    ("missing lm_head", _rewrite(lambda sd: sd.pop("lm_head.weight")), RuntimeError, "lm_head.weight"),
+    ("unexpected key", _rewrite(lambda sd: sd.__setitem__("model.layers.0.extra", torch.zeros(3))), RuntimeError,
+     r"not used by the model.*model\.layers\.0\.extra"),
+    ("wrong shape", _rewrite(lambda sd: sd.__setitem__(MATRIX, torch.zeros(3, 3))), RuntimeError,
+     "ignore_mismatched_sizes"),
+    ("wrong scalar shape", _rewrite(lambda sd: sd.__setitem__(WEIGHT, torch.zeros(2))), RuntimeError,
+     "ignore_mismatched_sizes"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,damage,exc,match", DAMAGED, ids=[c[0] for c in DAMAGED])
+def test_damaged_checkpoints_fail_loudly(saved, tmp_path, family, case, damage, exc, match):
+    path = tmp_path / family
+    shutil.copytree(saved / family, path)
+    damage(path)
+    with pytest.raises(exc, match=match):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_intact_checkpoints_load_and_report(models, saved, family):
+    x = ids()
+    loaded, info = AutoModelForCausalLM.from_pretrained(saved / family, output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.equal(loaded.eval()(x).logits, models[family](x).logits)
+    # the bare model from a causal-LM checkpoint: the LM head is not used, as in transformers
+    base = AutoModel.from_pretrained(saved / family).eval()
+    assert torch.equal(base(x).last_hidden_state, models[family].model(x).last_hidden_state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp16_on_cpu_is_applied(models, saved, family):
+    """``dtype=torch.float16`` on CPU is applied: weights in fp16, the scalars that parametrise the geometry
+    (temperatures, residual weights, curvatures) and every time coordinate in fp32; outputs finite, on the
+    manifold, and within fp16 rounding of the fp32 model."""
+    model = AutoModelForCausalLM.from_pretrained(saved / family, dtype=torch.float16).eval()
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["lm_head.weight"] == torch.float16
+    assert all(dtypes[n] == torch.float32 for n in dtypes if n.endswith(("log_tau", "raw_weight", "log_k")))
+    x = ids()
+    out = model(x, output_hidden_states=True)
+    assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
+    for h in out.hidden_states:
+        assert manifold_error(h, model.config.k).max() <= MANIFOLD_TOL[torch.float32]
+    assert_close(out.logits, models[family](x).logits, dtype=torch.float16, factor=2.0)
+    assert model.generate(x, max_new_tokens=3, do_sample=False).shape == (B, T + 3)
