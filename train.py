@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import time
@@ -36,9 +37,9 @@ import helm  # registers the HELM model types with the transformers Auto classes
 from helm.data import MissingSourceError, build_default_data
 from helm.evaluation import packed_inputs, perplexity, rows_nll
 from helm.optim import build_optimizer, group_parameters
-from helm.training import (CheckpointError, ConfigError, JSONLTracker, PackedRows, StreamRows, TrainerState,
+from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StreamRows, TrainerState,
                            cli_overrides, finalize, find_checkpoint, load_run_config, load_splits, load_tokenizer,
-                           pack_split, read_trainer_state, recipe_differences, save_checkpoint)
+                           output_lock, pack_split, read_trainer_state, recipe_differences, save_checkpoint)
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -53,25 +54,27 @@ def make_accelerator(cfg, out: Path, resume_step):
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT")
     trackers = [JSONLTracker(out, resume_step)] if cfg.train.logger in ("jsonl", "both") else []
     trackers += ["tensorboard"] if cfg.train.logger in ("tensorboard", "both") else []
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
-                       step_scheduler_with_optimizer=False, fsdp_plugin=fsdp, log_with=trackers, project_dir=out)
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
+                              step_scheduler_with_optimizer=False, fsdp_plugin=fsdp, log_with=trackers, project_dir=out)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise ConfigError("train.mixed_precision=fp16 needs a GPU (fp16 with loss scaling); use no or bf16 on a CPU")
+    return accelerator
 
 
 def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator) -> None:
-    """Refuse to silently mix a fresh run into an old one: resuming, or overwrite, or an empty output_dir."""
-    previous = [p for p in (out / "checkpoints", out / "final", out / "metrics.jsonl", out / "tensorboard")
-                if p.exists()]
+    """Never mix a fresh run into an old one, nor delete it unasked: --resume, train.overwrite, or no old files."""
+    previous = sorted(p for p in out.iterdir() if p.name not in ("config.yaml", LOCK)) if out.is_dir() else []
     if not resuming and previous:
         if not cfg.train.overwrite:
-            raise ConfigError(f"train.output_dir {str(out)!r} already holds a run ({previous[0].name}); pass --resume "
-                              "to continue it, set train.overwrite: true to start over, or choose another output_dir")
+            raise ConfigError(f"train.output_dir {str(out)!r} already holds a run or other files ({previous[0].name}); "
+                              "pass --resume to continue it, --train.overwrite=true to delete its checkpoints, metrics "
+                              "and final model and start over, or choose another output_dir")
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            for path in previous:
+        if accelerator.is_main_process:  # only what a run writes: other files stay
+            for path in (p for p in previous if p.name in ("checkpoints", "final", "metrics.jsonl", "tensorboard")):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:  # output_lock created out
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), encoding="utf-8")
 
 
@@ -81,8 +84,7 @@ def ensure_default_data(cfg, accelerator) -> None:
     if not cfg.data.build_default or (root / "manifest.json").is_file():
         return
     if accelerator.is_main_process:
-        print(f"[train] {root} has no built corpus; building the offline default data (well under a minute)",
-              flush=True)
+        print(f"[train] {root} has no built corpus; building the offline default data (seconds)", flush=True)
         logging.basicConfig(format="[%(name)s] %(message)s")
         logging.getLogger("helm.data").setLevel(logging.INFO)
         try:
@@ -98,9 +100,11 @@ def model_config(cfg):
     try:
         if cfg.model.preset is not None:
             return helm.load_config(cfg.model.preset, **cfg.model.overrides)
-        return AutoConfig.from_pretrained(cfg.model.pretrained, **cfg.model.overrides)
-    except (OSError, ValueError, TypeError) as error:
-        raise ConfigError(f"{key}: {error}") from None
+        return AutoConfig.from_pretrained(cfg.model.pretrained, trust_remote_code=cfg.model.trust_remote_code,
+                                          **cfg.model.overrides)
+    except Exception as error:  # whatever a config class raises for a bad preset, folder or override
+        hint = "; pass --model.trust_remote_code=true to run it, if you trust it" * ("trust_remote_code" in str(error))
+        raise ConfigError(f"{key}: {type(error).__name__}: {' '.join(str(error).split())}{hint}") from None
 
 
 def check_inputs(cfg, config, tokenizer) -> None:
@@ -126,16 +130,24 @@ def load_data(cfg, tokenizer, accelerator, skip_rows: int):
     if streaming:
         return StreamRows(train_set, tokenizer, cfg.data, skip_rows=skip_rows), validation, True
     rows = pack_split(train_set, tokenizer, cfg.data)
-    if rows["input_ids"].shape[0] == 0:
-        raise ConfigError(f"data.dataset: the training split holds fewer than data.seq_len={cfg.data.seq_len} "
-                          "tokens")
+    if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
+                          f"but the training data packs into only {len(rows['input_ids'])} rows of data.seq_len tokens")
     return PackedRows(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), validation, False
 
 
 def build_model(cfg, config):
-    if cfg.model.pretrained is not None:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
-        return AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32, **cfg.model.overrides)
-    return AutoModelForCausalLM.from_config(config)
+    """The model, built and run forward on two tokens before any data is read, so that bad overrides fail early."""
+    try:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
+        model = AutoModelForCausalLM.from_config(config) if cfg.model.pretrained is None else \
+            AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32,
+                                                 trust_remote_code=cfg.model.trust_remote_code, **cfg.model.overrides)
+        with torch.no_grad():
+            model.eval()(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except Exception as error:
+        raise ConfigError(f"model.overrides: {dict(cfg.model.overrides)} give a model that cannot be built and run "
+                          f"forward ({type(error).__name__}: {' '.join(str(error).split())})") from None
+    return model.train()
 
 
 def train(cfg, resume) -> dict:
@@ -163,20 +175,19 @@ def train(cfg, resume) -> dict:
     config = model_config(cfg)
     check_inputs(cfg, config, tokenizer)
 
+    set_seed(cfg.train.seed)
+    model = build_model(cfg, config)
+    groups = group_parameters(model)
+    if cfg.train.distributed == "fsdp" and groups["manifold"] and world > 1:
+        raise ConfigError("train.distributed=fsdp would shard geoopt ManifoldParameters into plain tensors and train "
+                          "them as Euclidean; use ddp, or embedding_mode='space' and lm_head_mode='linear'")
+
     B, accum, L = cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len
     rows_per_step, start_step = B * world * accum, state.step
     clock = time.perf_counter()
     train_rows, validation, streaming = load_data(cfg, tokenizer, accelerator, skip_rows=start_step * accum * B)
     say(f"[train] data: {'streamed' if streaming else f'{len(train_rows):,} packed rows'} of {L} tokens, "
         f"{validation['input_ids'].shape[0]} validation rows ({time.perf_counter() - clock:.1f} s)")
-
-    set_seed(cfg.train.seed)
-    model = build_model(cfg, config)
-    model.train()
-    groups = group_parameters(model)
-    if cfg.train.distributed == "fsdp" and groups["manifold"] and world > 1:
-        raise ConfigError("train.distributed=fsdp would shard geoopt ManifoldParameters into plain tensors and train "
-                          "them as Euclidean; use ddp, or embedding_mode='space' and lm_head_mode='linear'")
     optimizer = build_optimizer(model, lr=cfg.optim.lr, manifold_lr=cfg.optim.manifold_lr,
                                 weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 stabilize=cfg.optim.stabilize)
@@ -222,14 +233,13 @@ def train(cfg, resume) -> dict:
                disable=not live, mininterval=1.0)
     zero = torch.zeros((), device=accelerator.device)
     window_loss, window_aux, window_steps, window_start = zero.clone(), zero.clone(), 0, time.perf_counter()
+    first_bad = torch.zeros(1, dtype=torch.long, device=accelerator.device)  # first non-finite step, read when synced
     run_start, tokens_per_step = time.perf_counter(), rows_per_step * L
     for step in range(start_step, cfg.train.max_steps):
         load = None
         for micro in range(accum):
-            if streaming:
-                batch = train_rows.next(B)
-            else:
-                batch = train_rows.take(step * rows_per_step + (micro * world + rank) * B, B)
+            start = step * rows_per_step + (micro * world + rank) * B
+            batch = train_rows.next(B) if streaming else train_rows.take(start, B)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.accumulate(model):
                 output = model(**packed_inputs(unwrapped, batch), labels=batch["labels"])
@@ -255,8 +265,20 @@ def train(cfg, resume) -> dict:
         done = state.step = step + 1
         window_steps += 1
         bar.update(1)
+        # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read when
+        # logging or saving (which sync anyway), so that no checkpoint is ever written after it.
+        first_bad.masked_fill_(first_bad.eq(0) & ~(window_loss + (0 if accelerator.scaler else grad_norm)).isfinite(),
+                               done)
+        last = done == cfg.train.max_steps
+        log = last or done % cfg.train.log_every == 0
+        save = last or bool(cfg.train.save_every and done % cfg.train.save_every == 0)
+        if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
+            raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
+                                     f"after it was saved. Likely causes: too high a learning rate (optim.lr="
+                                     f"{cfg.optim.lr}, warmup, grad_clip) or precision (train.mixed_precision="
+                                     f"{cfg.train.mixed_precision})")
 
-        if done % cfg.train.log_every == 0 or done == cfg.train.max_steps:
+        if log:
             elapsed = time.perf_counter() - window_start
             loss = accelerator.reduce(window_loss, "mean").item() / window_steps
             speed = window_steps * tokens_per_step / max(elapsed, 1e-9)
@@ -278,7 +300,7 @@ def train(cfg, resume) -> dict:
             accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
             say(f"[train] step {done}: validation loss {val:.4f}, perplexity {perplexity(val):,.1f}")
 
-        if (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.max_steps:
+        if save:
             save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
     bar.close()
     train_time, trained = time.perf_counter() - run_start, cfg.train.max_steps - start_step
@@ -330,12 +352,14 @@ def main(argv=None) -> int:
     # The progress lines of this script are the output; the libraries' per-file bars are noise.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
-    try:
+    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
         args, rest = parser.parse_known_args(argv)
-        train(load_run_config(args.config, cli_overrides(rest)), args.resume)
-    except (ConfigError, CheckpointError) as error:
+        cfg = load_run_config(args.config, cli_overrides(rest))
+        with output_lock(Path(cfg.train.output_dir), enabled=os.environ.get("RANK", "0") == "0"):
+            train(cfg, args.resume)
+    except (ConfigError, CheckpointError, FloatingPointError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return 3 if isinstance(error, FloatingPointError) else 2
     return 0
 
 

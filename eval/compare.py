@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from helm.evaluation import EvalError
+from helm.evaluation import EvalError, run_script
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 ACCURACY_METRICS = ("acc", "acc_norm", "exact_match")
@@ -168,7 +168,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

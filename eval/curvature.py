@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -30,7 +29,8 @@ import torch  # noqa: E402
 from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError, load_checkpoint, load_texts, token_stream, write_json  # noqa: E402
+from helm.evaluation import (  # noqa: E402
+    EvalError, add_loading_arguments, load_checkpoint, load_texts, run_script, token_stream, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 
 
@@ -81,7 +81,8 @@ def ollivier_ricci(graph: nx.Graph, *, alpha: float = 0.5, progress: bool = True
 
 def curvature_of_model(path: str, texts: list[str], args) -> tuple[np.ndarray, dict]:
     """Edge curvatures and summary statistics for one checkpoint."""
-    model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
+                                       trust_remote_code=args.trust_remote_code)
     seq_len = args.seq_len or min(model.config.max_position_embeddings, 512)
     # 4x more tokens than points keeps the sample spread over many contexts and positions
     ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)[:4 * args.max_points]
@@ -142,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="kNN edge lengths: unit (hop count, default) or the embedding distance")
     parser.add_argument("--seq-len", type=int, help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
-    parser.add_argument("--device")
-    parser.add_argument("--dtype", default="float32")
+    add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=Path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -180,7 +180,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

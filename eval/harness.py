@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import lm_eval
@@ -22,7 +21,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
-from helm.evaluation import EvalError, check_checkpoint, write_json
+from helm.evaluation import EvalError, add_loading_arguments, check_checkpoint, run_script, write_json
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # lm-eval applies one number of shots per run, so a suite is a list of (tasks, shots) runs
@@ -55,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     choice.add_argument("--tasks", help="comma-separated lm-eval tasks, run with --num-fewshot")
     parser.add_argument("--num-fewshot", type=int, default=0, help="shots for --tasks (default 0)")
     parser.add_argument("--batch-size", default="1", help="an integer or 'auto' (default 1)")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
+    add_loading_arguments(parser)
     parser.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction < 1)")
     parser.add_argument("--output", metavar="JSON", help="write the merged results here")
     parser.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the result file")
@@ -67,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
     name, _, path = args.model.rpartition("=")
-    path = check_checkpoint(path)
+    path = check_checkpoint(path, args.trust_remote_code)
     if args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else SUITES[args.suite]
@@ -82,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
-    lm = HFLM(pretrained=path, trust_remote_code=True, batch_size=batch_size, device=device, dtype=args.dtype)
+    lm = HFLM(pretrained=path, trust_remote_code=args.trust_remote_code, batch_size=batch_size, device=device,
+              dtype=args.dtype)
     manager = TaskManager(include_path=str(TASK_DIR))
     record = {"model_name": name or Path(path.rstrip("/")).name, "model_path": path, "source": "eval/harness.py",
               "suite": None if args.tasks else args.suite}
@@ -104,7 +103,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

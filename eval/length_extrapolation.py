@@ -24,7 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    EvalError, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows, token_stream, write_json,
+    EvalError, add_loading_arguments, load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
+    token_stream, write_json,
 )
 
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
@@ -33,7 +34,8 @@ CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len"
 
 def extrapolation_rows(name: str, path: str, texts: list[str], args) -> list[dict]:
     """One CSV row per factor for one checkpoint."""
-    model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
+                                       trust_remote_code=args.trust_remote_code)
     length = args.train_length or model.config.max_position_embeddings
     ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)[:args.max_tokens]
     span = max(args.factors) * length
@@ -98,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="length factors (default 1 2 4 8)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="use only the first N tokens of the text")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--device")
-    parser.add_argument("--dtype", default="float32")
+    add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=Path, default=Path("length_extrapolation"),
                         help="where the CSV, PNG and JSON go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -139,7 +140,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

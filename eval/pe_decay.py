@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -33,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError  # noqa: E402
+from helm.evaluation import EvalError, run_script  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (  # noqa: E402
     POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes, build_positional_encoding,
@@ -169,7 +168,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

@@ -13,10 +13,9 @@ eval/README.md.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from helm.evaluation import EvalError, load_checkpoint, load_texts, text_perplexity, write_json
+from helm.evaluation import add_loading_arguments, load_checkpoint, load_texts, run_script, text_perplexity, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mask-document-starts", action="store_true",
                         help="no targets at document starts (train.py's data.mask_document_starts)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
+    add_loading_arguments(parser)
     parser.add_argument("--label", help="task name in the result file (default: the text source)")
     parser.add_argument("--output", metavar="JSON", help="write the result here (eval/compare.py reads it)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -56,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = name or Path(path.rstrip("/")).name
     texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
-    model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                                       trust_remote_code=args.trust_remote_code)
     result = text_perplexity(model, tokenizer, texts, seq_len=args.seq_len or model.config.max_position_embeddings,
                              stride=args.stride, batch_size=args.batch_size, keep_last=args.keep_last,
                              max_tokens=args.max_tokens, max_windows=args.max_windows, add_eos=not args.no_eos,
@@ -76,7 +75,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EvalError as error:
-        sys.exit(f"error: {error}")
+    run_script(main)

@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -28,12 +29,24 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "check_checkpoint", "load_checkpoint", "load_texts", "packed_inputs", "perplexity",
-           "rows_nll", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream", "write_json"]
+__all__ = ["EvalError", "add_loading_arguments", "check_checkpoint", "load_checkpoint", "load_texts", "packed_inputs",
+           "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream",
+           "write_json"]
+REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
 class EvalError(ValueError):
     """A bad argument, or a checkpoint or text that cannot be read; the ``eval/`` scripts print it as one line."""
+
+
+def run_script(main: Callable, argv: Optional[list[str]] = None):
+    """Run an ``eval/`` script's ``main``: an :class:`EvalError` becomes one ``error: ...`` line on stderr and exit
+    status 2, the convention of argparse (whose own usage errors exit 2 too)."""
+    try:
+        return main(argv)
+    except EvalError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def perplexity(mean_nll: float) -> float:
@@ -184,23 +197,32 @@ def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: int, stride:
             "stride": stride or seq_len, "document_attention": document_attention}
 
 
+def add_loading_arguments(parser) -> None:
+    """The ``eval/`` scripts' options of :func:`load_checkpoint`: ``--device``, ``--dtype``, ``--trust-remote-code``."""
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64 or auto")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code saved with a checkpoint of a model type neither helm nor transformers has")
+
+
 def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optional[str] = None,
-                    dtype: str = "float32"):
+                    dtype: str = "float32", trust_remote_code: bool = False):
     """``(model, tokenizer)`` from a ``save_pretrained`` folder or hub id, the model in eval mode on ``device``.
 
-    Importing ``helm`` registered the HELM model types, so HELM folders load with or without their saved
-    remote code, and any other causal LM loads as usual. ``dtype``: ``float32``, ``bfloat16``, ``float16``,
-    ``float64`` or ``auto``.
+    Importing ``helm`` registered the HELM model types, so HELM folders load with our own code, never the code
+    saved with them, and ``transformers`` models load as usual. Code saved with any other checkpoint runs only
+    with ``trust_remote_code``. ``dtype``: ``float32``, ``bfloat16``, ``float16``, ``float64`` or ``auto``.
     """
-    path = check_checkpoint(path)
+    path = check_checkpoint(path, trust_remote_code)
     if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
         raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=True)
-    except OSError as error:
-        raise EvalError(f"could not load checkpoint {path!r}: {error}") from error
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        hint = f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in str(error) else ""
+        raise EvalError(f"could not load checkpoint {path!r}: {' '.join(str(error).split())}{hint}") from error
     try:
-        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer or path), trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer or path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise EvalError(f"could not load a tokenizer from {tokenizer or path!r}: {error} (save one next to the "
                         "model with tokenizer.save_pretrained, or name its folder)") from error
@@ -208,12 +230,24 @@ def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optio
     return model.to(device).eval(), tok
 
 
-def check_checkpoint(path: str) -> str:
-    """``path`` if it is a folder with ``config.json`` or looks like a hub id (``name``, ``owner/name``)."""
+def check_checkpoint(path: str, trust_remote_code: bool = False) -> str:
+    """``path`` if it is a folder with ``config.json`` or looks like a hub id (``name``, ``owner/name``); a folder
+    whose model type neither helm nor ``transformers`` knows, which would run the code saved with it, is refused
+    unless ``trust_remote_code``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     folder = Path(path).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
             raise EvalError(f"checkpoint {path!r} has no config.json; expected a folder written by save_pretrained")
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise EvalError(f"checkpoint {path!r}: config.json is unreadable ({error})") from None
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        if kind not in CONFIG_MAPPING and "auto_map" in config and not trust_remote_code:
+            raise EvalError(f"checkpoint {path!r} has model_type {kind!r}, which neither helm nor transformers "
+                            f"knows, so loading it would run the code saved with it; {REMOTE_CODE_HINT}")
         return str(folder)
     parts = path.split("/")
     if folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):

@@ -54,6 +54,12 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 raise FileNotFoundError(f"{file}: no such file or folder")
             if builder is None:
                 raise ValueError(f"{file}: expected one of {sorted(BUILDERS)}")
+            try:  # refuse an empty file or one that is not UTF-8 text, which datasets reports obscurely or not at all
+                with file.open(encoding="utf-8") as handle:
+                    if not sum(1 for _ in iter(lambda: handle.read(1 << 24), "")):
+                        raise ValueError(f"{file}: the file is empty")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{file}: not UTF-8 text ({error}); re-encode it as UTF-8") from None
             extra = {"sample_by": "document"} if builder == "text" else {}
             part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
                                          streaming=bool(streaming), cache_dir=cache, **extra)

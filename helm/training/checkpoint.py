@@ -8,6 +8,7 @@ a checkpoint that looks complete is complete; :func:`verify_checkpoint` refuses 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -18,9 +19,12 @@ from pathlib import Path
 
 import torch
 
+from .config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+LOCK = "train.lock"
 STATE_FILE = "custom_checkpoint_0.pkl"
 FORMAT = 2
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -148,16 +152,60 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(tmp)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_manifest(tmp, step)
+            finalize(tmp, final)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
+        raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
+                              f"({kept[0]}) is intact: free space, then continue with --resume") from None
     if accelerator.is_main_process:
-        write_manifest(tmp, step)
-        finalize(tmp, final)
         for _, path in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
         for path in root.glob(".tmp-*"):  # leftovers of interrupted writes
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: Path, enabled: bool = True):
+    """Hold ``output_dir/train.lock`` (this pid) while training, creating ``output_dir``: a lock whose process is
+    gone is taken over, a live one is refused with :class:`ConfigError`, so two runs never share a folder."""
+    lock = Path(output_dir) / LOCK
+    try:
+        while enabled:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(lock, "x", encoding="utf-8") as handle:
+                    handle.write(str(os.getpid()))
+                break
+            except FileExistsError:
+                owner = lock.read_text(encoding="utf-8").strip() if lock.exists() else ""
+            if _alive(owner):
+                raise ConfigError(f"train.output_dir {str(output_dir)!r} is in use by another training run (pid "
+                                  f"{owner or '?'}); wait for it or stop it, or delete {lock} if that is no run")
+            logger.warning("taking over the stale lock %s of process %s, which is gone", lock, owner)
+            lock.unlink(missing_ok=True)
+    except OSError as error:
+        raise ConfigError(f"train.output_dir {str(output_dir)!r} is not a writable folder: {error}") from None
+    try:
+        yield
+    finally:
+        if enabled:
+            lock.unlink(missing_ok=True)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        return os.kill(int(pid), 0) is None  # raises ProcessLookupError when the process is gone
+    except (ValueError, PermissionError):  # "": the lock vanished; not a pid: being written; another user's process
+        return bool(pid)
+    except ProcessLookupError:
+        return False
 
 
 def finalize(tmp: Path, final: Path) -> None:

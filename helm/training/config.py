@@ -23,6 +23,7 @@ class ModelConfig:
     preset: Optional[str] = None
     pretrained: Optional[str] = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -143,7 +144,7 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
 
 
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "optim.weight_decay": 0, "optim.stabilize": 1,
-           "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1, "train.log_every": 1,
+           "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1, "train.log_every": 1,
            "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0, "train.keep_last": 1,
            "demo.max_new_tokens": 1, "demo.top_k": 0}
 POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
@@ -184,9 +185,10 @@ def validate(c: RunConfig) -> None:
 
 # Keys that may change on resume (they do not change what is computed); any other difference is refused.
 RESUMABLE_CHANGES = frozenset({
-    "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every", "train.eval_rows",
-    "train.eval_at_start", "train.save_every", "train.keep_last", "train.logger", "train.progress_bar",
-    "data.build_default", "demo.prompt", "demo.max_new_tokens", "demo.do_sample", "demo.temperature", "demo.top_k",
+    "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every",
+    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.logger",
+    "train.progress_bar", "data.build_default", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
+    "demo.temperature", "demo.top_k",
 })
 
 

@@ -146,10 +146,10 @@ def test_cli_writes_result_json_and_reports_missing_inputs(make_checkpoint, text
 
     missing = subprocess.run([*cmd[:3], str(tmp_path / "no-such-checkpoint"), *cmd[4:]], env=offline_env,
                              capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 1 and "error: checkpoint not found" in missing.stderr
+    assert missing.returncode == 2 and "error: checkpoint not found" in missing.stderr
     no_file = subprocess.run([*cmd[:5], str(tmp_path / "missing.txt"), *cmd[6:]], env=offline_env,
                              capture_output=True, text=True, timeout=300)
-    assert no_file.returncode == 1 and "error: text file not found" in no_file.stderr
+    assert no_file.returncode == 2 and "error: text file not found" in no_file.stderr
     assert "Traceback" not in missing.stderr + no_file.stderr
 
 

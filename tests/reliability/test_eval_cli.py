@@ -1,0 +1,89 @@
+"""The eval/ scripts under bad input (issue 11, items 3 and 6): every user error is one ``error: ...`` line on
+stderr and exit status 2 (argparse's convention), and code saved with a checkpoint of a model type neither helm
+nor transformers knows runs only with --trust-remote-code.
+
+The table runs each script's ``main`` in-process through ``helm.evaluation.run_script`` (what ``__main__`` does);
+one case runs a script as a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helm.evaluation import run_script
+from tests.eval.script_loader import EVAL_DIR, REPO, load_script
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """``{missing}``, ``{text}``, ``{bare}`` (a folder with only a Llama config.json), ``{custom}`` (an unknown model
+    type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder), ``{tmp}``."""
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "one two three four five six seven"}) + "\n")
+    bare, custom, nocfg = tmp_path / "bare", tmp_path / "custom", tmp_path / "nocfg"
+    for folder in (bare, custom, nocfg):
+        folder.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (custom / "config.json").write_text(json.dumps({
+        "model_type": "not_a_registered_type",
+        "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    (custom / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
+    return {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
+            "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path)}
+
+
+REMOTE = "neither helm nor transformers knows.*pass --trust-remote-code"
+# script, arguments, exit status, message (regex of the one error line)
+CASES = [
+    ("perplexity", ["--model", "{missing}", "--files", "{text}"], 2, "checkpoint not found: .*no-such-checkpoint"),
+    ("perplexity", ["--model", "{nocfg}", "--files", "{text}"], 2, "has no config.json"),
+    ("perplexity", ["--model", "{bare}", "--files", "{tmp}/nope.jsonl"], 2, "text file not found: .*nope.jsonl"),
+    ("perplexity", ["--model", "{bare}", "--files", "{text}", "--dtype", "float8"], 2, "dtype must be"),
+    ("perplexity", ["--model", "{custom}", "--files", "{text}"], 2, REMOTE),
+    ("length_extrapolation", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
+    ("length_extrapolation", ["--model", "{bare}", "--files", "{text}", "--factors", "0"], 2, "--factors"),
+    ("curvature", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
+    ("curvature", ["--model", "{bare}", "--files", "{text}", "--max-points", "2"], 2, "--max-points"),
+    ("harness", ["--model", "{custom}", "--suite", "local"], 2, REMOTE),
+    ("harness", ["--model", "{missing}", "--suite", "local"], 2, "checkpoint not found"),
+    ("harness", ["--model", "{bare}", "--tasks", "x", "--num-fewshot", "-1"], 2, "--num-fewshot"),
+    ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], 2, "--head-dim"),
+    ("compare", ["{tmp}/missing.json"], 2, "result file or folder not found"),
+    ("compare", ["{text}", "--metric", "t"], 2, "TASK=METRIC"),
+]
+
+
+@pytest.mark.parametrize("script, argv, code, message", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_user_errors_are_one_line_and_exit_2(script, argv, code, message, paths, capsys):
+    main = load_script(script).main
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(main, [a.format(**paths) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == code, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # progress bars may come before
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0] and re.search(message, errors[0]), err
+    assert "Traceback" not in err
+
+
+def test_trusting_remote_code_gets_past_the_refusal(paths, capsys):
+    """With --trust-remote-code the refusal is gone: transformers goes on to import the saved code."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(load_script("perplexity").main, ["--model", paths["custom"], "--files", paths["text"],
+                                                     "--trust-remote-code"])
+    assert exit_info.value.code == "remote code ran" or "trust-remote-code" not in capsys.readouterr().err
+
+
+def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(EVAL_DIR / "perplexity.py"), "--model", paths["custom"], "--files",
+                             paths["text"]], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "--trust-remote-code" in result.stderr

@@ -1,0 +1,221 @@
+"""train.py under bad input and failures (issue 11, items 1, 2, 3, 6, 8): exit status 2 and one ``error: ...`` line
+for every user error, exit 3 when training diverges, no non-finite or half-written checkpoint, one run per
+output_dir.
+
+The table runs ``train.main`` in-process on the micro model and synthetic corpus of ``tests/test_train.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helm.training import list_checkpoints, verify_checkpoint
+from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
+
+
+def _data_folder(tmp_path, run_data, train: bytes):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_bytes(train)
+    (folder / "validation.jsonl").write_bytes((run_data / "validation.jsonl").read_bytes())
+    return [f"--data.dataset={folder}"]
+
+
+def _bad_utf8_recipe(tmp_path, run_data):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(recipe.read_bytes() + b"\n# caf\xe9 au lait\n")
+    return []
+
+
+def _preset_without_model_type(tmp_path, run_data):
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"hidden_size": 33, "num_attention_heads": 2}))
+    return [f"--model.preset={preset}"]
+
+
+def _previous_run(tmp_path, run_data):
+    (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    return []
+
+
+def _live_lock(tmp_path, run_data):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.lock").write_text(str(os.getppid()))  # the process that started pytest: alive
+    return []
+
+
+def _remote_code_folder(tmp_path, run_data):
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "not_a_registered_type", "auto_map": {"AutoConfig": "configuration_x.XConfig",
+                                                            "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    (folder / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
+    return ["--model.preset=null", f"--model.pretrained={folder}"]
+
+
+# id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, message (regex)
+CASES = [
+    ("recipe-invalid-utf8", "tiny-helm-d", _bad_utf8_recipe, [], 2, r"--config .*recipe.yaml.*utf-8"),
+    ("data-invalid-utf8", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "caf\xe9"}\n' * 50), [], 2,
+     r"data\.dataset: .*train\.jsonl.*(UTF-8|utf-8)"),
+    ("data-empty-file", "tiny-helm-d", lambda t, r: _data_folder(t, r, b""), [], 2,
+     r"data\.dataset: .*train\.jsonl: the file is empty"),
+    ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
+     r"train\.output_dir .*run' is not a writable folder"),
+    ("output-dir-unwritable", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=/sys/helm-run"], 2,
+     r"train\.output_dir '/sys/helm-run' is not a writable folder"),
+    ("preset-without-model_type", "tiny-helm-d", _preset_without_model_type, [], 2, r"model\.preset: .*model_type"),
+    ("negative-seed", "tiny-helm-d", lambda t, r: [], ["--train.seed=-1"], 2, r"train\.seed must be >= 0, got -1"),
+    ("override-bad-in-config", "tiny-llama", lambda t, r: [], ["--model.overrides.num_attention_heads=5"], 2,
+     r"model\.preset: .*hidden size"),
+    ("override-fails-building", "tiny-llama", lambda t, r: [], ["--model.overrides.hidden_act=nope"], 2,
+     r"model\.overrides: .*'nope'"),
+    ("override-fails-in-forward", "tiny-llama", lambda t, r: [], ["--model.overrides.num_key_value_heads=3"], 2,
+     r"model\.overrides: .*forward"),
+    ("batch-larger-than-data", "tiny-helm-d", lambda t, r: [], ["--train.batch_size=5000"], 2,
+     r"train\.batch_size=5000 x grad_accum x processes = 5000 rows per step, but the training data packs into only \d+ rows"),
+    ("fp16-without-cuda", "tiny-helm-d", lambda t, r: [], ["--train.mixed_precision=fp16"], 2,
+     r"train\.mixed_precision=fp16 needs a GPU"),
+    ("reused-output-dir", "tiny-helm-d", _previous_run, [], 2,
+     r"already holds a run .*--resume.*train\.overwrite"),
+    ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"in use by another training run \(pid {os.getppid()}"),
+    ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2,
+     r"model\.pretrained: .*custom code.*--model\.trust_remote_code=true"),
+]
+
+
+@pytest.mark.parametrize("name, base, setup, args, code, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, tmp_path, run_data, capsys):
+    if name == "fp16-without-cuda" and torch.cuda.is_available():
+        pytest.skip("fp16 is allowed on a CUDA machine")
+    if name == "output-dir-unwritable" and not os.path.isdir("/sys"):
+        pytest.skip("no read-only /sys here")
+    model = {} if base != "tiny-llama" else {"overrides": {"vocab_size": 320, "max_position_embeddings": 64}}
+    recipe = write_recipe(tmp_path, run_data, base=base, train={"max_steps": 4, "save_every": 2},
+                          demo={"prompt": None}, model=model)
+    extra = setup(tmp_path, run_data) + args
+    assert train_script.main(["--config", str(recipe), *extra]) == code
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), captured.out + captured.err
+    assert "Traceback" not in captured.out + captured.err
+    assert "[train] data:" not in captured.out, "the problem was found only after loading the data"
+    assert not list_checkpoints(tmp_path / "run" / "checkpoints")[1:], "a checkpoint was written"
+    assert not (tmp_path / "run" / "train.lock").exists() or name == "output-dir-in-use"
+
+
+def _checkpoint_weights_finite(run) -> list[int]:
+    steps = []
+    for step, path in list_checkpoints(run / "checkpoints"):
+        verify_checkpoint(path)
+        assert all(torch.isfinite(v).all() for v in load_file(path / "model.safetensors").values()), step
+        steps.append(step)
+    return steps
+
+
+def test_diverging_run_stops_with_exit_3_and_keeps_only_finite_checkpoints(tmp_path, run_data, capsys):
+    """An absurd learning rate from step 5 on (after a finite checkpoint at step 4) makes the weights NaN: the
+    run stops at the next check with exit 3 and a message naming the step and the likely causes; no checkpoint
+    of the diverged model is written and keep_last=1 does not prune the last finite one."""
+    import helm.training.checkpoint as C
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 12, "save_every": 4, "keep_last": 1,
+                                                     "log_every": 3}, demo={"prompt": None})
+    real = C.save_checkpoint
+
+    def poison_after_first(accelerator, output_dir, step, **kwargs):
+        real(accelerator, output_dir, step, **kwargs)
+        for group in accelerator._optimizers[0].param_groups:  # the scheduler scales this: NaN stays NaN
+            group["initial_lr"] = group["lr"] = float("nan")
+
+    original = train_script.save_checkpoint
+    train_script.save_checkpoint = poison_after_first
+    try:
+        code = train_script.main(["--config", str(recipe)])
+    finally:
+        train_script.save_checkpoint = original
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(r"non-finite .* at step 6\b", error) and "optim.lr" in error and "mixed_precision" in error, error
+    assert "Traceback" not in captured.err
+    run = tmp_path / "run"
+    assert _checkpoint_weights_finite(run) == [4] and not (run / "final").exists()
+    assert not (run / "train.lock").exists()
+
+
+def test_huge_learning_rate_diverges_with_exit_3(tmp_path, run_data):
+    """The same from the command line, as a user meets it: lr 1e6 without clipping, in a real process."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 12, "save_every": 1, "log_every": 6},
+                          demo={"prompt": None})
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(recipe),
+                             "--optim.lr=1e6", "--optim.grad_clip=null", "--optim.warmup_ratio=0"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and re.search(r"non-finite .* at step \d+", result.stderr)
+    _checkpoint_weights_finite(tmp_path / "run")
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, run_data, capsys, monkeypatch):
+    from accelerate import Accelerator
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 12, "save_every": 4, "keep_last": 1},
+                          demo={"prompt": None})
+    real = Accelerator.save_state
+
+    def full_disk(self, output_dir=None, **kwargs):
+        if "step-00000008" in str(output_dir):
+            real(self, output_dir, **kwargs)  # half written: then the disk fills up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(output_dir) + "/optimizer.bin")
+        return real(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", full_disk)
+    code = train_script.main(["--config", str(recipe)])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert "checkpoint of step 8" in error and "No space left on device" in error and "step-00000004" in error, error
+    root = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in list_checkpoints(root)] == [4] and not list(root.glob(".tmp-*"))
+    verify_checkpoint(root / "step-00000004")
+    monkeypatch.undo()
+    code = train_script.main(["--config", str(recipe), "--resume"])
+    assert code == 0, capsys.readouterr()
+    assert [s for s, _ in list_checkpoints(root)] == [12]
+
+
+def test_stale_lock_is_taken_over_and_the_lock_is_released(tmp_path, run_data, capsys, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.lock").write_text(str(dead.pid))
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0}, demo={"prompt": None})
+    code = train_script.main(["--config", str(recipe)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert f"taking over the stale lock {tmp_path / 'run' / 'train.lock'} of process {dead.pid}" in caplog.text
+    assert not (tmp_path / "run" / "train.lock").exists()
+
+
+def test_overwrite_is_explicit_and_resume_continues(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    assert train_script.main(["--config", str(recipe)]) == 2  # refused: nothing deleted
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [1, 2]
+    assert train_script.main(["--config", str(recipe), "--resume"]) == 0
+    assert train_script.main(["--config", str(recipe), "--train.overwrite=true", "--train.keep_last=1"]) == 0
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+    capsys.readouterr()
