@@ -5,10 +5,10 @@
     accelerate launch --multi_gpu --num_processes 8 train.py --config configs/train/helm-d-115m.yaml
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 train.py --config configs/train/tiny-helm-d.yaml
 
-Top to bottom: read the recipe; find the checkpoint to resume from; build the offline default corpus if the
-recipe uses it and it is missing; check the tokenizer and sequence length against the model; tokenise, pack
-(documents never attend to each other) and hold out validation rows; build the model and its optimiser (geoopt
-RiemannianAdam for manifold points, AdamW for the rest: ``helm/optim.py``) and the warmup + cosine schedule;
+Top to bottom: read the recipe; find the checkpoint to resume from; lock output_dir; build the offline default
+corpus if it is missing; check the tokenizer, the sequence length and a two-token forward of the model; tokenise,
+pack (documents never attend to each other) and hold out validation rows; build the model and its optimiser
+(geoopt RiemannianAdam for manifold points, AdamW for the rest: ``helm/optim.py``) and the warmup + cosine schedule;
 restore the checkpoint (``accelerator.load_state``); train with gradient accumulation and clipping, metrics,
 periodic validation and atomic checkpoints; save with ``save_pretrained``, reload with ``AutoModelForCausalLM``,
 print the validation perplexity before and after and a sample. Recipe keys: ``configs/train/*.yaml``.
