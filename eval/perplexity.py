@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
-    result = text_perplexity(model, tokenizer, texts, seq_len=args.seq_len or model.config.max_position_embeddings,
+    result = text_perplexity(model, tokenizer, texts, seq_len=args.seq_len,
                              stride=args.stride, batch_size=args.batch_size, keep_last=args.keep_last,
                              max_tokens=args.max_tokens, max_windows=args.max_windows, add_eos=not args.no_eos,
                              document_attention=args.document_attention,

@@ -44,9 +44,10 @@ def run_script(main: Callable, argv: Optional[list[str]] = None):
     status 2, the convention of argparse (whose own usage errors exit 2 too)."""
     try:
         return main(argv)
-    except EvalError as error:
+    except (EvalError, OSError) as error:  # OSError: an unwritable --output, a full disk
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
 
 
 def perplexity(mean_nll: float) -> float:
@@ -158,7 +159,7 @@ def sliding_windows(ids: torch.Tensor, seq_len: int, stride: Optional[int] = Non
     return {"input_ids": input_ids, "labels": labels}
 
 
-def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: int, stride: Optional[int] = None,
+def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: Optional[int] = None, stride: Optional[int] = None,
                     batch_size: int = 8, keep_last: bool = False, max_tokens: Optional[int] = None,
                     max_windows: Optional[int] = None, add_eos: bool = True, document_attention: bool = False,
                     mask_document_starts: bool = False, progress: bool = False) -> dict:
@@ -167,8 +168,12 @@ def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: int, stride:
     The documents become one stream (:func:`token_stream`) cut by :func:`sliding_windows`, attention crossing
     document boundaries as in plain ``model(input_ids)``. ``document_attention`` or ``mask_document_starts``
     score ``pack_documents`` rows instead, the way ``train.py`` validates (``max_windows`` is its
-    ``train.eval_rows``).
+    ``train.eval_rows``). ``seq_len`` defaults to the model's ``max_position_embeddings``.
     """
+    seq_len = model.config.max_position_embeddings if seq_len is None else seq_len
+    for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens), ("max_windows", max_windows)):
+        if value is not None and value < 1:  # 0 would crash deep inside, or blame the text for being too short
+            raise EvalError(f"{name} must be at least 1, got {value}")
     eos_id = tokenizer.eos_token_id if add_eos else None
     if add_eos and eos_id is None:
         raise EvalError("the tokenizer has no eos token to separate documents; set add_eos=False (--no-eos)")
@@ -214,6 +219,7 @@ def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optio
     with ``trust_remote_code``. ``dtype``: ``float32``, ``bfloat16``, ``float16``, ``float64`` or ``auto``.
     """
     path = check_checkpoint(path, trust_remote_code)
+    device = check_device(device)
     if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
         raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
     try:
@@ -226,8 +232,20 @@ def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optio
     except (OSError, ValueError) as error:
         raise EvalError(f"could not load a tokenizer from {tokenizer or path!r}: {error} (save one next to the "
                         "model with tokenizer.save_pretrained, or name its folder)") from error
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tok
+
+
+def check_device(device: Optional[str]) -> torch.device:
+    """``device`` (default: cuda if available, else cpu) if this machine has it, else an :class:`EvalError`."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise EvalError(f"--device {device!r} is not a torch device ({error})") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise EvalError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda") and not getattr(torch, device.type).is_available():
+        raise EvalError(f"--device {device}: not available on this machine")
+    return device
 
 
 def check_checkpoint(path: str, trust_remote_code: bool = False) -> str:
@@ -279,6 +297,8 @@ def load_texts(source: str | os.PathLike | list, split: str = "test", *, text_co
     if data.column_names is not None and text_column not in data.column_names:
         raise EvalError(f"{source} has no column text_column={text_column!r} (columns: {data.column_names})")
     texts = (record[text_column] for record in data)
+    if max_documents is not None and max_documents < 1:
+        raise EvalError(f"max_documents must be at least 1, got {max_documents}")
     texts = list(itertools.islice((text for text in texts if text and text.strip()), max_documents))
     if not texts:
         raise EvalError(f"no text in {source} (split {split!r}): every document is empty")

@@ -54,19 +54,21 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 raise FileNotFoundError(f"{file}: no such file or folder")
             if builder is None:
                 raise ValueError(f"{file}: expected one of {sorted(BUILDERS)}")
-            try:  # refuse an empty file or one that is not UTF-8 text, which datasets reports obscurely or not at all
+            try:  # datasets reports an empty, non-UTF-8 or malformed file obscurely or not at all
                 with file.open(encoding="utf-8") as handle:
                     if not sum(1 for _ in iter(lambda: handle.read(1 << 24), "")):
                         raise ValueError(f"{file}: the file is empty")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{file}: not UTF-8 text ({error}); re-encode it as UTF-8") from None
-            extra = {"sample_by": "document"} if builder == "text" else {}
-            part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
-                                         streaming=bool(streaming), cache_dir=cache, **extra)
+                part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
+                                             streaming=bool(streaming), cache_dir=cache,
+                                             **({"sample_by": "document"} if builder == "text" else {}))
+            except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as error:
+                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error.__cause__ or error})") from None
             if builder == "text" and text_column != "text":
                 part = part.rename_column("text", text_column)
             if part.column_names is not None and text_column not in part.column_names:
                 raise KeyError(f"{file}: no column {text_column!r} (columns: {part.column_names})")
+            if part.features is not None and getattr(part.features[text_column], "dtype", None) != "string":
+                raise ValueError(f"{file}: field {text_column!r} must hold strings, got {part.features[text_column]}")
             parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late

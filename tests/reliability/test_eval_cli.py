@@ -18,14 +18,27 @@ import pytest
 
 from helm.evaluation import run_script
 from tests.eval.script_loader import EVAL_DIR, REPO, load_script
+from tests.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tokenizer, tmp_path_factory):
+    """A saved tiny Llama with the shared test tokenizer: a checkpoint that loads, for the argument checks."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture
-def paths(tmp_path):
+def paths(tmp_path, tiny_checkpoint):
     """``{missing}``, ``{text}``, ``{bare}`` (a folder with only a Llama config.json), ``{custom}`` (an unknown model
     type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder), ``{tmp}``."""
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "one two three four five six seven"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     bare, custom, nocfg = tmp_path / "bare", tmp_path / "custom", tmp_path / "nocfg"
     for folder in (bare, custom, nocfg):
         folder.mkdir()
@@ -35,7 +48,8 @@ def paths(tmp_path):
         "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
     (custom / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
     return {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
-            "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path)}
+            "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path),
+            "bad": str(tmp_path / "bad.jsonl"), "model": tiny_checkpoint}
 
 
 REMOTE = "neither helm nor transformers knows.*pass --trust-remote-code"
@@ -46,6 +60,16 @@ CASES = [
     ("perplexity", ["--model", "{bare}", "--files", "{tmp}/nope.jsonl"], 2, "text file not found: .*nope.jsonl"),
     ("perplexity", ["--model", "{bare}", "--files", "{text}", "--dtype", "float8"], 2, "dtype must be"),
     ("perplexity", ["--model", "{custom}", "--files", "{text}"], 2, REMOTE),
+    ("perplexity", ["--model", "{bare}", "--files", "{bad}"], 2, r"bad\.jsonl: not valid UTF-8 json data"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "0"], 2, "seq_len must be at least 2"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--batch-size", "0"], 2,
+     "batch_size must be at least 1"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--max-windows", "0"], 2,
+     "max_windows must be at least 1"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--max-documents", "0"], 2,
+     "max_documents must be at least 1"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--device", "cuda:7"], 2,
+     r"--device cuda:7: this machine"),
     ("length_extrapolation", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
     ("length_extrapolation", ["--model", "{bare}", "--files", "{text}", "--factors", "0"], 2, "--factors"),
     ("curvature", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
