@@ -6,6 +6,9 @@ Conventions (shared/DESIGN.md §2):
   ``<x, x>_L = -k``, ``x_t > 0``. ``k > 0`` is geoopt's parameter; the paper's signed curvature is
   ``K = -1/k`` (see :func:`curvature_to_k`, the only place the two are converted).
 * ``k`` is keyword-only everywhere. It is a Python float or a tensor broadcastable against ``x[..., :1]``.
+  Every public function refuses a Python-number ``k`` that is not positive and finite (``ValueError`` naming
+  ``k``, :func:`check_k`: no device work). Tensor ``k`` is *not* checked: reading it would synchronise with the
+  device; tensors come from parametrisations that keep them positive (MiCE experts).
 * Minkowski norms, time coordinates and normalisations are accumulated in at least fp32: bf16/fp16 inputs
   are promoted, so points returned by :func:`lift` and friends are fp32 under autocast.
 """
@@ -13,6 +16,7 @@ Conventions (shared/DESIGN.md §2):
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence, Union
 
 import torch
@@ -47,8 +51,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _kt(k: Curv, like: torch.Tensor) -> Union[float, torch.Tensor]:
-    """``k`` in the accumulation dtype of ``like`` (floats stay floats: no device transfer)."""
+def _kt(k: Curv, like: torch.Tensor, name: str = "k") -> Union[float, torch.Tensor]:
+    """``k`` in the accumulation dtype of ``like`` (floats stay floats: no device transfer), checked by
+    :func:`check_k` (numbers only)."""
+    check_k(k, name)
     if isinstance(k, torch.Tensor):
         return k.to(dtype=upcast(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
     return float(k)
@@ -59,10 +65,15 @@ def _sqrt(k: Union[float, torch.Tensor]):
 
 
 def check_k(k: Curv, name: str = "k") -> None:
-    """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite float."""
+    """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite number.
+
+    The single domain check of ``k`` used by every public function of this module (a Python comparison, no
+    device work). Tensors pass unchecked: they come from a parametrisation that keeps them positive, and reading
+    them would synchronise with the device. Layers additionally require the documented range
+    (:func:`helm.nn.validation.k_parameter`)."""
     if isinstance(k, torch.Tensor):
         return  # tensors come from a parametrisation that keeps them positive; never synchronise on them
-    if not (isinstance(k, (int, float)) and math.isfinite(k) and k > 0):
+    if not (isinstance(k, numbers.Real) and not isinstance(k, bool) and math.isfinite(k) and k > 0):
         raise ValueError(f"{name} must be a positive finite number (geoopt's k = -1/K > 0), got {k!r}")
 
 
@@ -134,8 +145,9 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
 
     Evaluated as the Minkowski norm of the difference, which has no cancellation for nearby points, and
     clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
-    ``k`` is accepted for a uniform signature; the difference form does not need it.
+    ``k`` is accepted for a uniform signature (and checked); the difference form does not need it.
     """
+    check_k(k)
     return sqnorm(upcast(x) - upcast(y), keepdim=keepdim).clamp_min(0)
 
 
@@ -156,15 +168,34 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
 
     ``exp_o(u) = [sqrt(k) cosh(|u_s|/sqrt k), sqrt(k) sinh(|u_s|/sqrt k) u_s / |u_s|]``; the space part
     uses ``sinh(θ)/θ`` (exactly 1 at ``θ = 0``) and the time part is recomputed by :func:`lift`.
+
+    Far out (``θ = |u_s|/sqrt k > 20``, where ``cosh θ = sinh θ = e^θ/2`` to fp64 precision) ``sinh θ``, the
+    squared norm in :func:`lift` and ``sinh(θ)/θ · u_s`` would overflow long before the point does (fp32:
+    ``sinh`` at ``θ ≈ 89``, ``|x_s|²`` at ``|x_s| ≈ 1.8e19``, then ``inf · 0 = nan`` for zero coordinates).
+    There the point is ``s · [|d|, d]`` with ``s = exp(θ - log 2 + log sqrt k)`` and ``d = u_s / |u_s|`` (no square
+    of a large number), so it is finite (with finite gradients) whenever it is representable; beyond the dtype's
+    range its time and non-zero coordinates are ``±inf`` and its zero coordinates 0, never ``nan``.
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
     u_s = upcast(u[..., 1:])
     kk = _kt(k, u_s)
-    theta = u_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
+    sk = _sqrt(kk)
+    norm = u_s.norm(dim=-1, keepdim=True)
+    theta = norm / sk
     small = theta < 1e-4
-    safe = torch.where(small, torch.ones_like(theta), theta)
+    big = theta > 20.0
+    safe = torch.where(small | big, torch.ones_like(theta), theta)
     ratio = torch.where(small, 1 + theta.pow(2) / 6, torch.sinh(safe) / safe)
-    return lift(ratio * u_s, k=k)
+    near = lift(ratio * u_s, k=k)
+    # far branch, with safe arguments where it is not selected (no inf/nan in either pass)
+    log_sk = sk.log() if isinstance(sk, torch.Tensor) else math.log(sk)
+    scale = torch.exp(torch.where(big, theta, torch.full_like(theta, 20.0)) - math.log(2.0) + log_sk)
+    direction = u_s / torch.where(big, norm, torch.ones_like(norm))
+    far_s = scale * direction
+    far_s = torch.where(torch.isinf(scale) & (direction == 0), torch.zeros_like(far_s), far_s)  # not inf·0
+    # x_t = sqrt(|x_s|² + k) = |x_s| to within k/|x_s|² < 1e-17 here, evaluated without squaring
+    far = torch.cat([scale * direction.norm(dim=-1, keepdim=True), far_s], dim=-1)
+    return torch.where(big, far, near)
 
 
 def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
@@ -231,7 +262,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
 
 def rescale(x: torch.Tensor, *, k_in: Curv, k_out: Curv) -> torch.Tensor:
     """Curvature change ``x ↦ sqrt(k_out / k_in) · x``: maps ``H_{k_in}`` onto ``H_{k_out}`` (MiCE experts)."""
-    return x * _sqrt(_kt(k_out, x) / _kt(k_in, x))
+    return x * _sqrt(_kt(k_out, x, "k_out") / _kt(k_in, x, "k_in"))
 
 
 def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int = -2) -> torch.Tensor:
@@ -254,6 +285,7 @@ def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
     Euclidean squared norm, the natural scale of rounding in ``<x,x>_L``; it equals ``k`` at the origin.
     A negative time coordinate (the other sheet) counts as an error of at least 1.
     """
+    check_k(k)
     x64 = x.detach().double()
     kk = k.detach().double().to(x64.device) if isinstance(k, torch.Tensor) else float(k)
     err = (sqnorm(x64) + (kk.squeeze(-1) if isinstance(kk, torch.Tensor) and kk.dim() == x64.dim() else kk)).abs()

@@ -31,6 +31,8 @@ from ..nn.validation import (
     one_of,
     optional,
     positive,
+    check,
+    token_ids,
     residual_scale_factor,
     residual_weight,
     temperature,
@@ -100,6 +102,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     """
 
     keys_to_ignore_at_inference = ["past_key_values"]
+    # constructor keywords of older saved configs, read by :meth:`upgrade_old_fields` (not fields)
+    legacy_kwargs = ("residual_space_scale", "pe_options")
 
     vocab_size: int = field(integer(1), 128256)
     hidden_size: int = field(integer(2), 390)
@@ -174,6 +178,10 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     def validate_architecture(self) -> None:
         """Cross-field checks (single-field rules run first, from the fields' ``validator`` metadata)."""
         check_fields(self)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None:
+                check(value, name, token_ids(self.vocab_size))
         kind = positional_encoding_class(self.positional)
         if kind.pairs:
             for name, dims in self.positional_dims().items():

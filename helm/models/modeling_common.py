@@ -4,9 +4,11 @@ config, and the causal-LM loss."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -28,8 +30,9 @@ class HelmPreTrainedModel(PreTrainedModel):
     initialised), weights the model does not use, or weights of the wrong shape raises ``RuntimeError`` instead
     of ``transformers``' logged load report. The only exceptions are ``transformers``' own: the LM head of a
     causal-LM checkpoint loaded into the bare model (``_keys_to_ignore_on_load_unexpected``) and
-    ``ignore_mismatched_sizes=True``, which re-initialises mismatched weights on request. A missing or corrupt
-    ``model.safetensors`` fails in ``transformers`` / ``safetensors`` (``OSError`` / ``SafetensorError``).
+    ``ignore_mismatched_sizes=True``, which re-initialises mismatched weights on request. A missing
+    ``model.safetensors`` is ``transformers``' ``OSError``; a corrupt or truncated one (``SafetensorError`` or an
+    ``OSError`` from reading it) is re-raised as an ``OSError`` naming the file, chained from the original.
 
     ``dtype=torch.float16`` (or ``bfloat16``) is applied, on CPU too: weight matrices and tables are stored in
     that dtype, while the scalars that parametrise the geometry (temperatures, residual weights, curvatures) stay
@@ -81,8 +84,17 @@ class HelmPreTrainedModel(PreTrainedModel):
         """``transformers``' loader, strict about the weights (see the class docstring), then
         :meth:`restore_geometry`. ``output_loading_info=True`` returns ``(model, info)`` as in ``transformers``."""
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except (SafetensorError, OSError) as err:
+            files = _local_weight_files(where)
+            if not files or (isinstance(err, OSError) and not isinstance(err, SafetensorError)
+                             and not _mentions_weights(err, files)):
+                raise  # missing files, unreachable repos, ...: transformers' message already says which
+            raise OSError(f"{cls.__name__}.from_pretrained({str(where)!r}): the weights file "
+                          f"{', '.join(str(f) for f in files)} is corrupted or truncated and cannot be read "
+                          f"({type(err).__name__}: {err}); re-save or re-download the checkpoint") from err
         check_loading_info(cls.__name__, where, info, ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes"))
         model.restore_geometry()
         return (model, info) if want_info else model
@@ -106,6 +118,25 @@ class HelmPreTrainedModel(PreTrainedModel):
             from .remote_code import write_remote_code
 
             write_remote_code(save_directory, type(self))
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _local_weight_files(where) -> list:
+    """The weight files of a local checkpoint directory (empty for a hub id or a missing directory)."""
+    try:
+        folder = Path(where)
+        return [folder / name for name in _WEIGHT_FILES if (folder / name).is_file()] if folder.is_dir() else []
+    except TypeError:
+        return []
+
+
+def _mentions_weights(err: BaseException, files: list) -> bool:
+    """Whether an ``OSError`` comes from reading the weights (not from a missing config or tokenizer file)."""
+    text = str(err)
+    return any(f.name in text or str(f) in text for f in files) or "safetensors" in text.lower() \
+        or "header" in text.lower()
 
 
 def check_loading_info(name: str, where, info: dict, *, ignore_mismatched_sizes: bool = False) -> None:
@@ -184,9 +215,12 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
 
 def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, seq_len: int,
                          batch: int, device) -> torch.Tensor:
-    """``[B, T]`` positions: from the padding mask (left padding starts real tokens at 0) or a plain range."""
+    """``[B, T]`` positions: from the padding mask (left padding starts real tokens at 0) or a plain range.
+
+    ``attention_mask`` is read as a boolean (nonzero = real token), like :class:`helm.ops.AttentionMask`."""
     if attention_mask is not None:
-        pos = attention_mask.long().cumsum(-1) - 1
+        # the mask is boolean (nonzero = keep), as in the attention itself: a mask of 2s or 0.5s means the same
+        pos = attention_mask.bool().long().cumsum(-1) - 1
         return pos.clamp_min(0)[:, -seq_len:]
     return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
 

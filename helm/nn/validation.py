@@ -173,6 +173,19 @@ def negative_list(value) -> None:
         raise ValueError(f"must be a list of curvatures with {_CURVATURE_TEXT}, got {value!r}")
 
 
+def token_ids(vocab_size: int) -> Rule:
+    """A token id or a non-empty list of token ids (``eos_token_id`` may be several), each an ``int`` in
+    ``[0, vocab_size)``: a special token outside the vocabulary fails only at generation or padding time."""
+
+    def rule(value):
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size
+                                 for v in values):
+            raise ValueError(f"must be a token id (or list of ids) in [0, vocab_size={vocab_size}), got {value!r}")
+
+    return rule
+
+
 def curvature_pair(value) -> None:
     """Two paper curvatures ``[first, last]`` (a range of expert curvatures), each accepted by :func:`negative`."""
     negative_list(value)
@@ -286,6 +299,7 @@ __all__ = [
     "residual_scale_factor",
     "residual_weight",
     "temperature",
+    "token_ids",
     "CURVATURE_RANGE",
     "INIT_STD_RANGE",
     "NORM_EPS_RANGE",

@@ -3,10 +3,20 @@
 Presets are JSON files shipped inside this package (``helm/presets/*.json``, installed as package data) (paper sizes, ablations, tiny CPU models and
 the Euclidean ``LlamaConfig`` / ``DeepseekV3Config`` baselines at matching shapes). A path to any JSON
 config file works too, and keyword overrides are applied on top.
+
+Overrides are checked by name (``load_config("tiny-helm-d", hiden_size=64)`` is a ``ValueError`` suggesting
+``hidden_size``), for the HELM configs and the Euclidean baselines alike: a key must be a field of the preset's
+config class (its dataclass fields, ``attribute_map`` aliases and declared legacy names), a standard
+``PreTrainedConfig`` attribute, or a key of the preset file itself. ``from_pretrained`` / ``AutoConfig`` loading
+of saved configs is not affected (saved files carry extra keys such as ``auto_map``). The values are checked by the
+config class itself (field rules and ``validate_architecture`` for the HELM types).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import json
 from pathlib import Path
 
@@ -29,13 +39,48 @@ def preset_path(name_or_path: str) -> Path:
     raise ValueError(f"unknown preset {name_or_path!r}: not a JSON file, and not one of {available_presets()}")
 
 
+def _standard_attributes() -> set:
+    """``PreTrainedConfig``'s own fields and settable public properties (``num_labels``, ``output_attentions``, ...)."""
+    names = {f.name for f in dataclasses.fields(PreTrainedConfig)}
+    names |= {n for n, v in inspect.getmembers(PreTrainedConfig)
+              if isinstance(v, property) and v.fset is not None and not n.startswith("_")}
+    return names | {"attn_implementation"}
+
+
+def known_override_keys(config_class: type) -> set:
+    """Keys ``load_config`` accepts as overrides for ``config_class`` (see the module docstring)."""
+    keys = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    keys |= set(getattr(config_class, "attribute_map", {}) or {})
+    keys |= set(getattr(config_class, "legacy_kwargs", ()))
+    if "rope_parameters" in keys:  # transformers converts the legacy RoPE keys into rope_parameters
+        keys |= {"rope_theta", "rope_scaling", "partial_rotary_factor"}
+    return keys | _standard_attributes()
+
+
+def check_overrides(config_class: type, overrides: dict, preset_keys=()) -> None:
+    """``ValueError`` naming the first override that is not a known key, with the closest field as suggestion."""
+    known = known_override_keys(config_class) | set(preset_keys)
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config field {key!r} for {config_class.__name__}{hint} (overrides must be "
+                             f"fields of the config class; {config_class.__name__} has no such option)")
+
+
 def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
-    """The config of a preset (by name or JSON path), with ``overrides`` applied; HELM types are registered."""
+    """The config of a preset (by name or JSON path), with ``overrides`` applied; HELM types are registered.
+
+    An override that is not a field of the config class (a typo such as ``hiden_size``, or an option the model
+    does not have such as ``attention_dropout`` for HELM) raises ``ValueError`` naming it and the closest field."""
     from .. import models  # noqa: F401  (registers helm_d / helm_mice with AutoConfig)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     data = json.loads(preset_path(name_or_path).read_text())
     model_type = data.pop("model_type")
+    if model_type in CONFIG_MAPPING:
+        check_overrides(CONFIG_MAPPING[model_type], overrides, preset_keys=data)
     return AutoConfig.for_model(model_type, **{**data, **overrides})
 
 
-__all__ = ["PRESET_DIR", "available_presets", "load_config", "preset_path"]
+__all__ = ["PRESET_DIR", "available_presets", "check_overrides", "known_override_keys", "load_config", "preset_path"]

@@ -339,12 +339,14 @@ def test_residual_scale_is_a_factor_of_sqrt_space_dim_and_follows_hidden_size(pr
     cfg = helm.load_config(preset)
     assert cfg.residual_space_scale_factor == factor
     assert cfg.residual_space_scale == factor * math.sqrt(cfg.hidden_size - 1)
-    small = helm.load_config(preset, hidden_size=65, num_attention_heads=4, head_dim=17, qk_rope_head_dim=9)
+    mice = dict(qk_rope_head_dim=9) if "mice" in preset else {}  # overrides must be fields of the config
+    small = helm.load_config(preset, hidden_size=65, num_attention_heads=4, head_dim=17, **mice)
     assert small.residual_space_scale == factor * 8.0
+    if mice:
+        mice.update(kv_lora_rank=17, moe_intermediate_size=33)
     model = AutoModelForCausalLM.from_config(helm.load_config(preset, hidden_size=65, num_attention_heads=4,
                                                               head_dim=17, vocab_size=64, num_hidden_layers=1,
-                                                              qk_rope_head_dim=9, kv_lora_rank=17,
-                                                              intermediate_size=65, moe_intermediate_size=33))
+                                                              intermediate_size=65, **mice))
     assert model.model.layers[0].attn_residual.space_scale == factor * 8.0
     assert HelmDConfig(residual_space_scale_factor=None).residual_space_scale is None
     assert "residual_space_scale" not in cfg.to_dict()

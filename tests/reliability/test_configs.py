@@ -113,6 +113,83 @@ def test_documented_boundaries_are_accepted(cls, name, value):
     assert getattr(cls(**{name: value}), name) == value
 
 
+# Special token ids must be ids of the vocabulary (vocab_size 512 here): checked in validate_architecture.
+# (config class, field, value)
+TOKEN_IDS = [
+    (HelmDConfig, "pad_token_id", 99999),
+    (HelmDConfig, "pad_token_id", 512),
+    (HelmDConfig, "bos_token_id", -1),
+    (HelmDConfig, "eos_token_id", [0, 512]),
+    (HelmDConfig, "eos_token_id", []),
+    (HelmDConfig, "pad_token_id", 1.0),
+    (HelmMiCEConfig, "pad_token_id", 99999),
+    (HelmMiCEConfig, "eos_token_id", [1, -2]),
+]
+
+
+@pytest.mark.parametrize("cls,name,value", TOKEN_IDS, ids=[f"{c.__name__}-{n}-{v}" for c, n, v in TOKEN_IDS])
+def test_special_token_ids_outside_the_vocabulary_are_refused(cls, name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be a token id \(or list of ids\) in \[0, vocab_size=512\)"):
+        cls(vocab_size=512, **{name: value})
+
+
+@pytest.mark.parametrize("cls", [HelmDConfig, HelmMiCEConfig])
+def test_special_token_ids_inside_the_vocabulary_are_kept(cls):
+    config = cls(vocab_size=512, pad_token_id=511, bos_token_id=0, eos_token_id=[1, 2])
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (511, 0, [1, 2])
+
+
+# helm.load_config: an override that is not a field of the preset's config class is refused, naming the key and
+# the closest field (difflib). (preset, overrides, message fragment)
+UNKNOWN_OVERRIDES = [
+    ("tiny-helm-d", dict(hiden_size=64), r"unknown config field 'hiden_size' for HelmDConfig; did you mean 'hidden_size'"),
+    ("tiny-helm-d", dict(attention_dropout=1.5), r"unknown config field 'attention_dropout' for HelmDConfig"),
+    ("tiny-helm-d", dict(curvture=-2.0), r"'curvture'.*did you mean 'curvature'"),
+    ("tiny-helm-d", dict(qk_rope_head_dim=9), r"'qk_rope_head_dim' for HelmDConfig"),  # a MiCE field
+    ("tiny-helm-mice", dict(n_routed_expert=4), r"'n_routed_expert' for HelmMiCEConfig; did you mean 'n_routed_experts'"),
+    ("tiny-llama", dict(num_hiden_layers=2), r"'num_hiden_layers' for LlamaConfig; did you mean 'num_hidden_layers'"),
+    ("tiny-deepseek-v3", dict(kv_lora_rnk=8), r"'kv_lora_rnk' for DeepseekV3Config; did you mean 'kv_lora_rank'"),
+    ("tiny-helm-d", dict(pad_token_id=99999), r"^pad_token_id must be a token id"),  # a field, refused by its check
+]
+
+
+@pytest.mark.parametrize("preset,overrides,match", UNKNOWN_OVERRIDES,
+                         ids=[f"{p}-{next(iter(o))}" for p, o, _ in UNKNOWN_OVERRIDES])
+def test_load_config_refuses_unknown_overrides(preset, overrides, match):
+    import helm
+
+    with pytest.raises(ValueError, match=match):
+        helm.load_config(preset, **overrides)
+
+
+# Fields, standard PreTrainedConfig attributes and the legacy keys transformers converts are accepted.
+KNOWN_OVERRIDES = [
+    ("tiny-helm-d", dict(hidden_size=65, num_attention_heads=4, head_dim=17, intermediate_size=97)),
+    ("tiny-helm-d", dict(num_labels=3, output_attentions=False, dtype="float32")),
+    ("tiny-helm-d", dict(residual_space_scale=8.0)),  # legacy name, upgraded by the config
+    ("tiny-helm-mice", dict(qk_rope_head_dim=9, n_routed_experts=4)),
+    ("tiny-llama", dict(attention_dropout=0.1, rope_theta=5e5)),
+]
+
+
+@pytest.mark.parametrize("preset,overrides", KNOWN_OVERRIDES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(KNOWN_OVERRIDES)])
+def test_load_config_accepts_fields_and_standard_attributes(preset, overrides):
+    import helm
+
+    helm.load_config(preset, **overrides)
+
+
+def test_saved_configs_with_extra_keys_still_load(tmp_path):
+    """from_pretrained / AutoConfig of a saved config is not subject to the override check (auto_map etc.)."""
+    import helm
+    from transformers import AutoConfig
+
+    config = helm.load_config("tiny-helm-d")
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert loaded.hidden_size == config.hidden_size and "transformers_version" in config.to_dict()
+
+
 def test_ranges_are_documented_in_the_config_docstrings():
     from helm.models.configuration_common import HelmConfigBase
     from helm.nn import validation

@@ -110,6 +110,25 @@ def test_position_ids_of_one_row_broadcast_like_llama(models, family):
     assert torch.equal(model(x, position_ids=torch.arange(T, dtype=torch.int32)[None]).logits, default)
 
 
+# attention_mask is boolean (nonzero = keep) everywhere, default positions included: (case id, mask fill value)
+MASK_VALUES = [("2s", 2), ("0.5s", 0.5), ("2.0s float", 2.0), ("bool", True)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,value", MASK_VALUES, ids=[c for c, _ in MASK_VALUES])
+def test_attention_mask_values_are_read_as_booleans(models, family, case, value):
+    """A mask of 2s (or 0.5s) gives the logits of a mask of 1s: default position ids come from ``mask.bool()``
+    (a cumsum of 2s would double the positions), as does the attention mask itself; left padding likewise."""
+    model = models[family]
+    x = ids()
+    ones = torch.ones(B, T, dtype=torch.long)
+    mask = torch.full((B, T), value)
+    assert torch.equal(model(x, attention_mask=mask).logits, model(x, attention_mask=ones).logits)
+    ones[0, :2] = 0
+    mask[0, :2] = 0
+    assert torch.equal(model(x, attention_mask=mask).logits, model(x, attention_mask=ones).logits)
+
+
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])
 def test_labels_all_ignored_give_a_zero_loss_and_zero_gradients(models, family):
     """transformers' ``ForCausalLMLoss`` takes the mean over the labelled tokens, which is 0/0 = NaN when none
@@ -200,9 +219,11 @@ MATRIX = "model.layers.1.self_attn.o_proj.linear.weight"
 # (case id, damage to the saved directory, exception, message fragment)
 DAMAGED = [
     ("no weights file", lambda p: os.remove(p / "model.safetensors"), OSError, "no file named model.safetensors"),
-    ("truncated file", _truncate, SafetensorError, "deserializing header"),
-    ("tensor data cut", _drop_tail, SafetensorError, "deserializing header"),
-    ("not safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100), SafetensorError, "header"),
+    # a corrupt file: an OSError naming the file, chained from safetensors' error (checked below)
+    ("truncated file", _truncate, OSError, r"model\.safetensors is corrupted or truncated.*deserializing header"),
+    ("tensor data cut", _drop_tail, OSError, r"model\.safetensors is corrupted or truncated"),
+    ("not safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100), OSError,
+     r"model\.safetensors is corrupted or truncated.*header"),
     ("missing key", _rewrite(lambda sd: sd.pop(MATRIX)), RuntimeError, rf"missing from the checkpoint.*{MATRIX}"),
     ("missing scalar", _rewrite(lambda sd: sd.pop(WEIGHT)), RuntimeError, rf"missing from the checkpoint.*{WEIGHT}"),
     ("missing lm_head", _rewrite(lambda sd: sd.pop("lm_head.weight")), RuntimeError, "lm_head.weight"),
@@ -221,8 +242,10 @@ def test_damaged_checkpoints_fail_loudly(saved, tmp_path, family, case, damage, 
     path = tmp_path / family
     shutil.copytree(saved / family, path)
     damage(path)
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as err:
         AutoModelForCausalLM.from_pretrained(path)
+    if "corrupted" in match:
+        assert str(path) in str(err.value) and isinstance(err.value.__cause__, SafetensorError)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

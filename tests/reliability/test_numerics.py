@@ -115,6 +115,64 @@ def test_every_public_function_is_swept():
     assert set(M.__all__) - helpers <= swept
 
 
+# Python-number k outside (0, inf) is refused by every public function, naming the argument (tensors are not
+# read: that would synchronise with the device). (case id, call, message fragment)
+_x = torch.tensor([[1.5, 0.5, 1.0]])
+BAD_K = [
+    ("dist k=0", lambda k: M.dist(_x, _x, k=k), 0.0, "k"),
+    ("dist k=-1", lambda k: M.dist(_x, _x, k=k), -1.0, "k"),
+    ("lift k=-1", lambda k: M.lift(_x[..., 1:], k=k), -1.0, "k"),
+    ("lift k=nan", lambda k: M.lift(_x[..., 1:], k=k), float("nan"), "k"),
+    ("expmap0 k=inf", lambda k: M.expmap0(_x, k=k), float("inf"), "k"),
+    ("logmap0 k=0", lambda k: M.logmap0(_x, k=k), 0.0, "k"),
+    ("sqdist k=-1", lambda k: M.sqdist(_x, _x, k=k), -1.0, "k"),
+    ("origin k=0", lambda k: M.origin(1, 3, k=k), 0.0, "k"),
+    ("normalize k=-2", lambda k: M.normalize(_x, k=k), -2.0, "k"),
+    ("centroid k=0", lambda k: M.centroid(_x[None], k=k), 0.0, "k"),
+    ("hcat k=-1", lambda k: M.hcat([_x, _x], k=k), -1.0, "k"),
+    ("manifold_error k=0", lambda k: M.manifold_error(_x, k), 0.0, "k"),
+    ("rescale k_out=0", lambda k: M.rescale(_x, k_in=1.0, k_out=k), 0.0, "k_out"),
+    ("rescale k_in=-1", lambda k: M.rescale(_x, k_in=k, k_out=1.0), -1.0, "k_in"),
+    ("lift k=str", lambda k: M.lift(_x[..., 1:], k=k), "1", "k"),
+]
+
+
+@pytest.mark.parametrize("case,call,k,name", BAD_K, ids=[c[0] for c in BAD_K])
+def test_python_k_outside_the_domain_is_refused(case, call, k, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive finite number .*got {k!r}"):
+        call(k)
+
+
+def test_tensor_k_is_not_checked():  # documented: no device read
+    assert M.lift(_x[..., 1:], k=torch.tensor(1.0)).shape == (1, 3)
+
+
+# expmap0 far out: sinh/cosh and |x_s|² overflow fp32 long before the point does. theta = |u|/sqrt(k); at
+# theta <= 88 (k = 1) the point is representable in fp32 and must be finite, accurate, on the manifold, with
+# finite gradients; beyond, coordinates are inf (zero coordinates 0), never nan. (theta, k)
+EXPMAP_FAR = [(20.5, 1.0), (50.0, 1.0), (88.0, 1.0), (60.0, 0.7), (89.5, 1.0), (283.0, 1.0), (1e4, 1.0),
+              (283.0, 1e-4)]
+
+
+@pytest.mark.parametrize("theta,k", EXPMAP_FAR, ids=[f"theta{t:g}-k{k:g}" for t, k in EXPMAP_FAR])
+def test_expmap0_does_not_overflow_before_the_result(theta, k):
+    direction = torch.tensor([0.0, 0.6, 0.0, -0.8, 1e-3], dtype=torch.float64)
+    direction = direction / direction.norm()
+    u = torch.cat([torch.zeros(1, dtype=torch.float64), math.sqrt(k) * theta * direction]).float()[None]
+    u.requires_grad_(True)
+    x = M.expmap0(u, k=k)
+    assert not torch.isnan(x).any()
+    ref = M.expmap0(u.detach().double(), k=k)
+    if torch.isfinite(ref.float()).all():  # representable in fp32
+        assert torch.isfinite(x).all()
+        assert_close(x.detach(), ref, rtol=10 * theta * 6e-8 + 1e-5, msg=f"expmap0 at theta={theta}")
+        assert M.manifold_error(x.detach(), k).max() <= 1e-5
+        x.sum().backward()
+        assert torch.isfinite(u.grad).all()
+    else:
+        assert torch.isinf(x[..., 0]).all() and (x[..., 1:][..., direction.float() == 0] == 0).all()
+
+
 @pytest.mark.parametrize("k", [0.1, 1.0, 10.0])
 def test_origin(k):
     assert_close(M.origin(3, 17, k=k, dtype=torch.float32), M.origin(3, 17, k=k, dtype=torch.float64), rtol=TOL)
