@@ -25,6 +25,7 @@ Curv = Union[float, torch.Tensor]
 
 __all__ = [
     "upcast",
+    "positive_exp",
     "curvature_to_k",
     "k_to_curvature",
     "check_k",
@@ -49,6 +50,21 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
     Every norm, time coordinate and normalisation in the project goes through it (DESIGN §2, precision)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+# exp(88) = 1.65e38 is the largest power of e that fp32 holds with margin (its maximum is 3.4e38 = e^88.72)
+_MAX_LOG = 88.0
+
+
+def positive_exp(log_value: torch.Tensor) -> torch.Tensor:
+    """``exp(min(log_value, 88))`` in fp32 at least: a positive scale (temperature, curvature) from its logarithm.
+
+    Past ``e^88`` fp32 overflows to ``inf`` and ``x / inf`` has the gradient ``0 · inf = NaN``; there every
+    quantity divided by the scale is already below fp32 resolution next to O(1) terms (softmax of scores
+    ``< 1e-7`` is uniform to rounding), so capping the exponent changes no representable result and keeps
+    gradients finite (zero for the capped logarithm, as the exact gradient ``s · e^{-log}`` underflows too).
+    """
+    return upcast(log_value).clamp(max=_MAX_LOG).exp()
 
 
 def _kt(k: Curv, like: torch.Tensor, name: str = "k") -> Union[float, torch.Tensor]:
@@ -283,11 +299,13 @@ def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
 
     Measures the tensor as stored (upcast to fp64 before any arithmetic). The denominator is the
     Euclidean squared norm, the natural scale of rounding in ``<x,x>_L``; it equals ``k`` at the origin.
-    A negative time coordinate (the other sheet) counts as an error of at least 1.
+    A negative time coordinate (the other sheet) counts as an error of at least 1, a point with a NaN or
+    infinite coordinate (not a point of the manifold in any precision) as ``inf``.
     """
     check_k(k)
     x64 = x.detach().double()
     kk = k.detach().double().to(x64.device) if isinstance(k, torch.Tensor) else float(k)
     err = (sqnorm(x64) + (kk.squeeze(-1) if isinstance(kk, torch.Tensor) and kk.dim() == x64.dim() else kk)).abs()
     err = err / x64.pow(2).sum(-1)
-    return torch.where(x64[..., 0] > 0, err, torch.ones_like(err) + err)
+    err = torch.where(x64[..., 0] > 0, err, torch.ones_like(err) + err)
+    return torch.where(torch.isfinite(x64).all(-1), err, torch.full_like(err, float("inf")))

@@ -98,7 +98,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             and so do the presets; ``config.residual_space_scale`` is the resulting scale, so a ``hidden_size``
             override keeps it consistent. See :class:`helm.nn.LorentzResidual` for its effect.
         lm_head_mode: ``linear`` (paper code) or ``distance`` (fully hyperbolic prototypes).
-        validate_inputs: check token ids against the vocabulary (one device read per forward).
+        validate_inputs: check token ids and labels against the vocabulary and ``inputs_embeds`` for finite
+            points (one device read each, skipped while compiling).
     """
 
     keys_to_ignore_at_inference = ["past_key_values"]

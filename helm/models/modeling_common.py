@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..manifold.lorentz import Lorentz
+from ..manifold.math import lift
 from ..nn.attention import LorentzAttentionBase
 from ..nn.embedding import LorentzEmbedding
 from ..nn.head import LorentzLMHead
@@ -86,7 +87,10 @@ class HelmPreTrainedModel(PreTrainedModel):
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         try:
-            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+            # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
+            # names them instead (and honours the caller's ignore_mismatched_sizes)
+            model, info = super().from_pretrained(*args, output_loading_info=True,
+                                                  **{**kwargs, "ignore_mismatched_sizes": True})
         except (SafetensorError, OSError) as err:
             files = _local_weight_files(where)
             if not files or (isinstance(err, OSError) and not isinstance(err, SafetensorError)
@@ -213,6 +217,21 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     return batch, seq_len
 
 
+def lift_inputs_embeds(config, inputs_embeds: torch.Tensor) -> torch.Tensor:
+    """``inputs_embeds [B, T, 1+n]`` as points: the space part is read and the time coordinate recomputed.
+
+    With ``config.validate_inputs`` (one device read, skipped while compiling) a non-finite time coordinate is
+    a ``ValueError``: NaN or inf in the input, or space coordinates so large (``|x_s| >~ 1.8e19``) that their
+    squared norm overflows fp32. Either would make every later layer and the logits non-finite.
+    """
+    points = lift(inputs_embeds[..., 1:], k=config.k)
+    if config.validate_inputs and not torch.compiler.is_compiling() and not bool(torch.isfinite(points[..., 0]).all()):
+        bad = "NaN or inf" if not bool(torch.isfinite(inputs_embeds[..., 1:]).all()) else \
+            "space parts whose squared norm overflows fp32 (|x_s| >~ 1.8e19)"
+        raise ValueError(f"inputs_embeds must be finite points; got {bad}")
+    return points
+
+
 def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, seq_len: int,
                          batch: int, device) -> torch.Tensor:
     """``[B, T]`` positions: from the padding mask (left padding starts real tokens at 0) or a plain range.
@@ -237,13 +256,19 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) 
     the caller passes ``num_items_in_batch`` itself (gradient accumulation).
     """
     check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]", dtype="integer")
+    ignore = kwargs.get("ignore_index", -100)
+    vocab = model.config.vocab_size
+    if model.config.validate_inputs and not torch.compiler.is_compiling():
+        if bool(((labels != ignore) & ((labels < 0) | (labels >= vocab))).any()):
+            bad = labels[(labels != ignore) & ((labels < 0) | (labels >= vocab))]
+            raise ValueError(f"labels must lie in [0, vocab_size={vocab}) or equal ignore_index={ignore}; got "
+                             f"values in [{int(bad.min())}, {int(bad.max())}]")
     if kwargs.get("num_items_in_batch") is None:
-        ignore_index = kwargs.get("ignore_index", -100)
         shifted = kwargs.get("shift_labels")
         shifted = labels[..., 1:] if shifted is None else shifted
-        kwargs["num_items_in_batch"] = (shifted != ignore_index).sum().clamp_min(1)
-    return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+        kwargs["num_items_in_batch"] = (shifted != ignore).sum().clamp_min(1)
+    return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
 
 
 __all__ = ["HelmPreTrainedModel", "causal_lm_loss", "check_inputs", "check_loading_info", "default_position_ids",
-           "positional_encoding"]
+           "lift_inputs_embeds", "positional_encoding"]

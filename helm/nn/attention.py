@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..manifold.math import hcat, lift
+from ..manifold.math import hcat, lift, positive_exp
 from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
 from .linear import LorentzLinear
 from .positional import PositionalTables
@@ -38,8 +38,8 @@ class LorentzAttentionBase(nn.Module):
 
     @property
     def tau(self) -> torch.Tensor:
-        """``τ = exp(log τ)``: positive under any optimiser step, kept in fp32."""
-        return self.log_tau.float().exp()
+        """``τ = exp(log τ)``: positive under any optimiser step, kept in fp32 (:func:`positive_exp`)."""
+        return positive_exp(self.log_tau)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, q_pe: torch.Tensor,
                k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask]

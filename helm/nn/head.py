@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import upcast
+from ..manifold.math import positive_exp, upcast
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import wrapped_normal_
 
@@ -61,6 +61,6 @@ class LorentzLMHead(nn.Module):
         else:
             w = self.weight
             jw = torch.cat([-w[:, :1], w[:, 1:]], dim=-1).to(x.dtype)
-            logits = (2 * self.k + 2 * (x @ jw.T)) / self.log_tau.exp()
+            logits = (2 * self.k + 2 * (x @ jw.T)) / positive_exp(self.log_tau)
         logits = upcast(logits)
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)

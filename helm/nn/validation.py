@@ -234,7 +234,7 @@ def check_tensor(t: torch.Tensor, name: str, expected: Sequence[Optional[int]], 
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor {described}, got {type(t).__name__}")
     if not (matches(expected) or (alternative is not None and matches(alternative))):
-        also = f" (or {fmt(alternative)})" if alternative is not None else ""
+        also = f" (or {fmt(alternative)})" if alternative is not None and fmt(alternative) != fmt(expected) else ""
         concrete = "" if fmt(expected) == described else f" = {fmt(expected)}"
         raise ValueError(f"{name} must be {described}{concrete}{note}{also}, got {tuple(t.shape)}")
     if nonempty and t.numel() == 0:

@@ -62,6 +62,11 @@ BAD_INPUTS = [
     ("inputs_embeds int", lambda: dict(inputs_embeds=torch.ones(B, T, HIDDEN, dtype=torch.long)), ValueError, "inputs_embeds must be a floating-point tensor, got torch.int64", "accepts"),
     ("labels shape", lambda: dict(input_ids=ids(), labels=ids()[:, :3]), ValueError, r"labels must be \[B, T\] = \[2, 5\], got \(2, 3\)", "raises"),
     ("labels float", lambda: dict(input_ids=ids(), labels=ids().float()), ValueError, "labels must be an integer tensor, got torch.float32", "raises"),
+    ("labels >= vocab", lambda: dict(input_ids=ids(), labels=ids() + V), ValueError, r"labels must lie in \[0, vocab_size=512\) or equal ignore_index=-100", "raises"),
+    ("labels -5", lambda: dict(input_ids=ids(), labels=torch.full((B, T), -5)), ValueError, r"labels must lie in \[0, vocab_size=512\) or equal ignore_index=-100; got values in \[-5, -5\]", "raises"),
+    ("inputs_embeds NaN", lambda: dict(inputs_embeds=torch.full((B, T, HIDDEN), float("nan"))), ValueError, "inputs_embeds must be finite points; got NaN or inf", "accepts"),
+    ("inputs_embeds inf", lambda: dict(inputs_embeds=torch.randn(B, T, HIDDEN).index_fill(2, torch.tensor([3]), float("inf"))), ValueError, "inputs_embeds must be finite points; got NaN or inf", "accepts"),
+    ("inputs_embeds 1e30", lambda: dict(inputs_embeds=torch.full((B, T, HIDDEN), 1e30)), ValueError, "squared norm overflows fp32", "accepts"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 
@@ -98,6 +103,11 @@ def test_vocabulary_check_is_switchable(family):
     model = AutoModelForCausalLM.from_config(tiny_config(family, validate_inputs=False)).eval()
     with pytest.raises(IndexError):  # torch's own error from the embedding lookup
         model(ids() + V)
+    with pytest.raises(IndexError):  # torch's cross entropy
+        model(ids(), labels=ids() + V)
+    # non-finite inputs_embeds propagate, as in Llama
+    out = model(inputs_embeds=torch.full((B, T, HIDDEN), float("nan"))).logits
+    assert out.isnan().all()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,9 +240,9 @@ DAMAGED = [
     ("unexpected key", _rewrite(lambda sd: sd.__setitem__("model.layers.0.extra", torch.zeros(3))), RuntimeError,
      r"not used by the model.*model\.layers\.0\.extra"),
     ("wrong shape", _rewrite(lambda sd: sd.__setitem__(MATRIX, torch.zeros(3, 3))), RuntimeError,
-     "ignore_mismatched_sizes"),
+     r"weights of the wrong shape \(key, checkpoint, model\)"),
     ("wrong scalar shape", _rewrite(lambda sd: sd.__setitem__(WEIGHT, torch.zeros(2))), RuntimeError,
-     "ignore_mismatched_sizes"),
+     r"weights of the wrong shape \(key, checkpoint, model\)"),
 ]
 
 
@@ -246,6 +256,17 @@ def test_damaged_checkpoints_fail_loudly(saved, tmp_path, family, case, damage, 
         AutoModelForCausalLM.from_pretrained(path)
     if "corrupted" in match:
         assert str(path) in str(err.value) and isinstance(err.value.__cause__, SafetensorError)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ignore_mismatched_sizes_is_honoured(saved, tmp_path, family):
+    """As in transformers: the mismatched weight is left freshly initialised and reported, the rest is loaded."""
+    path = tmp_path / family
+    shutil.copytree(saved / family, path)
+    _rewrite(lambda sd: sd.__setitem__(MATRIX, torch.zeros(3, 3)))(path)
+    model, info = AutoModelForCausalLM.from_pretrained(path, ignore_mismatched_sizes=True, output_loading_info=True)
+    assert [key for key, *_ in info["mismatched_keys"]] == [MATRIX]
+    assert model.get_parameter(MATRIX).shape != (3, 3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

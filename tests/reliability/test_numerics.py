@@ -111,7 +111,8 @@ def test_manifold_function_far_from_origin(name, r, request):
 
 def test_every_public_function_is_swept():
     swept = {name.split("-")[0] for name in CASES} | {"origin"}
-    helpers = {"upcast", "curvature_to_k", "k_to_curvature", "check_k"}  # no floating-point maths of points
+    # no floating-point maths of points (positive_exp, of scalar scales, has its own test below)
+    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k"}
     assert set(M.__all__) - helpers <= swept
 
 
@@ -171,6 +172,40 @@ def test_expmap0_does_not_overflow_before_the_result(theta, k):
         assert torch.isfinite(u.grad).all()
     else:
         assert torch.isinf(x[..., 0]).all() and (x[..., 1:][..., direction.float() == 0] == 0).all()
+        assert M.manifold_error(x.detach(), k).isposinf().all()  # reported as off the manifold, not NaN
+
+
+@pytest.mark.parametrize("log_value", [0.0, 80.0, 88.0, 89.0, 1732.0, float("inf")])
+def test_positive_exp_caps_the_exponent_where_fp32_overflows(log_value):
+    """Below e^88 it is exp; above, e^88, so ``x / scale`` keeps a finite gradient (plain exp gives 0 * inf)."""
+    log = torch.tensor(log_value, requires_grad=True)
+    scale = M.positive_exp(log)
+    assert scale.item() == pytest.approx(math.exp(min(log_value, 88.0)), rel=1e-6)
+    (torch.tensor(3.0) / scale).backward()
+    assert torch.isfinite(log.grad)
+    if log_value < 88.0:
+        assert log.grad.item() == pytest.approx(-3.0 / math.exp(log_value), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
+def test_huge_temperatures_keep_gradients_finite(family):
+    """Temperatures at e^1732 (every log-temperature scaled by 1000) make attention uniform; the loss and every
+    gradient stay finite instead of the temperature's gradient turning NaN."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, lm_head_mode="distance"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("log_tau"):
+                p.fill_(1732.0)
+    x = torch.randint(0, model.config.vocab_size, (2, 7))
+    loss = model(x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("k", [0.1, 1.0, 10.0])

@@ -24,6 +24,7 @@ from ..modeling_common import (
     causal_lm_loss,
     check_inputs,
     default_position_ids,
+    lift_inputs_embeds,
     positional_encoding,
 )
 from .configuration_helm_d import HelmDConfig
@@ -99,9 +100,8 @@ class HelmDModel(HelmDPreTrainedModel):
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_len, seq_len, batch, device)
 
-        # inputs_embeds are points: the space part is read and the time coordinate recomputed (projection)
         hidden_states = (self.embed_tokens(input_ids) if inputs_embeds is None
-                         else lift(inputs_embeds[..., 1:], k=self.config.k))
+                         else lift_inputs_embeds(self.config, inputs_embeds))
         if self.pos_encoding.absolute:
             hidden_states = lift(self.pos_encoding.embed(hidden_states[..., 1:], position_ids), k=self.config.k)
         # built once here, read by every layer
