@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_l
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
 from helm.data import MissingSourceError, build_default_data
 from helm.evaluation import packed_inputs, perplexity, rows_nll
+from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StreamRows, TrainerState,
                            cli_overrides, finalize, find_checkpoint, load_run_config, load_splits, load_tokenizer,
@@ -197,7 +198,7 @@ def train(cfg, resume) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
-    routing = hasattr(unwrapped, "update_routing_bias")
+    routed = attach_balancing(unwrapped)  # MiCE layers, or hooks on DeepSeek-V3's routers (same balancing)
     if checkpoint is not None:
         # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
         accelerator.load_state(str(checkpoint))
@@ -248,20 +249,20 @@ def train(cfg, resume) -> dict:
                 window_loss += (output.loss - (aux if aux is not None else 0)).detach() / accum
                 if aux is not None:
                     window_aux += aux.detach() / accum
-                if routing:
-                    load = unwrapped.expert_load() if load is None else load + unwrapped.expert_load()
+                if routed:
+                    step_load = torch.stack([layer.last_expert_load for layer in routed])
+                    load = step_load if load is None else load + step_load
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
                     lr = scheduler.get_last_lr()[0]
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-        if routing:
-            # Aux-loss-free balancing from the load of the whole step, summed over the processes, so that every
-            # process moves its routing biases identically.
-            for layer, layer_load in zip(unwrapped.mice_layers(), accelerator.reduce(load, "sum")):
-                layer.last_expert_load.copy_(layer_load)
-            unwrapped.update_routing_bias()
+        # Aux-loss-free balancing from the load of the whole step, summed over the processes, so that every
+        # process moves its routing biases identically.
+        for layer, layer_load in zip(routed, accelerator.reduce(load, "sum") if routed else []):
+            layer.last_expert_load.copy_(layer_load)
+            layer.update_bias()
         done = state.step = step + 1
         window_steps += 1
         bar.update(1)
@@ -284,7 +285,7 @@ def train(cfg, resume) -> dict:
             speed = window_steps * tokens_per_step / max(elapsed, 1e-9)
             values = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed,
                       "tokens": done * tokens_per_step, "elapsed_s": time.perf_counter() - run_start}
-            if routing:
+            if routed:
                 values["aux_loss"] = accelerator.reduce(window_aux, "mean").item() / window_steps
             accelerator.log(values, step=done)
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{speed:,.0f}", refresh=False)

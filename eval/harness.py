@@ -24,11 +24,15 @@ from lm_eval.utils import make_table
 from helm.evaluation import EvalError, add_loading_arguments, check_checkpoint, run_script, write_json
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
-# lm-eval applies one number of shots per run, so a suite is a list of (tasks, shots) runs
-SUITES = {
-    "paper": [(["commonsense_qa", "hellaswag", "openbookqa"], 0), (["mmlu", "arc_challenge"], 5)],
-    "local": [(["helm_local"], 0)],
-}
+# A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
+# tabulated in eval/README.md: accuracy everywhere, OpenBookQA with letter choices (eval/tasks/).
+SUITES = {"paper": [("commonsense_qa", 0, "acc"), ("hellaswag", 0, "acc"), ("helm_openbookqa_letters", 0, "acc"),
+                    ("mmlu", 5, "acc"), ("arc_challenge", 5, "acc")], "local": [("helm_local", 0, None)]}
+
+
+def runs(suite: list) -> list[tuple[list[str], int]]:
+    """lm-eval applies one number of shots per run: the suite's tasks grouped by shots, in order."""
+    return [([task for task, n, _ in suite if n == shots], shots) for shots in dict.fromkeys(n for _, n, _ in suite)]
 
 
 def stock_command(path: str, tasks: list[str], shots: int, args, device: str) -> str:
@@ -49,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, metavar="[NAME=]PATH", help="checkpoint folder (save_pretrained)")
     choice = parser.add_mutually_exclusive_group()
     choice.add_argument("--suite", choices=sorted(SUITES), default="local",
-                        help="paper: CommonsenseQA, HellaSwag, OpenBookQA 0-shot, MMLU, ARC-Challenge 5-shot "
-                             "(needs network); local: the offline tasks of eval/tasks (default)")
+                        help="paper: CommonsenseQA, HellaSwag, OpenBookQA (letter choices) 0-shot, MMLU, "
+                             "ARC-Challenge 5-shot, accuracy (needs network); local: the offline tasks of eval/tasks "
+                             "(default)")
     choice.add_argument("--tasks", help="comma-separated lm-eval tasks, run with --num-fewshot")
     parser.add_argument("--num-fewshot", type=int, default=0, help="shots for --tasks (default 0)")
     parser.add_argument("--batch-size", default="1", help="an integer or 'auto' (default 1)")
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     path = check_checkpoint(path, args.trust_remote_code)
     if args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
-    groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else SUITES[args.suite]
+    groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else runs(SUITES[args.suite])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]
     print("equivalent stock lm-eval commands:\n  " + "\n  ".join(commands))
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict | None:
               dtype=args.dtype)
     manager = TaskManager(include_path=str(TASK_DIR))
     record = {"model_name": name or Path(path.rstrip("/")).name, "model_path": path, "source": "eval/harness.py",
-              "suite": None if args.tasks else args.suite}
+              "suite": None if args.tasks else args.suite, "primary_metrics": {
+                  task: [metric] for task, _, metric in ([] if args.tasks else SUITES[args.suite]) if metric}}
     keys = ["results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples"]
     keys += ["samples"] if args.log_samples else []
     record.update({key: {} for key in keys})

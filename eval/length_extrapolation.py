@@ -23,10 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (  # noqa: E402
-    EvalError, add_loading_arguments, load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
-    token_stream, write_json,
-)
+from helm.evaluation import (EvalError, add_loading_arguments, load_checkpoint, load_texts, perplexity,  # noqa: E402
+                             rows_nll, run_script, sliding_windows, token_stream, write_json)
 
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
               "mean_nll", "perplexity", "note"]

@@ -10,11 +10,10 @@ and a head at temperature tau = 2 (logit scale 1), the logit of a pair splits as
 where q_s', k_s' are the space parts after the variant's rotation (hope, rope3d) or absolute embedding
 (learned) and bias its logit bias (alibi, hope_boost). Rotations fix the time coordinate, so all the distance
 dependence lives in the space score, the analogue of seed 000's qᵀ M k; the CSV also has the time term.
-Panels, over --samples draws per head: aligned k_s = q_s (Fig. 4, mean), and a random Gaussian query with a
-fresh Gaussian key at every position (Fig. 5: mean, where a key's logit sits on average, and standard
-deviation, how much content can still move it: a rotation keeps it, hope_boost's damping shrinks it to 0).
-``learned`` uses a fresh table (its noise floor); ``alibi`` shows one head (--alibi-head, default the
-gentlest slope). The distance axis is linear up to 1 and logarithmic beyond.
+Panels, over --samples draws per head: aligned k_s = q_s (Fig. 4, mean), and a Gaussian query with a fresh
+Gaussian key per position (Fig. 5: the mean, and the standard deviation = how much content can still move a
+logit). ``learned`` uses a fresh table; ``alibi`` shows one head (--alibi-head). Distance axis: linear to 1,
+then logarithmic.
 
     python eval/pe_decay.py --output figures/pe_decay.png --csv figures/pe_decay.csv
 """
@@ -34,9 +33,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import EvalError, run_script  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
-from helm.nn.positional import (  # noqa: E402
-    POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes, build_positional_encoding,
-)
+from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
+                                build_positional_encoding)
 
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
           ("random", "mean", "random Gaussian q, k: mean over draws"),

@@ -1,11 +1,10 @@
 #!/usr/bin/env python
 """Perplexity of a causal LM over local text files, a folder of splits or a `datasets` dataset.
 
-Documents are tokenized without special tokens, each followed by eos, and concatenated. With --stride equal
-to --seq-len (the default) the windows are exactly the rows of helm.data.pack_documents; a smaller stride
-scores every token once with at least seq_len - stride tokens of context. --document-attention scores the
-packed rows the way train.py validates (no attention across documents). See helm.evaluation and
-eval/README.md.
+Documents are tokenized without special tokens, each followed by eos, and concatenated. --stride = --seq-len
+(default): the windows are helm.data.pack_documents' rows; a smaller stride scores every token once with at
+least seq_len - stride tokens of context. --document-attention: no attention across documents, as train.py
+validates. See helm.evaluation and eval/README.md.
 
     python eval/perplexity.py --model runs/helm-d --files data/validation.jsonl --seq-len 512
 """

@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "configs" / "train").glob("*.yaml"))
 MICRO_D = dict(TINY_SHAPES["helm_d"], num_hidden_layers=1, vocab_size=320, max_position_embeddings=64)
 MICRO_MICE = dict(TINY_SHAPES["helm_mice"], vocab_size=320, max_position_embeddings=64, first_k_dense_replace=1)
+MICRO = {"tiny-helm-mice": MICRO_MICE, "tiny-deepseek-v3": dict(TINY_SHAPES["deepseek_v3"], vocab_size=320,
+                                                                max_position_embeddings=64, first_k_dense_replace=1)}
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -64,7 +66,7 @@ def write_recipe(folder: Path, run_data: Path, name: str = "recipe.yaml", *, bas
                  **sections) -> Path:
     """The shipped tiny recipe pointed at the synthetic run_data and a micro model, with ``sections`` merged in."""
     recipe = yaml.safe_load((REPO / "configs" / "train" / f"{base}.yaml").read_text())
-    recipe["model"]["overrides"] = dict(MICRO_MICE if "mice" in base else MICRO_D)
+    recipe["model"]["overrides"] = dict(MICRO.get(base, MICRO_D))
     recipe["data"].update(dataset=str(run_data), tokenizer=str(run_data / "tokenizer"), build_default=False, seq_len=32)
     recipe["train"].update(output_dir=str(folder / "run"), max_steps=12, batch_size=4, log_every=1, eval_every=0,
                            eval_rows=8, save_every=4, progress_bar=False)
@@ -272,8 +274,10 @@ def test_fresh_run_refuses_to_mix_into_an_old_one(tmp_path, run_data, capsys):
     assert code == 2 and "already holds a run" in output and "--resume" in output
 
 
-def test_mice_trains_with_routing_bias_and_balance_loss(tmp_path, run_data, capsys):
-    recipe = write_recipe(tmp_path, run_data, base="tiny-helm-mice", train={"max_steps": 6, "save_every": 0},
+@pytest.mark.parametrize("base", ["tiny-helm-mice", "tiny-deepseek-v3"])
+def test_mice_and_its_baseline_train_with_routing_bias_and_balance_loss(base, tmp_path, run_data, capsys):
+    """Paper App. C.2: HELM-MiCE and the DeepSeek-V3 baseline train with the same balancing (issue 12)."""
+    recipe = write_recipe(tmp_path, run_data, base=base, train={"max_steps": 6, "save_every": 0},
                           demo={"prompt": None})
     code, output = run_main(["--config", recipe], capsys)
     assert code == 0, output

@@ -1,8 +1,7 @@
 """The ``custom_dataset`` of the task YAMLs in this folder.
 
-lm-eval hands ``dataset_kwargs.data_files`` to ``datasets.load_dataset`` unchanged, so a relative path would
-resolve against the working directory; :func:`load` resolves it against this folder instead, so the tasks
-run from anywhere, offline.
+lm-eval hands ``dataset_kwargs.data_files`` to ``datasets.load_dataset`` unchanged (relative to the working
+directory); :func:`load` resolves them against this folder instead, so the tasks run from anywhere, offline.
 """
 
 from pathlib import Path

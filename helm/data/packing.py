@@ -1,4 +1,9 @@
-"""Document packing (GPT-style, as in the paper): eos after every document, rows of ``seq_len`` tokens.
+"""Document packing: documents back to back, each followed by eos, cut into rows of ``seq_len`` tokens.
+
+Not the paper's recipe (App. C: 2048-token samples with the tails dropped, packed at ratio 3, right-padded, BOS
+first): no tail is dropped, a document crossing a row boundary continues in the next row; eos (what ``generate``
+stops on) ends each document. Only the last partial row is dropped, or padded when ``pad_id`` is given
+(``labels = -100``, ``document_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
 
 Every row comes with, all ``[N, L]`` int64:
 
@@ -9,9 +14,6 @@ Every row comes with, all ``[N, L]`` int64:
   the next document's first token from its own document only, which is how generation starts a new document.
   ``mask_document_starts=True`` sets ``-100`` on segment starts after column 0 instead.
 * ``attention_mask``: 1 for real tokens, 0 for padding.
-
-The trailing partial row is dropped, or padded when ``pad_id`` is given (``labels = -100``,
-``document_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ PAD_TOKEN = "<|pad|>"
 
 
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_dir: str | os.PathLike, *,
-                    vocab_size: int = 8192, min_frequency: int = 2, text_column: str = "text",
-                    progress: bool = False):
+                    vocab_size: int = 8192, min_frequency: int = 2, text_column: str = "text", progress: bool = False):
     """Train a byte-level BPE on ``files`` and ``save_pretrained`` it to ``out_dir``; returns the
     ``PreTrainedTokenizerFast`` (``AutoTokenizer.from_pretrained(out_dir)`` loads it offline).
 

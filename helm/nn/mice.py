@@ -45,6 +45,24 @@ def bounded_log_k(log_k: torch.Tensor) -> torch.Tensor:
     return mid + torch.where(offset.abs() <= half, offset, offset.sign() * squashed)
 
 
+def sequence_balance_loss(scores: torch.Tensor, selected: torch.Tensor, *, top_k: int, alpha: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, averaged over the batch.
+
+    ``α Σ_j f_j P_j`` with ``f_j = N_r/(K_r T) Σ_t 1[j ∈ TopK(t)]`` and ``P_j = 1/T Σ_t s_{j,t} / Σ_i s_{i,t}``;
+    ``scores [B, T, N_r]`` (non-negative gate scores), ``selected [B, T, N_r]`` (boolean top-k mask).
+    """
+    n_routed, seq_len = scores.shape[-1], scores.shape[1]
+    f = selected.float().sum(1) * (n_routed / (top_k * seq_len))
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return alpha * (f * p).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_routing_bias_(bias: torch.Tensor, load: torch.Tensor, speed: float) -> None:
+    """Aux-loss-free balancing, in place: ``b_j += γ · sign(mean load - load_j)`` (overloaded experts lose)."""
+    bias.add_(speed * torch.sign(load.mean() - load).to(bias.dtype))
+
+
 class CurvatureExpert(nn.Module):
     """A SwiGLU_L expert living on its own hyperboloid ``H_{k_j}``.
 
@@ -156,16 +174,11 @@ class MiCE(nn.Module):
 
     def balance_loss(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """Sequence-wise balance loss (DeepSeek-V3), averaged over the batch; ``scores, selected [B, T, N_r]``."""
-        T = scores.shape[1]
-        f = selected.float().sum(1) * (self.n_routed / (self.top_k * T))
-        p = (scores / scores.sum(-1, keepdim=True)).mean(1)
-        return self.aux_loss_alpha * (f * p).sum(-1).mean()
+        return sequence_balance_loss(scores, selected, top_k=self.top_k, alpha=self.aux_loss_alpha)
 
-    @torch.no_grad()
     def update_bias(self) -> None:
         """Aux-loss-free balancing: ``b_j += γ · sign(mean load - load_j)`` from the last batch's load."""
-        load = self.last_expert_load
-        self.e_score_correction_bias.add_(self.bias_update_speed * torch.sign(load.mean() - load))
+        update_routing_bias_(self.e_score_correction_bias, self.last_expert_load, self.bias_update_speed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, scores, selected = self.route(x)

@@ -107,11 +107,41 @@ def test_paper_suite_dry_run_prints_the_stock_commands(make_checkpoint, capsys):
     out = capsys.readouterr().out
     zero, five = [line.strip() for line in out.splitlines() if line.strip().startswith("lm_eval ")]
     assert zero == (f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True "
-                    "--tasks commonsense_qa,hellaswag,openbookqa --num_fewshot 0 --batch_size 8 --device cpu "
-                    "--limit 10")
+                    "--tasks commonsense_qa,hellaswag,helm_openbookqa_letters --num_fewshot 0 --batch_size 8 "
+                    f"--device cpu --include_path {EVAL_DIR / 'tasks'} --limit 10")
     assert "--tasks mmlu,arc_challenge --num_fewshot 5" in five
     local = harness.main(["--model", str(folder), "--tasks", "helm_local_mc", "--dry-run"])
     assert local is None and f"--include_path {EVAL_DIR / 'tasks'}" in capsys.readouterr().out
+
+
+def test_paper_suite_matches_the_table_of_the_readme():
+    """Issue 12: each task of the paper suite with its shots and metric, as tabulated in eval/README.md."""
+    harness = load_script("harness")
+    readme = (EVAL_DIR / "README.md").read_text()
+    rows = re.findall(r"^\| [^|`]+ \| `([a-z_]+)` \| (\d+) \| `([a-z_]+)` \|$", readme, flags=re.M)
+    assert [(task, int(shots), metric) for task, shots, metric in rows] == harness.SUITES["paper"]
+    assert harness.runs(harness.SUITES["paper"]) == [(["commonsense_qa", "hellaswag", "helm_openbookqa_letters"], 0),
+                                                     (["mmlu", "arc_challenge"], 5)]
+
+
+def test_openbookqa_is_scored_on_letter_choices():
+    """The paper's conversion (App. C.3): answers listed as (A)-(D) under the question, the letters ranked."""
+    import yaml
+    from lm_eval.utils import apply_template
+
+    text = (EVAL_DIR / "tasks" / "helm_openbookqa_letters.yaml").read_text()
+    config = yaml.safe_load(text)
+    doc = {"question_stem": "The sun is responsible for",
+           "choices": {"text": ["puppies learning new tricks", "children growing up", "flowers wilting in a vase",
+                                "plants sprouting"], "label": ["A", "B", "C", "D"]},
+           "answerKey": "D "}
+    assert apply_template(config["doc_to_text"], doc) == (
+        "The sun is responsible for\n(A) puppies learning new tricks\n(B) children growing up\n"
+        "(C) flowers wilting in a vase\n(D) plants sprouting\nAnswer:")
+    assert apply_template(config["doc_to_choice"], doc) == "['A', 'B', 'C', 'D']"
+    assert apply_template(config["doc_to_target"], doc) == "3"
+    assert [m["metric"] for m in config["metric_list"]] == ["acc"]
+    assert (config["dataset_path"], config["dataset_name"], config["test_split"]) == ("allenai/openbookqa", "main", "test")
 
 
 def test_local_suite_result_feeds_compare(make_checkpoint, tmp_path, capsys):
