@@ -18,6 +18,7 @@ from ..nn.activation import ACTIVATIONS
 from ..nn.positional.registry import POSITIONAL_ENCODINGS, positional_encoding_class
 from ..nn.validation import (
     EMBEDDING_MODES,
+    HEAD_MERGES,
     LM_HEAD_MODES,
     boolean,
     check_decay_above,
@@ -98,6 +99,10 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             and so do the presets; ``config.residual_space_scale`` is the resulting scale, so a ``hidden_size``
             override keeps it consistent. See :class:`helm.nn.LorentzResidual` for its effect.
         lm_head_mode: ``linear`` (paper code) or ``distance`` (fully hyperbolic prototypes).
+        head_merge: how attention heads are joined before the output HLT: ``hcat`` (HCat, one recomputed time
+            coordinate) or ``flatten`` (the official code's flattened per-head points); see FIDELITY.md.
+        final_proj: one more HLT ``hidden_size -> hidden_size`` before the final norm, as the official models
+            have (False: the paper's architecture).
         validate_inputs: check token ids and labels against the vocabulary and ``inputs_embeds`` for finite
             points (one device read each, skipped while compiling).
     """
@@ -137,6 +142,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     residual_weight: float = field(residual_weight, 1.0)
     residual_space_scale_factor: float | None = field(optional(residual_scale_factor), None)
     lm_head_mode: str = field(one_of(LM_HEAD_MODES), "linear")
+    head_merge: str = field(one_of(HEAD_MERGES), "hcat")
+    final_proj: bool = field(boolean, False)
     validate_inputs: bool = True
 
     @property

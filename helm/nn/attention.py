@@ -12,21 +12,30 @@ from ..manifold.math import hcat, lift, positive_exp
 from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
 from .linear import LorentzLinear
 from .positional import PositionalTables
-from .validation import check, check_choice, check_dim, check_k, temperature
+from .validation import HEAD_MERGES, check, check_choice, check_dim, check_k, temperature
 
 _NO_POSITIONS = PositionalTables()
 
 
 class LorentzAttentionBase(nn.Module):
-    """What both attention layers share: the temperature and the call into :func:`helm.ops.lorentz_attention`."""
+    """What both attention layers share: the temperature, the call into :func:`helm.ops.lorentz_attention` and
+    the merge of the heads before the output projection.
 
-    def __init__(self, *, num_heads: int, k: float, tau_init: float, attn_impl: str, layer_idx: Optional[int]):
+    ``head_merge``: ``hcat`` (paper Eq. 19 as HCat: the heads' space parts concatenated under one recomputed
+    time coordinate, ``1 + H·d_v`` features) or ``flatten`` (the official code: the ``H`` per-head points, each
+    with its own time coordinate, flattened to ``H·(1 + d_v)`` features, which the output HLT reads as they are).
+    """
+
+    def __init__(self, *, num_heads: int, k: float, tau_init: float, attn_impl: str, layer_idx: Optional[int],
+                 head_merge: str = "hcat"):
         super().__init__()
         check_dim(num_heads, "num_heads")
         check_k(k, "k")
         check(tau_init, "tau_init", temperature)
         check_choice(attn_impl, "attn_impl", available_attention_impls())
+        check_choice(head_merge, "head_merge", HEAD_MERGES)
         self.num_heads, self.k, self.attn_impl, self.layer_idx = num_heads, float(k), attn_impl, layer_idx
+        self.head_merge = head_merge
         self.tau_init = float(tau_init)
         self.log_tau = nn.Parameter(torch.empty((), dtype=torch.float32))
         self.reset_parameters()
@@ -40,6 +49,16 @@ class LorentzAttentionBase(nn.Module):
     def tau(self) -> torch.Tensor:
         """``τ = exp(log τ)``: positive under any optimiser step, kept in fp32 (:func:`positive_exp`)."""
         return positive_exp(self.log_tau)
+
+    def merged_dim(self, value_head_dim: int) -> int:
+        """Features of the merged heads for per-head values of ambient dim ``value_head_dim = 1 + d_v``."""
+        dv = value_head_dim - 1
+        return 1 + self.num_heads * dv if self.head_merge == "hcat" else self.num_heads * (1 + dv)
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T, 1+d_v] -> [B, T, merged_dim]`` (see the class docstring)."""
+        out = out.transpose(1, 2)
+        return hcat(out, k=self.k, dim=-2) if self.head_merge == "hcat" else out.flatten(-2)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, q_pe: torch.Tensor,
                k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask]
@@ -63,6 +82,7 @@ class LorentzSelfAttention(LorentzAttentionBase):
         attn_impl: ``eager`` / ``sdpa`` / ``triton`` / ``auto``.
         layer_idx: index into a ``transformers`` cache.
         bias: biases in the projections.
+        head_merge: ``hcat`` or ``flatten`` (see :class:`LorentzAttentionBase`).
 
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
@@ -72,18 +92,18 @@ class LorentzSelfAttention(LorentzAttentionBase):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
                  tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True):
+                 bias: bool = True, head_merge: str = "hcat"):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(head_dim, "head_dim", minimum=2)
         d = head_dim - 1
         super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(d) if tau_init is None else tau_init,
-                         attn_impl=attn_impl, layer_idx=layer_idx)
+                         attn_impl=attn_impl, layer_idx=layer_idx, head_merge=head_merge)
         self.head_dim = head_dim
         # One HLT per head; stacked into one matmul (same parameters as H separate HLTs).
         self.q_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
         self.k_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
         self.v_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
-        self.o_proj = LorentzLinear(1 + num_heads * d, hidden_size, k=k, bias=bias)
+        self.o_proj = LorentzLinear(self.merged_dim(head_dim), hidden_size, k=k, bias=bias)
 
     def _heads(self, proj: LorentzLinear, x: torch.Tensor) -> torch.Tensor:
         """Space parts ``[B, H, T, d]`` of one projection."""
@@ -100,4 +120,4 @@ class LorentzSelfAttention(LorentzAttentionBase):
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key[..., 1:], position_embeddings=pos,
                           attention_mask=attention_mask)
-        return self.o_proj(hcat(out.transpose(1, 2), k=self.k, dim=-2))
+        return self.o_proj(self.merge_heads(out))

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..manifold.math import hcat, lift
+from ..manifold.math import lift
 from ..ops.attention import AttentionMask
 from .attention import LorentzAttentionBase
 from .linear import LorentzLinear
@@ -29,7 +29,8 @@ class HMLA(LorentzAttentionBase):
     * ``k^C_h, v^C_h = HLT_kv_b(c_KV)`` per head ``[1+d_n]``, ``[1+d_v]`` — rebuilt from the cache every step;
     * ``q^C_h, q^R_h`` from ``HLT_q(x)`` (or through a latent ``c_Q`` when ``q_lora_rank > 0``), ``q^R`` rotated;
     * ``q_h = HCat(q^C_h, q^R_h)``, ``k_h = HCat(k^C_h, k^R)``, Eq. 3 with ``τ`` initialised to
-      ``sqrt(d_n + d_r)``; heads joined by HCat, then ``HLT_o``.
+      ``sqrt(d_n + d_r)``; heads joined by HCat (``head_merge="flatten"``: the official code's flattened
+      per-head points, see :class:`~helm.nn.attention.LorentzAttentionBase`), then ``HLT_o``.
 
     The cache (a ``transformers`` ``DynamicCache``; ``layer_idx`` selects the layer) holds exactly
     ``c_KV`` as its "keys" ``[B, 1, T, 1+n_kv]`` and ``k^R`` as its "values" ``[B, 1, T, 1+d_r]``.
@@ -41,7 +42,7 @@ class HMLA(LorentzAttentionBase):
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int = 0, k: float = 1.0,
                  tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True, rms_norm_eps: float = 1e-12):
+                 bias: bool = True, rms_norm_eps: float = 1e-12, head_merge: str = "hcat"):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(kv_lora_rank, "kv_lora_rank", minimum=2)
         check_dim(qk_nope_head_dim, "qk_nope_head_dim", minimum=2)
@@ -52,7 +53,7 @@ class HMLA(LorentzAttentionBase):
             raise ValueError("q_lora_rank must be 0 (no query compression) or an ambient dim >= 2, got 1")
         dn, dr, dv = qk_nope_head_dim - 1, qk_rope_head_dim - 1, v_head_dim - 1
         super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(dn + dr) if tau_init is None else tau_init,
-                         attn_impl=attn_impl, layer_idx=layer_idx)
+                         attn_impl=attn_impl, layer_idx=layer_idx, head_merge=head_merge)
         self.dn, self.dr, self.dv = dn, dr, dv
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         H = num_heads
@@ -66,7 +67,7 @@ class HMLA(LorentzAttentionBase):
         self.kv_a_layernorm = LorentzRMSNorm(kv_lora_rank, k=k, eps=rms_norm_eps)
         self.k_rope_proj = LorentzLinear(hidden_size, qk_rope_head_dim, k=k, bias=bias)
         self.kv_b_proj = LorentzLinear(kv_lora_rank, 1 + H * (dn + dv), k=k, bias=bias)
-        self.o_proj = LorentzLinear(1 + H * dv, hidden_size, k=k, bias=bias)
+        self.o_proj = LorentzLinear(self.merged_dim(v_head_dim), hidden_size, k=k, bias=bias)
 
     def latent(self, x: torch.Tensor, position_embeddings: PositionalTables) -> tuple:
         """What the cache stores for new tokens: ``c_KV [B, 1, T, 1+n_kv]``, rotated ``k^R [B, 1, T, 1+d_r]``."""
@@ -93,4 +94,4 @@ class HMLA(LorentzAttentionBase):
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(kv_s[..., dn:], k=self.k)
         out = self.attend(q, key, value, q_pe=q[..., 1 + dn:], k_pe=key[..., 1 + dn:], position_embeddings=pos,
                           attention_mask=attention_mask)
-        return self.o_proj(hcat(out.transpose(1, 2), k=self.k, dim=-2))
+        return self.o_proj(self.merge_heads(out))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import curvature_to_k, normalize, rescale
+from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, rescale, sqdist, upcast
 from .validation import (
     CURVATURE_RANGE,
     SCORING_FUNCS,
@@ -25,6 +25,15 @@ from .mlp import LorentzSwiGLU
 # The config range of log k (identity there) and the margin, in log k, the parametrisation may add beyond it.
 LOG_K_RANGE = (math.log(CURVATURE_RANGE[0]), math.log(CURVATURE_RANGE[1]))
 LOG_K_MARGIN = math.log(10.0)
+
+# How MiCE combines its expert outputs (see :class:`MiCE`): ``centroid`` (ours, the paper's one centroid) or
+# ``lresnet_official`` (the official HELM code's chain of LResNets, kept so official checkpoints convert exactly).
+EXPERT_COMBINES = ("centroid", "lresnet_official")
+# lresnet_official: the fixed space scale of each step of the routed-expert chain (official ``weighted_sum``)
+OFFICIAL_CHAIN_SCALE = 2.0
+# lresnet_official: relative floor on |<a, a>_L| / k in the final LResNet, whose weight is unconstrained (the
+# official code clamps at 1e-4 with k = 1); it never acts for a weight >= 0, where |<a, a>_L| >= k (1 + w)²
+OFFICIAL_NORM_FLOOR = 1e-4
 
 
 def bounded_log_k(log_k: torch.Tensor) -> torch.Tensor:
@@ -61,6 +70,26 @@ def sequence_balance_loss(scores: torch.Tensor, selected: torch.Tensor, *, top_k
 def update_routing_bias_(bias: torch.Tensor, load: torch.Tensor, speed: float) -> None:
     """Aux-loss-free balancing, in place: ``b_j += γ · sign(mean load - load_j)`` (overloaded experts lose)."""
     bias.add_(speed * torch.sign(load.mean() - load).to(bias.dtype))
+
+
+def scaled_lresnet(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, *, k: float, space_scale,
+                   floor: Optional[float] = None) -> torch.Tensor:
+    """The official code's LResNet: ``lift(σ · z_s)``, ``z = sqrt(k) · a / sqrt(|<a, a>_L|)``, ``a = x + w · y``.
+
+    ``x, y`` points of ``H_k`` ``[..., 1+n]``; ``w`` a weight broadcastable to ``[..., 1]``, used raw (no
+    softplus); ``space_scale`` σ (a number or a tensor broadcastable to ``[..., 1]``). ``|<a, a>_L|`` is taken
+    in the well-conditioned form ``|k (1 + w)² + w d²(x, y)|`` (equal to it for points of ``H_k``, exact far
+    from the origin where ``-a_t² + |a_s|²`` cancels), in fp32 at least, and clamped from below by ``floor``
+    when given (needed only for ``w < 0``: for ``w >= 0`` it is ``>= k (1 + w)²``).
+    Shapes: ``[..., 1+n] -> [..., 1+n]``, at least fp32.
+    """
+    dtype = torch.promote_types(torch.promote_types(upcast(x).dtype, upcast(y).dtype), upcast(w).dtype)
+    x, y, w = x.to(dtype), y.to(dtype), w.to(dtype)
+    norm2 = (k * (1 + w) ** 2 + w * sqdist(x, y, k=k, keepdim=True)).abs()
+    if floor is not None:
+        norm2 = norm2.clamp_min(floor)
+    z = normalize(x + w * y, k=k, norm2=norm2)
+    return lift(space_scale * z[..., 1:], k=k)
 
 
 class CurvatureExpert(nn.Module):
@@ -108,11 +137,32 @@ class MiCE(nn.Module):
     * selection: top-``num_experts_per_tok`` of ``s_j + b_j`` (``b``: the aux-loss-free routing bias, a
       buffer updated by :meth:`update_bias`, never by gradients); weights ``g_j`` = selected scores,
       renormalised over the selected when ``norm_topk_prob``;
-    * output ``centroid({E_j(x)} ∪ {S_i(x)}, {g_j} ∪ {1})`` — routed experts on their own curvatures, shared
-      experts on the layer's curvature. The Lorentz residual is applied by the decoder layer.
+    * output (``expert_combine="centroid"``, the default) ``centroid({E_j(x)} ∪ {S_i(x)}, {g_j} ∪ {1})`` —
+      routed experts on their own curvatures (outputs rescaled back to the layer's ``k``), shared experts on the
+      layer's curvature. The Lorentz residual is applied by the decoder layer.
 
-    All experts are evaluated on all tokens and combined with zero weights for unselected ones: no
-    Python loop over tokens, no data-dependent shapes, no host synchronisation. (Sparse dispatch would save
+    ``expert_combine="lresnet_official"`` is the official HELM code's combination, kept so that official
+    checkpoints convert exactly (the paper describes one centroid instead). With the official code's LResNet
+    ``L(x, y; w, σ) = lift(σ · z_s)``, ``z = sqrt(k) · a / sqrt(|<a, a>_L|)``, ``a = x + w · y`` (``w`` raw, any
+    sign; see :func:`scaled_lresnet`), all on the layer's ``H_k``::
+
+        y ← o = (sqrt(k), 0, …, 0)
+        for j = 0, 1, …, N_r - 1:                 # ascending expert index, not score order
+            if j is selected for the token:       # unselected experts are skipped: a step with g_j = 0
+                y ← L(y, E_j(x); g_j, 2)          # would still double y_s
+        out = L(S(x), y; add_experts_weight, exp(add_experts_log_scale))
+
+    ``E_j(x)`` is the routed expert's output rescaled back to ``k`` (as in the centroid mode), ``S`` the single
+    shared expert (the official code supports exactly one: ``n_shared_experts`` must be 1), ``g_j`` the
+    routing weights of :meth:`route`. ``add_experts_weight`` (init 1) and ``add_experts_log_scale`` (init
+    ``log 2``) are 0-dim fp32 parameters that exist only in this mode (official ``add_experts.w_y`` and
+    ``add_experts.scale``), so ``centroid`` checkpoints keep their keys. The skip is a ``torch.where`` on the
+    selection mask: every expert still runs on every token, shapes stay static. Shapes: ``y, E_j(x), S(x)``
+    ``[B, T, 1+n]``, ``g_j`` ``[B, T]``; Minkowski norms in fp32 at least. The official gate corresponds to
+    ``scoring_func="softmax"``, ``norm_topk_prob=False``.
+
+    All experts are evaluated on all tokens and combined with zero weights (or skipped by a mask) for unselected
+    ones: no Python loop over tokens, no data-dependent shapes, no host synchronisation. (Sparse dispatch would save
     ``(N_r - K_r)/N_r`` of the expert FLOPs; it needs grouped GEMMs to stay sync-free.)
 
     After each forward the layer keeps ``last_expert_load`` (tokens routed to each expert, ``[N_r]``) and, in
@@ -127,7 +177,8 @@ class MiCE(nn.Module):
                  num_experts_per_tok: int, n_shared_experts: int = 1, k: float = 1.0,
                  routed_curvatures: Optional[Sequence[float]] = None, trainable_curvatures: bool = True,
                  scoring_func: str = "sigmoid", norm_topk_prob: bool = True, aux_loss_alpha: float = 1e-4,
-                 bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True):
+                 bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True,
+                 expert_combine: str = "centroid"):
         super().__init__()
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(moe_intermediate_size, "moe_intermediate_size", minimum=2)
@@ -136,6 +187,10 @@ class MiCE(nn.Module):
         check_dim(n_shared_experts, "n_shared_experts", minimum=0)
         check_k(k, "k")
         check_choice(scoring_func, "scoring_func", SCORING_FUNCS)
+        check_choice(expert_combine, "expert_combine", EXPERT_COMBINES)
+        if expert_combine == "lresnet_official" and n_shared_experts != 1:
+            raise ValueError(f"n_shared_experts must be 1 with expert_combine='lresnet_official' (the official "
+                             f"combination has exactly one shared expert), got {n_shared_experts!r}")
         if num_experts_per_tok > n_routed_experts:
             raise ValueError(f"num_experts_per_tok={num_experts_per_tok} exceeds n_routed_experts={n_routed_experts}")
         check(aux_loss_alpha, "aux_loss_alpha", non_negative)
@@ -159,7 +214,21 @@ class MiCE(nn.Module):
         self.shared_experts = nn.ModuleList(
             LorentzSwiGLU(hidden_size, moe_intermediate_size, k=k, hidden_act=hidden_act, bias=bias)
             for _ in range(n_shared_experts))
+        self.expert_combine = expert_combine
+        if expert_combine == "lresnet_official":
+            self.add_experts_weight = nn.Parameter(torch.empty((), dtype=torch.float32))
+            self.add_experts_log_scale = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.reset_geometry()
         self.aux_loss: Optional[torch.Tensor] = None
+
+    def reset_geometry(self) -> None:
+        """Initialise the ``lresnet_official`` combination scalars (weight 1, scale 2); nothing in ``centroid`` mode.
+
+        Named for the hook :meth:`helm.models.modeling_common.HelmPreTrainedModel._init_weights` calls."""
+        if self.expert_combine == "lresnet_official":
+            with torch.no_grad():
+                self.add_experts_weight.fill_(1.0)
+                self.add_experts_log_scale.fill_(math.log(OFFICIAL_CHAIN_SCALE))
 
     def route(self, x: torch.Tensor) -> tuple:
         """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""
@@ -185,9 +254,29 @@ class MiCE(nn.Module):
         with torch.no_grad():
             self.last_expert_load.copy_(selected.float().sum((0, 1)))
         self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
+        if self.expert_combine == "lresnet_official":
+            return self.combine_lresnet_official(x, weights, selected)
         outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         # one centroid; with non-negative weights |<s,s>_L| >= k (Σw)^2, the bound used as the clamp
         s = (w.unsqueeze(-1) * points).sum(-2)
         return normalize(s, k=self.k, floor=self.k * w.sum(-1, keepdim=True).pow(2))
+
+    def combine_lresnet_official(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """The official code's combination (class docstring): a chain of LResNets over the selected experts from the
+        origin in ascending index order, then one LResNet onto the shared expert's output.
+
+        ``x [..., 1+n]``, ``weights`` and ``selected [..., N_r]`` from :meth:`route`; returns ``[..., 1+n]`` (fp32
+        at least). Every expert runs on every token; unselected steps are discarded by ``torch.where``.
+        """
+        dtype = torch.promote_types(upcast(x).dtype, weights.dtype)
+        y = origin(*x.shape, k=self.k, dtype=dtype, device=x.device)
+        for j, expert in enumerate(self.experts):
+            g = weights[..., j:j + 1]
+            step = scaled_lresnet(y, expert(x), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
+            y = torch.where(selected[..., j:j + 1], step, y)
+        w = upcast(self.add_experts_weight)
+        scale = positive_exp(self.add_experts_log_scale)
+        return scaled_lresnet(self.shared_experts[0](x), y, w, k=self.k, space_scale=scale,
+                              floor=OFFICIAL_NORM_FLOOR * self.k)

@@ -59,6 +59,7 @@ RESIDUAL_SCALE_FACTOR_RANGE = (1e-2, 1e2)
 EMBEDDING_MODES = ("lorentz", "space")
 LM_HEAD_MODES = ("linear", "distance")
 SCORING_FUNCS = ("sigmoid", "softmax")
+HEAD_MERGES = ("hcat", "flatten")
 ATTENTION_TYPES = ("hmla", "mha")
 
 
@@ -271,6 +272,7 @@ def check_fields(config) -> None:
 __all__ = [
     "ATTENTION_TYPES",
     "EMBEDDING_MODES",
+    "HEAD_MERGES",
     "LM_HEAD_MODES",
     "SCORING_FUNCS",
     "boolean",

@@ -104,6 +104,39 @@ def test_forward_backward_layers_on_manifold_and_bf16(tiny_config, family):
     assert abs(loss.item() - out.loss.item()) < 0.05 * out.loss.item()
 
 
+OFFICIAL_SWITCHES = [("hcat", False), ("flatten", False), ("hcat", True), ("flatten", True)]
+
+
+@pytest.mark.parametrize("head_merge,final_proj", OFFICIAL_SWITCHES,
+                         ids=[f"{m}-{'final_proj' if f else 'no_final_proj'}" for m, f in OFFICIAL_SWITCHES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fidelity_switches_stay_on_the_manifold_and_causal(tiny_config, family, head_merge, final_proj):
+    """Issue 12: every head merge and the official final projection give points on the manifold, finite
+    gradients, and outputs at t that do not depend on tokens after t; cached decoding equals the full forward."""
+    model = tiny(tiny_config, family, head_merge=head_merge, final_proj=final_proj, attn_impl="eager")
+    assert (model.model.final_proj is not None) == final_proj
+    c = model.config
+    heads, value_dim = c.num_attention_heads, c.v_head_dim if family == "helm_mice" else c.head_dim  # 1 + d_v
+    merged = heads * value_dim if head_merge == "flatten" else 1 + heads * (value_dim - 1)
+    assert model.model.layers[0].self_attn.o_proj.in_features == merged
+    ids = torch.randint(0, 512, (2, 31), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids, output_hidden_states=True)
+    out.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    for h in (*out.hidden_states, model.model(ids).last_hidden_state):
+        assert manifold_error(h.detach(), 1.0).max() <= MANIFOLD_TOL[torch.float32]
+    model.eval()
+    changed = ids.clone()
+    changed[:, 20:] = (changed[:, 20:] + 7) % 512
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+        assert_close(a[:, :20], b[:, :20], rtol=1e-6)
+        assert (a[:, 20:] - b[:, 20:]).abs().max() > 1e-3
+        step = model(ids[:, :30], use_cache=True)
+        last = model(ids[:, 30:], past_key_values=step.past_key_values).logits
+        assert_close(last[:, -1], a[:, -1], rtol=1e-4)
+
+
 @pytest.mark.parametrize("positional", list(POSITIONAL_ENCODINGS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eager_and_sdpa_give_the_same_logits(tiny_config, family, positional):

@@ -14,6 +14,7 @@ from ...manifold.math import lift
 from ...nn.attention import LorentzSelfAttention
 from ...nn.embedding import LorentzEmbedding
 from ...nn.head import LorentzLMHead
+from ...nn.linear import LorentzLinear
 from ...nn.mlp import LorentzSwiGLU
 from ...nn.norm import LorentzRMSNorm
 from ...nn.positional import PositionalTables
@@ -39,7 +40,8 @@ class HelmDDecoderLayer(nn.Module):
         self.input_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
         self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim, k=k,
                                               tau_init=config.tau_init, attn_impl=config.attn_impl,
-                                              layer_idx=layer_idx, bias=config.attention_bias)
+                                              layer_idx=layer_idx, bias=config.attention_bias,
+                                              head_merge=config.head_merge)
         self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                              space_scale=config.residual_space_scale)
         self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
@@ -79,6 +81,9 @@ class HelmDModel(HelmDPreTrainedModel):
                                              mode=config.embedding_mode, init_std=config.initializer_range)
         self.pos_encoding = positional_encoding(config, head_dim=config.head_dim - 1)
         self.layers = nn.ModuleList(HelmDDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # the official models' extra HLT before the final norm (config.final_proj; not in the paper)
+        self.final_proj = (LorentzLinear(config.hidden_size, config.hidden_size, k=config.k) if config.final_proj
+                           else None)
         self.norm = LorentzRMSNorm(config.hidden_size, k=config.k, eps=config.rms_norm_eps)
         self.post_init()
 
@@ -114,6 +119,8 @@ class HelmDModel(HelmDPreTrainedModel):
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
                                   past_key_values=past_key_values)
             all_hidden_states.append(hidden_states)
+        if self.final_proj is not None:
+            hidden_states = self.final_proj(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
                                        past_key_values=past_key_values if use_cache else None,
                                        hidden_states=tuple(all_hidden_states) if output_hidden_states else None)

@@ -14,6 +14,7 @@ from ...manifold.math import lift
 from ...nn.attention import LorentzSelfAttention
 from ...nn.embedding import LorentzEmbedding
 from ...nn.head import LorentzLMHead
+from ...nn.linear import LorentzLinear
 from ...nn.hmla import HMLA
 from ...nn.mice import MiCE
 from ...nn.mlp import LorentzSwiGLU
@@ -45,11 +46,13 @@ class HelmMiCEDecoderLayer(nn.Module):
                                   q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
                                   qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
                                   tau_init=config.tau_init, attn_impl=config.attn_impl, layer_idx=layer_idx,
-                                  bias=config.attention_bias, rms_norm_eps=config.rms_norm_eps)
+                                  bias=config.attention_bias, rms_norm_eps=config.rms_norm_eps,
+                                  head_merge=config.head_merge)
         else:
             self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim,
                                                   k=k, tau_init=config.tau_init, attn_impl=config.attn_impl,
-                                                  layer_idx=layer_idx, bias=config.attention_bias)
+                                                  layer_idx=layer_idx, bias=config.attention_bias,
+                                                  head_merge=config.head_merge)
         self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                              space_scale=config.residual_space_scale)
         self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
@@ -110,6 +113,9 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         rope_dims = config.qk_rope_head_dim - 1 if config.attention_type == "hmla" else config.head_dim - 1
         self.pos_encoding = positional_encoding(config, head_dim=rope_dims)
         self.layers = nn.ModuleList(HelmMiCEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # the official models' extra HLT before the final norm (config.final_proj; not in the paper)
+        self.final_proj = (LorentzLinear(config.hidden_size, config.hidden_size, k=config.k) if config.final_proj
+                           else None)
         self.norm = LorentzRMSNorm(config.hidden_size, k=config.k, eps=config.rms_norm_eps)
         self.post_init()
 
@@ -145,6 +151,8 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
                                   past_key_values=past_key_values)
             all_hidden_states.append(hidden_states)
+        if self.final_proj is not None:
+            hidden_states = self.final_proj(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
                                       past_key_values=past_key_values if use_cache else None,
                                       hidden_states=tuple(all_hidden_states) if output_hidden_states else None)

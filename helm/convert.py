@@ -1,0 +1,253 @@
+"""Official HELM checkpoints (Graph-and-Geometric-Learning/helm, ``torch.save`` of the model's ``state_dict``)
+converted to this zoo's models, computing the same function.
+
+The official code differs from the paper in a few places (FIDELITY.md); the converted config selects the
+official behaviour through the switches that exist for it: ``head_merge="flatten"``, ``final_proj=True``, a
+residual space scale of ``4·sqrt(width)`` (dense) / ``sqrt(width)`` (MiCE) with ``width`` the ambient width,
+and for MiCE ``scoring_func="softmax"``, ``norm_topk_prob=False``, ``expert_combine="lresnet_official"``.
+Parameter maps (official → ours):
+
+* attention ``scale`` / ``softmax_scale`` (scores ``-d²/scale``) → ``log_tau = log(scale)``;
+* residual ``w_y`` (used raw) → ``raw_weight = softplus⁻¹(w_y)``;
+* MiCE expert ``expert_manifold.k`` → ``log_k``; ``wkv_a`` rows → ``kv_a_proj`` (latent) + ``k_rope_proj``;
+* every linear, norm gain, embedding table and head is copied as is.
+
+Dropped: the curvature aliases (``*.c``, ``*.manifold*.k``, which must all equal the model curvature or the
+expert's), ``attn_mask`` / ``freqs_complex`` (recomputed), HELM-D's ``token_embed.add_pos`` (built but never
+called) and the attention score ``bias`` (one constant per row: it cancels in the softmax). A checkpoint with
+any other key, or a value the zoo cannot represent (``scale <= 0``, ``w_y <= 0``), is refused with the key named.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Mapping, Optional, Union
+
+import torch
+
+MODELS = ("helm_d", "helm_mice")
+_ALIAS = re.compile(r"(^|\.)(c|manifold(_in|_hidden|_out)?\.(k|c)|expert_manifold\.c)$")
+
+
+def _read(path_or_state_dict) -> dict:
+    if isinstance(path_or_state_dict, Mapping):
+        state = dict(path_or_state_dict)
+    else:
+        path = os.fspath(path_or_state_dict)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"official checkpoint {path!r} does not exist")
+        try:  # never unpickle arbitrary objects
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ValueError(f"cannot read the official checkpoint {path!r} as tensors ({type(error).__name__}: "
+                             f"{error})") from None
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(state.get(key), Mapping):
+            state = dict(state[key])
+    if not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError("the official checkpoint must be a state_dict of tensors (or a dict holding one under "
+                         "'state_dict' / 'model')")
+    # DistributedDataParallel and torch.compile prefixes
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v.detach().to(torch.float64) if v.is_floating_point() else v
+            for k, v in state.items()}
+
+
+def _positive_log(value: torch.Tensor, key: str, what: str) -> torch.Tensor:
+    if not bool((value > 0).all()):
+        raise ValueError(f"{key} = {value.flatten().tolist()} must be positive: the zoo stores {what}")
+    return value.log().reshape(())
+
+
+def _inverse_softplus(value: torch.Tensor, key: str) -> torch.Tensor:
+    if not bool((value > 0).all()):
+        raise ValueError(f"{key} = {value.item():g}: the official residual weight must be positive to convert "
+                         "(the zoo keeps residual weights positive, w = softplus(raw_weight))")
+    return torch.log(torch.expm1(value)).reshape(())
+
+
+def _curvature(state: dict) -> float:
+    """The model curvature parameter ``k`` (geoopt's; the official code's ``c``), checked on every alias."""
+    k = state.get("manifold_hidden.k")
+    if k is None:
+        raise ValueError("the checkpoint has no manifold_hidden.k: not an official HELM state_dict")
+    for key in ("manifold_in.k", "manifold_out.k"):
+        if key in state and not torch.allclose(state[key], k):
+            raise ValueError(f"{key} = {state[key].item():g} differs from manifold_hidden.k = {k.item():g}: models "
+                             "with several curvatures are not supported")
+    return float(k)
+
+
+def _linear(out: dict, ours: str, state: dict, theirs: str, used: set, rows: Optional[slice] = None) -> None:
+    for part in ("weight", "bias"):
+        if f"{theirs}.{part}" in state:
+            value = state[f"{theirs}.{part}"]
+            out[f"{ours}.{part}"] = value if rows is None else value[rows]
+            used.add(f"{theirs}.{part}")
+
+
+def _helm_d(state: dict, k: float, used: set) -> tuple[dict, dict]:
+    width = state["token_embed.embedding"].shape[1]
+    layers = 1 + max(int(m.group(1)) for key in state if (m := re.match(r"resblocks\.(\d+)\.", key)))
+    heads = width - state["resblocks.0.attn.Wq.weight"].shape[0]  # Wq: [H·(W/H - 1), W]
+    config = dict(vocab_size=state["mapping.weight"].shape[0], hidden_size=width, num_hidden_layers=layers,
+                  num_attention_heads=heads, head_dim=width // heads,
+                  intermediate_size=state["resblocks.0.mlp.w1.linear.weight"].shape[0] + 1,
+                  embedding_mode="lorentz", residual_space_scale_factor=4 * math.sqrt(width / (width - 1)))
+    if "attn_mask" in state:
+        config["max_position_embeddings"] = state["attn_mask"].shape[-1]
+    out = {"model.embed_tokens.weight": state["token_embed.embedding"], "model.norm.weight": state["ln_final.weight"],
+           "lm_head.weight": state["mapping.weight"]}
+    used |= {"token_embed.embedding", "ln_final.weight", "mapping.weight", "attn_mask", "freqs_complex"}
+    used |= {key for key in state if key.startswith("token_embed.add_pos.")}
+    _linear(out, "model.final_proj.linear", state, "final_proj.linear", used)
+    for i in range(layers):
+        o, p = f"resblocks.{i}.", f"model.layers.{i}."
+        for theirs, ours in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            out[p + ours + ".weight"] = state[o + theirs + ".weight"]
+            used.add(o + theirs + ".weight")
+        for theirs, ours in (("Wq", "q_proj"), ("Wk", "k_proj"), ("Wv", "v_proj"), ("final_linear", "o_proj")):
+            _linear(out, p + f"self_attn.{ours}.linear", state, o + f"attn.{theirs}", used)
+        out[p + "self_attn.log_tau"] = _positive_log(state[o + "attn.scale"], o + "attn.scale",
+                                                     "the temperature as log_tau")
+        used |= {o + "attn.scale", o + "attn.bias"}
+        for theirs, ours in (("res1", "attn_residual"), ("res2", "mlp_residual")):
+            out[p + ours + ".raw_weight"] = _inverse_softplus(state[o + theirs + ".w_y"], o + theirs + ".w_y")
+            used.add(o + theirs + ".w_y")
+        for theirs, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            _linear(out, p + f"mlp.{ours}.linear", state, o + f"mlp.{theirs}.linear", used)
+    return config, out
+
+
+def _helm_mice(state: dict, k: float, used: set) -> tuple[dict, dict]:
+    from .nn.mice import bounded_log_k, LOG_K_RANGE
+
+    space = state["embed.weight"].shape[1]
+    width = space + 1
+    layers = 1 + max(int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key)))
+    dense = [i for i in range(layers) if f"layers.{i}.ffn.w1.linear.weight" in state]
+    if dense != list(range(len(dense))):
+        raise ValueError(f"dense layers {dense} must come first (first_k_dense_replace)")
+    latent = state["layers.0.attn.kv_norm.weight"].shape[0]  # space dims of c_KV
+    rope = state["layers.0.attn.wkv_a.linear.weight"].shape[0] - latent + 1
+    config = dict(vocab_size=state["head.weight"].shape[0], hidden_size=width, num_hidden_layers=layers,
+                  first_k_dense_replace=len(dense), kv_lora_rank=latent + 1, qk_rope_head_dim=rope,
+                  embedding_mode="space", residual_space_scale_factor=math.sqrt(width / (width - 1)),
+                  scoring_func="softmax", norm_topk_prob=False, expert_combine="lresnet_official")
+    if dense:
+        config["intermediate_size"] = state[f"layers.{dense[0]}.ffn.w1.linear.weight"].shape[0] + 1
+    if "attn_mask" in state:
+        config["max_position_embeddings"] = state["attn_mask"].shape[-1]
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
+           "lm_head.weight": state["head.weight"]}
+    used |= {"embed.weight", "norm.weight", "head.weight", "attn_mask"}
+    _linear(out, "model.final_proj.linear", state, "final_proj.linear", used)
+    for i in range(layers):
+        o, p = f"layers.{i}.", f"model.layers.{i}."
+        for theirs, ours in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                             ("attn.kv_norm", "self_attn.kv_a_layernorm")):
+            out[p + ours + ".weight"] = state[o + theirs + ".weight"]
+            used.add(o + theirs + ".weight")
+        _linear(out, p + "self_attn.q_proj.linear", state, o + "attn.wq.linear", used)
+        _linear(out, p + "self_attn.kv_a_proj.linear", state, o + "attn.wkv_a.linear", used, slice(0, latent))
+        _linear(out, p + "self_attn.k_rope_proj.linear", state, o + "attn.wkv_a.linear", used, slice(latent, None))
+        _linear(out, p + "self_attn.kv_b_proj.linear", state, o + "attn.wkv_b.linear", used)
+        _linear(out, p + "self_attn.o_proj.linear", state, o + "attn.wo.linear", used)
+        out[p + "self_attn.log_tau"] = _positive_log(state[o + "attn.softmax_scale"], o + "attn.softmax_scale",
+                                                     "the temperature as log_tau")
+        used |= {o + "attn.softmax_scale", o + "attn.bias"}
+        for theirs, ours in (("attn_res", "attn_residual"), ("ffn_res", "mlp_residual")):
+            out[p + ours + ".raw_weight"] = _inverse_softplus(state[o + theirs + ".w_y"], o + theirs + ".w_y")
+            used.add(o + theirs + ".w_y")
+        swiglu = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+        if i in dense:
+            for theirs, ours in swiglu:
+                _linear(out, p + f"mlp.{ours}.linear", state, o + f"ffn.{theirs}.linear", used)
+            continue
+        out[p + "mlp.gate.weight"] = state[o + "ffn.gate.weight"]
+        out[p + "mlp.e_score_correction_bias"] = state.get(o + "ffn.gate.bias",
+                                                           torch.zeros(state[o + "ffn.gate.weight"].shape[0]))
+        used |= {o + "ffn.gate.weight", o + "ffn.gate.bias"}
+        experts = sorted({int(m.group(1)) for key in state if (m := re.match(rf"{o}ffn\.experts\.(\d+)\.", key))})
+        curvatures = []
+        for j in experts:
+            e = f"{o}ffn.experts.{j}."
+            k_j = state[e + "expert_manifold.k"]
+            log_k = _positive_log(k_j, e + "expert_manifold.k", "expert curvatures as log_k")
+            if not LOG_K_RANGE[0] <= float(log_k) <= LOG_K_RANGE[1]:
+                raise ValueError(f"{e}expert_manifold.k = {float(k_j):g} lies outside the zoo's expert curvature "
+                                 f"range k in [{math.exp(LOG_K_RANGE[0]):g}, {math.exp(LOG_K_RANGE[1]):g}]")
+            assert torch.equal(bounded_log_k(log_k), log_k)  # the identity inside the range
+            out[p + f"mlp.experts.{j}.log_k"] = log_k
+            curvatures.append(-1.0 / float(k_j))
+            used.add(e + "expert_manifold.k")
+            for theirs, ours in swiglu:
+                _linear(out, p + f"mlp.experts.{j}.mlp.{ours}.linear", state, e + f"{theirs}.linear", used)
+        for theirs, ours in swiglu:
+            _linear(out, p + f"mlp.shared_experts.0.{ours}.linear", state, o + f"ffn.shared_experts.{theirs}.linear",
+                    used)
+        out[p + "mlp.add_experts_weight"] = state[o + "ffn.add_experts.w_y"].reshape(())
+        out[p + "mlp.add_experts_log_scale"] = state[o + "ffn.add_experts.scale"].reshape(())
+        used |= {o + "ffn.add_experts.w_y", o + "ffn.add_experts.scale"}
+        config.setdefault("routed_curvatures", curvatures)
+        config.setdefault("n_routed_experts", len(experts))
+        config.setdefault("moe_intermediate_size", state[f"{o}ffn.experts.{experts[0]}.w1.linear.weight"].shape[0] + 1)
+    wq = state["layers.0.attn.wq.linear.weight"].shape[0]        # H · (d_n + d_r) space rows
+    wkv_b = state["layers.0.attn.wkv_b.linear.weight"].shape[0]  # H · (d_n + d_v)
+    wo_in = state["layers.0.attn.wo.linear.weight"].shape[1]     # H · (1 + d_v)
+    # H (d_n + d_r) = wq, H (d_n + d_v) = wkv_b, H (1 + d_v) = wo_in  =>  H (1 + d_r) = wq - wkv_b + wo_in
+    heads = (wq - wkv_b + wo_in) // rope
+    value = wo_in // heads
+    config.update(num_attention_heads=heads, v_head_dim=value, qk_nope_head_dim=wq // heads - (rope - 1) + 1)
+    return config, out
+
+
+def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapping], model: Optional[str] = None,
+                                **overrides):
+    """An official HELM checkpoint as a ``HelmDForCausalLM`` / ``HelmMiCEForCausalLM`` computing the same logits.
+
+    ``path_or_state_dict``: a ``torch.save`` file (read with ``weights_only=True``) or a state dict, bare or under
+    ``"state_dict"`` / ``"model"``. ``model``: ``"helm_d"`` (official ``LTransformerDecoder``) or ``"helm_mice"``
+    (``LorentzDeepSeekV3``); None detects it from the keys. The shapes are read from the weights; ``overrides``
+    are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``). Returns the
+    model in fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
+    """
+    import helm  # noqa: F401  (registers the model types)
+
+    state = _read(path_or_state_dict)
+    detected = "helm_d" if "token_embed.embedding" in state else "helm_mice" if "embed.weight" in state else None
+    model = model or detected
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}" + (
+            "" if detected else " (the keys look like neither official model: no token_embed.embedding / embed.weight)"))
+    if detected != model:
+        raise ValueError(f"model={model!r}, but the checkpoint's keys are those of the official {detected!r}")
+    k = _curvature(state)
+    used = {"manifold_in.k", "manifold_hidden.k", "manifold_out.k"}
+    config_fields, weights = (_helm_d if model == "helm_d" else _helm_mice)(state, k, used)
+    unknown = sorted(key for key in state if key not in used and not _ALIAS.search(key))
+    if unknown:
+        raise ValueError(f"{len(unknown)} official keys have no counterpart in the zoo: {unknown[:8]}"
+                         + (" ..." if len(unknown) > 8 else ""))
+    config = helm.load_config(f"helm-{'d-115m' if model == 'helm_d' else 'mice-120m'}", **{
+        "curvature": -1.0 / k, "positional": "hope", "lm_head_mode": "linear", "tie_word_embeddings": False,
+        "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-8, "head_merge": "flatten",
+        "final_proj": "model.final_proj.linear.weight" in weights, **config_fields, **overrides})
+    from transformers import AutoModelForCausalLM
+
+    converted = AutoModelForCausalLM.from_config(config).to(torch.float64)
+    own = converted.state_dict()
+    missing = sorted(set(own) - set(weights))
+    if missing:
+        raise ValueError(f"the official checkpoint lacks {len(missing)} weights the converted model needs: "
+                         f"{missing[:8]}")
+    for key, value in weights.items():
+        if tuple(own[key].shape) != tuple(value.shape):
+            raise ValueError(f"{key}: official shape {tuple(value.shape)} does not fit the converted model's "
+                             f"{tuple(own[key].shape)}")
+    converted.load_state_dict(weights, strict=True)
+    return converted.restore_geometry().float().eval()
+
+
+__all__ = ["convert_official_checkpoint"]
