@@ -1,7 +1,7 @@
 """Convert a checkpoint of the official HELM code into a ``save_pretrained`` folder of this zoo.
 
     python scripts/convert_official.py --checkpoint helm_mice_100m.pt --output converted/helm-mice-100m \\
-        --tokenizer meta-llama/Llama-3.1-8B --set max_position_embeddings=2048
+        --tokenizer meta-llama/Llama-3.1-8B --set bos_token_id=128000 --set eos_token_id=128001
 
 The checkpoint is read with ``torch.load(weights_only=True)`` (no code is unpickled). The converted model
 computes the official model's logits (helm/convert.py lists the mapping and FIDELITY.md the switches it turns

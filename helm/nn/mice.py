@@ -224,11 +224,12 @@ class MiCE(nn.Module):
     def reset_geometry(self) -> None:
         """Initialise the ``lresnet_official`` combination scalars (weight 1, scale 2); nothing in ``centroid`` mode.
 
-        Named for the hook :meth:`helm.models.modeling_common.HelmPreTrainedModel._init_weights` calls."""
+        Named for the hook :meth:`helm.models.modeling_common.HelmPreTrainedModel._init_weights` calls. Through
+        ``nn.init``, which ``transformers`` guards while loading: the hook also runs on a loaded MiCE (its
+        non-persistent load buffer is never "loaded"), and must then leave the loaded scalars alone."""
         if self.expert_combine == "lresnet_official":
-            with torch.no_grad():
-                self.add_experts_weight.fill_(1.0)
-                self.add_experts_log_scale.fill_(math.log(OFFICIAL_CHAIN_SCALE))
+            nn.init.constant_(self.add_experts_weight, 1.0)
+            nn.init.constant_(self.add_experts_log_scale, math.log(OFFICIAL_CHAIN_SCALE))
 
     def route(self, x: torch.Tensor) -> tuple:
         """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""

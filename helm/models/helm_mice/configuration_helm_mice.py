@@ -14,6 +14,7 @@ from ...nn.validation import (
     one_of,
     optional,
 )
+from ...nn.mice import EXPERT_COMBINES
 from ..configuration_common import HelmConfigBase
 
 
@@ -35,6 +36,8 @@ class HelmMiCEConfig(HelmConfigBase):
         attention_type: ``hmla`` (paper) or ``mha`` (the MiCE-HMHA ablation: Eq. 3 self-attention).
         aux_loss_alpha: weight α of the sequence-wise balance loss (``aux_loss_alpha >= 0``, finite);
             bias_update_speed: γ of the aux-loss-free routing-bias update (``bias_update_speed >= 0``, finite).
+        expert_combine: ``centroid`` (paper Eq. 6: one weighted centroid) or ``lresnet_official`` (the official
+            code's chain of LResNets; needs ``n_shared_experts=1``; see :class:`helm.nn.MiCE` and FIDELITY.md).
     """
 
     model_type = "helm_mice"
@@ -56,6 +59,7 @@ class HelmMiCEConfig(HelmConfigBase):
     attention_type: str = field(one_of(ATTENTION_TYPES), "hmla")
     aux_loss_alpha: float = field(non_negative, 1e-4)
     bias_update_speed: float = field(non_negative, 1e-3)
+    expert_combine: str = field(one_of(EXPERT_COMBINES), "centroid")
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)
@@ -88,6 +92,9 @@ class HelmMiCEConfig(HelmConfigBase):
                              f"n_routed_experts={self.n_routed_experts}")
         if self.q_lora_rank == 1:
             raise ValueError("q_lora_rank must be None or 0 (no query compression) or an ambient dim >= 2, got 1")
+        if self.expert_combine == "lresnet_official" and self.n_shared_experts != 1:
+            raise ValueError(f"expert_combine='lresnet_official' needs n_shared_experts=1 (the official code's only "
+                             f"setting), got n_shared_experts={self.n_shared_experts}")
 
 
 __all__ = ["HelmMiCEConfig"]
