@@ -87,7 +87,17 @@ def _linear(out: dict, ours: str, state: dict, theirs: str, used: set, rows: Opt
             used.add(f"{theirs}.{part}")
 
 
-def _helm_d(state: dict, k: float, used: set) -> tuple[dict, dict]:
+def _layer_scalars(out: dict, state: dict, used: set, o: str, p: str, scale: str, residuals: tuple) -> None:
+    """A layer's temperature (official ``scale``, scores ``-d²/scale``; the score bias is dropped) and its two
+    residual weights (``(official, ours)`` names), from official prefix ``o`` to our prefix ``p``."""
+    out[p + "self_attn.log_tau"] = _positive_log(state[o + scale], o + scale, "the temperature as log_tau")
+    used |= {o + scale, o + "attn.bias"}
+    for theirs, ours in zip(residuals, ("attn_residual", "mlp_residual")):
+        out[p + ours + ".raw_weight"] = _inverse_softplus(state[o + theirs + ".w_y"], o + theirs + ".w_y")
+        used.add(o + theirs + ".w_y")
+
+
+def _helm_d(state: dict, used: set) -> tuple[dict, dict]:
     width = state["token_embed.embedding"].shape[1]
     layers = 1 + max(int(m.group(1)) for key in state if (m := re.match(r"resblocks\.(\d+)\.", key)))
     heads = width - state["resblocks.0.attn.Wq.weight"].shape[0]  # Wq: [H·(W/H - 1), W]
@@ -109,19 +119,14 @@ def _helm_d(state: dict, k: float, used: set) -> tuple[dict, dict]:
             used.add(o + theirs + ".weight")
         for theirs, ours in (("Wq", "q_proj"), ("Wk", "k_proj"), ("Wv", "v_proj"), ("final_linear", "o_proj")):
             _linear(out, p + f"self_attn.{ours}.linear", state, o + f"attn.{theirs}", used)
-        out[p + "self_attn.log_tau"] = _positive_log(state[o + "attn.scale"], o + "attn.scale",
-                                                     "the temperature as log_tau")
-        used |= {o + "attn.scale", o + "attn.bias"}
-        for theirs, ours in (("res1", "attn_residual"), ("res2", "mlp_residual")):
-            out[p + ours + ".raw_weight"] = _inverse_softplus(state[o + theirs + ".w_y"], o + theirs + ".w_y")
-            used.add(o + theirs + ".w_y")
+        _layer_scalars(out, state, used, o, p, "attn.scale", ("res1", "res2"))
         for theirs, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             _linear(out, p + f"mlp.{ours}.linear", state, o + f"mlp.{theirs}.linear", used)
     return config, out
 
 
-def _helm_mice(state: dict, k: float, used: set) -> tuple[dict, dict]:
-    from .nn.mice import bounded_log_k, LOG_K_RANGE
+def _helm_mice(state: dict, used: set) -> tuple[dict, dict]:
+    from .nn.mice import LOG_K_RANGE  # where log_k is stored as is (bounded_log_k is the identity there)
 
     space = state["embed.weight"].shape[1]
     width = space + 1
@@ -154,12 +159,7 @@ def _helm_mice(state: dict, k: float, used: set) -> tuple[dict, dict]:
         _linear(out, p + "self_attn.k_rope_proj.linear", state, o + "attn.wkv_a.linear", used, slice(latent, None))
         _linear(out, p + "self_attn.kv_b_proj.linear", state, o + "attn.wkv_b.linear", used)
         _linear(out, p + "self_attn.o_proj.linear", state, o + "attn.wo.linear", used)
-        out[p + "self_attn.log_tau"] = _positive_log(state[o + "attn.softmax_scale"], o + "attn.softmax_scale",
-                                                     "the temperature as log_tau")
-        used |= {o + "attn.softmax_scale", o + "attn.bias"}
-        for theirs, ours in (("attn_res", "attn_residual"), ("ffn_res", "mlp_residual")):
-            out[p + ours + ".raw_weight"] = _inverse_softplus(state[o + theirs + ".w_y"], o + theirs + ".w_y")
-            used.add(o + theirs + ".w_y")
+        _layer_scalars(out, state, used, o, p, "attn.softmax_scale", ("attn_res", "ffn_res"))
         swiglu = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
         if i in dense:
             for theirs, ours in swiglu:
@@ -178,7 +178,6 @@ def _helm_mice(state: dict, k: float, used: set) -> tuple[dict, dict]:
             if not LOG_K_RANGE[0] <= float(log_k) <= LOG_K_RANGE[1]:
                 raise ValueError(f"{e}expert_manifold.k = {float(k_j):g} lies outside the zoo's expert curvature "
                                  f"range k in [{math.exp(LOG_K_RANGE[0]):g}, {math.exp(LOG_K_RANGE[1]):g}]")
-            assert torch.equal(bounded_log_k(log_k), log_k)  # the identity inside the range
             out[p + f"mlp.experts.{j}.log_k"] = log_k
             curvatures.append(-1.0 / float(k_j))
             used.add(e + "expert_manifold.k")
@@ -225,7 +224,7 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
         raise ValueError(f"model={model!r}, but the checkpoint's keys are those of the official {detected!r}")
     k = _curvature(state)
     used = {"manifold_in.k", "manifold_hidden.k", "manifold_out.k"}
-    config_fields, weights = (_helm_d if model == "helm_d" else _helm_mice)(state, k, used)
+    config_fields, weights = (_helm_d if model == "helm_d" else _helm_mice)(state, used)
     unknown = sorted(key for key in state if key not in used and not _ALIAS.search(key))
     if unknown:
         raise ValueError(f"{len(unknown)} official keys have no counterpart in the zoo: {unknown[:8]}"
