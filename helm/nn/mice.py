@@ -6,7 +6,6 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, rescale, sqdist, upcast
@@ -233,7 +232,8 @@ class MiCE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple:
         """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""
-        logits = F.linear(x[..., 1:].to(self.gate.weight.dtype), self.gate.weight).float()
+        # through the gate's own forward, so that accelerate's offload hooks load its weight
+        logits = self.gate(x[..., 1:].to(self.gate.weight.dtype)).float()
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
         chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
         selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
