@@ -147,6 +147,24 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     validate_inputs: bool = True
 
     @property
+    def _attn_implementation(self):
+        return self._attn_implementation_internal
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value) -> None:
+        """``attn_implementation="eager"`` / ``"sdpa"`` (``from_pretrained``, ``from_config``,
+        ``set_attn_implementation``) select the same-named ``attn_impl``; other names are refused. ``None`` (no
+        request) keeps ``attn_impl``."""
+        if isinstance(value, dict):
+            value = value.get("", self._attn_implementation_internal)
+        if value is not None:
+            if value not in ("eager", "sdpa"):
+                raise ValueError(f"attn_implementation={value!r} is not available for HELM models: use 'eager' or "
+                                 "'sdpa' (or the config field attn_impl='triton' / 'auto' for the zoo's own kernels)")
+            self.attn_impl = value
+        self._attn_implementation_internal = value
+
+    @property
     def k(self) -> float:
         """geoopt's curvature parameter ``k = -1/K > 0`` (``<x, x>_L = -k``)."""
         return curvature_to_k(self.curvature)

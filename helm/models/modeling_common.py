@@ -103,6 +103,25 @@ class HelmPreTrainedModel(PreTrainedModel):
         model.restore_geometry()
         return (model, info) if want_info else model
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """As in ``transformers``: ``exclude_embeddings`` leaves out the token (and learned position) tables, which
+        are :class:`~helm.nn.LorentzEmbedding` / ``nn.Embedding`` modules here; the LM head is counted, as for Llama."""
+        excluded = set()
+        if exclude_embeddings:
+            excluded = {id(p) for m in self.modules() if isinstance(m, (LorentzEmbedding, nn.Embedding))
+                        for p in m.parameters(recurse=False)}
+        return sum(p.numel() for p in self.parameters()
+                   if id(p) not in excluded and (p.requires_grad or not only_trainable))
+
+    def set_attn_implementation(self, attn_implementation, allow_all_kernels: bool = False) -> None:
+        """``"eager"`` / ``"sdpa"`` (transformers' names) switch every attention layer to that implementation of
+        :func:`helm.ops.lorentz_attention`; anything else is a ``ValueError`` (see
+        :attr:`HelmConfigBase.attn_impl` for ``"triton"`` / ``"auto"``)."""
+        self.config._attn_implementation = attn_implementation  # validated and mapped to attn_impl by the config
+        for module in self.modules():
+            if isinstance(module, LorentzAttentionBase):
+                module.attn_impl = self.config.attn_impl
+
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
         """Every saved HELM directory already carries its code and ``auto_map`` (see :meth:`save_pretrained`).
@@ -217,6 +236,14 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     return batch, seq_len
 
 
+def refuse_attention_weights(config, output_attentions: Optional[bool]) -> None:
+    """``output_attentions=True`` is a ``ValueError``: no attention implementation of the zoo materialises the
+    weights (sdpa and the Triton kernel never form them, eager frees them), so there are none to return."""
+    if output_attentions or (output_attentions is None and config.output_attentions):
+        raise ValueError("output_attentions=True is not supported by HELM models: their attention kernels never keep "
+                         "the [B, H, T, T] weights; recompute them from the layers' queries and keys if needed")
+
+
 def lift_inputs_embeds(config, inputs_embeds: torch.Tensor) -> torch.Tensor:
     """``inputs_embeds [B, T, 1+n]`` as points: the space part is read and the time coordinate recomputed.
 
@@ -271,4 +298,4 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) 
 
 
 __all__ = ["HelmPreTrainedModel", "causal_lm_loss", "check_inputs", "check_loading_info", "default_position_ids",
-           "lift_inputs_embeds", "positional_encoding"]
+           "lift_inputs_embeds", "refuse_attention_weights", "positional_encoding"]

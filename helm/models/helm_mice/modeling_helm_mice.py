@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers.utils import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
@@ -28,6 +29,7 @@ from ..modeling_common import (
     check_inputs,
     default_position_ids,
     lift_inputs_embeds,
+    refuse_attention_weights,
     positional_encoding,
 )
 from .configuration_helm_mice import HelmMiCEConfig
@@ -122,12 +124,15 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
     def get_input_embeddings(self):
         return self.embed_tokens
 
+    @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
                 inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
-                **kwargs) -> MoeModelOutputWithPast:
+                output_attentions: Optional[bool] = None, **kwargs) -> MoeModelOutputWithPast:
+        refuse_attention_weights(self.config, output_attentions)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -146,14 +151,16 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         mask = AttentionMask(batch, seq_len, past_len + seq_len, padding=attention_mask, segment_ids=segment_ids,
                              device=device)
 
-        all_hidden_states = []
+        # transformers' convention: the embeddings, every layer's output, the last one after the final norm
+        all_hidden_states = [hidden_states]
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
                                   past_key_values=past_key_values)
             all_hidden_states.append(hidden_states)
         if self.final_proj is not None:
             hidden_states = self.final_proj(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
+        all_hidden_states[-1] = hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states,
                                       past_key_values=past_key_values if use_cache else None,
                                       hidden_states=tuple(all_hidden_states) if output_hidden_states else None)
 
@@ -174,15 +181,17 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
                 inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
-                output_hidden_states: Optional[bool] = None, logits_to_keep: int = 0,
-                **kwargs) -> MoeCausalLMOutputWithPast:
+                output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                logits_to_keep: int = 0, **kwargs) -> MoeCausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             segment_ids=segment_ids, output_hidden_states=output_hidden_states)
+                             segment_ids=segment_ids, output_hidden_states=output_hidden_states,
+                             output_attentions=output_attentions)
         hidden_states = outputs.last_hidden_state
         logits = self.lm_head(hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states)
         loss = None

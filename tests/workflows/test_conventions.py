@@ -1,0 +1,80 @@
+"""Issue 14, item 8: transformers' calling conventions behave for HELM as for Llama (tiny models side by side)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import assert_close, tiny_config
+
+HELM = ["helm_d", "helm_mice"]
+ALL = HELM + ["llama"]
+
+
+def model_of(family, **kwargs):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(family), **kwargs).eval()
+
+
+def ids():
+    return torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_return_dict_false_gives_the_tuple(family):
+    model = model_of(family)
+    with torch.no_grad():
+        as_tuple = model(ids(), labels=ids(), return_dict=False)
+        as_dict = model(ids(), labels=ids())
+    assert isinstance(as_tuple, tuple)
+    assert torch.equal(as_tuple[0], as_dict.loss) and torch.equal(as_tuple[1], as_dict.logits)
+    assert isinstance(model.model(ids(), return_dict=False), tuple)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_hidden_states_are_embeddings_then_layers_then_the_normed_output(family):
+    model = model_of(family)
+    with torch.no_grad():
+        out = model(ids(), output_hidden_states=True)
+        states = out.hidden_states
+        assert len(states) == model.config.num_hidden_layers + 1
+        assert torch.equal(states[0], model.get_input_embeddings()(ids()))
+        assert torch.equal(states[-1], model.model(ids()).last_hidden_state)
+        # the config default is honoured as in transformers
+        model.config.output_hidden_states = True
+        assert len(model(ids()).hidden_states) == len(states)
+
+
+@pytest.mark.parametrize("family", HELM)
+def test_output_attentions_is_a_clear_error(family):
+    model = model_of(family)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported by HELM models"):
+        model(ids(), output_attentions=True)
+    assert model(ids(), output_attentions=False).logits is not None
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_num_parameters_without_embeddings_leaves_out_the_input_table(family):
+    model = model_of(family)
+    table = model.get_input_embeddings().weight.numel()
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert model.num_parameters(exclude_embeddings=True) == model.num_parameters() - table
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", HELM)
+def test_attn_implementation_selects_our_implementation(family, impl):
+    model = model_of(family, attn_implementation=impl)
+    layers = [m for m in model.modules() if hasattr(m, "attn_impl") and hasattr(m, "log_tau")]
+    assert model.config.attn_impl == impl and {m.attn_impl for m in layers} == {impl}
+    other = "sdpa" if impl == "eager" else "eager"
+    with torch.no_grad():
+        before = model(ids()).logits
+        model.set_attn_implementation(other)
+        assert {m.attn_impl for m in layers} == {other} and model.config.attn_impl == other
+        assert_close(model(ids()).logits, before, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_unknown_attn_implementation_is_refused(family):
+    with pytest.raises(ValueError, match="bogus"):
+        model_of(family, attn_implementation="bogus")
