@@ -39,8 +39,9 @@ from helm.evaluation import packed_inputs, perplexity, rows_nll
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StreamRows, TrainerState,
-                           cli_overrides, finalize, find_checkpoint, load_run_config, load_splits, load_tokenizer,
-                           output_lock, pack_split, read_trainer_state, recipe_differences, save_checkpoint)
+                           cli_overrides, find_checkpoint, load_run_config, load_splits, load_tokenizer, output_lock,
+                           pack_split, read_trainer_state, recipe_differences, refused_pickles, save_checkpoint,
+                           save_final)
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -201,7 +202,8 @@ def train(cfg, resume) -> dict:
     routed = attach_balancing(unwrapped)  # MiCE layers, or hooks on DeepSeek-V3's routers (same balancing)
     if checkpoint is not None:
         # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
-        accelerator.load_state(str(checkpoint))
+        with refused_pickles(checkpoint):
+            accelerator.load_state(str(checkpoint))
         say(f"[train] resumed from {checkpoint} at step {start_step}")
     accelerator.init_trackers("tensorboard", init_kwargs={
         "tensorboard": {"purge_step": start_step + 1} if checkpoint is not None else {}})
@@ -309,11 +311,7 @@ def train(cfg, resume) -> dict:
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
     final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}
     if main:
-        tmp = out / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        finalize(tmp, final)
+        save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps)
         reloaded = AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
         after = validation_loss(reloaded, distributed=False)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)

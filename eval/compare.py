@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Collect result JSON files into one markdown table, models x tasks, like the HELM paper's Table 1.
 
-Reads lm-eval result files ({"model_name", "results": {task: {metric: value}}}, or lists under "runs") from
-files or folders; a task shows its record's "primary_metrics", else the first of PREFERRED_METRICS (--metric
-TASK=METRIC overrides); group subtasks are folded in; accuracies in percent, with an Avg. See eval/README.md.
+Reads lm-eval result files ({"model_name", "results": {task: {metric: value}}}, or lists under "runs"); a task
+shows its record's "primary_metrics", else the first of PREFERRED_METRICS. See eval/README.md.
 
     python eval/compare.py results/ --output results/table.md
 """

@@ -1,12 +1,9 @@
 #!/usr/bin/env python
 """Ollivier-Ricci curvature of final-layer token embeddings (the HELM paper's Fig. 1), for any causal LM.
 
-Final hidden states (after the final norm) of a text sample, --max-points of them (duplicates dropped), each
-joined to its --knn nearest neighbours (geodesic distance on the hyperboloid for HELM models, else Euclidean);
-for every edge kappa(x, y) = 1 - W1(m_x, m_y) / d(x, y), with m_x keeping mass --alpha at x and spreading the
-rest over its neighbours, d the shortest-path distance and W1 exact optimal transport (POT ot.emd2). kappa < 0:
-tree-like, hyperbolic; unit edges give kappa in [-2, 1]. Writes curvature.png, curvature.json (for compare.py)
-and curvature_<name>.csv. See eval/README.md.
+--max-points final hidden states (duplicates dropped), each joined to its --knn nearest (eval/README.md); for
+every edge kappa(x, y) = 1 - W1(m_x, m_y) / d(x, y), m_x keeping mass --alpha at x and spreading the rest over
+the neighbours, d the shortest-path distance, W1 exact optimal transport (ot.emd2). kappa < 0: hyperbolic.
 
     python eval/curvature.py --model helm-d=runs/helm-d --model llama=runs/llama \\
         --files data/validation.jsonl --max-points 1000 --knn 10 --output-dir results/curvature

@@ -11,6 +11,7 @@ the equivalent stock commands (--dry-run: only them).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 from pathlib import Path
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     path = check_checkpoint(path, args.trust_remote_code)
     if args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.limit is not None and args.limit <= 0:  # lm-eval would find no documents and raise
+        raise EvalError(f"--limit must be a positive count or fraction, got {args.limit:g}")
     groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else runs(SUITES[args.suite])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]
@@ -80,14 +83,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.dry_run:
         return None
 
-    import helm  # noqa: F401  (registers the HELM model types, so no remote code is needed)
-
+    manager = TaskManager(include_path=str(TASK_DIR))  # before loading the model, so a typo fails fast
+    names = manager.all_tasks  # tasks, groups and tags; lm-eval also takes a path to a task YAML file
+    if unknown := [task for tasks, _ in groups for task in tasks if task not in names and not Path(task).is_file()]:
+        raise EvalError("--tasks: no lm-eval task, group or tag " + ", ".join(f"{task!r}" + "".join(
+            f" (did you mean {near!r}?)" for near in difflib.get_close_matches(task, names, 1)) for task in unknown))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+    # importing helm (with helm.evaluation) registered the HELM model types, so HFLM needs no remote code for them
     lm = HFLM(pretrained=path, trust_remote_code=args.trust_remote_code, batch_size=batch_size, device=device,
               dtype=args.dtype)
-    manager = TaskManager(include_path=str(TASK_DIR))
     record = {"model_name": name or Path(path.rstrip("/")).name, "model_path": path, "source": "eval/harness.py",
               "suite": None if args.tasks else args.suite, "primary_metrics": {
                   task: [metric] for task, _, metric in ([] if args.tasks else SUITES[args.suite]) if metric}}

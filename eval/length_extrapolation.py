@@ -1,10 +1,8 @@
 #!/usr/bin/env python
 """Perplexity at 1x, 2x, 4x, 8x the training length for a set of checkpoints (e.g. one per PE variant).
 
-Every checkpoint scores packed windows of factor x L tokens over the same tokens at every factor: the stream
-is cut to a multiple of max(factor) x L first, so only the window length changes between columns. A model
-that cannot run a length (learned positions past their table) gets an empty cell and a note.
-Writes extrapolation.csv, extrapolation.png (perplexity vs factor) and extrapolation.json (for compare.py).
+Packed windows of factor x L tokens over the same tokens at every factor, so only the window length changes;
+a model that cannot run a length gets an empty cell and a note. Outputs: see eval/README.md.
 
     python eval/length_extrapolation.py --model hope=runs/tiny-hope --model learned=runs/tiny-learned \\
         --files data/validation.jsonl --train-length 256 --output-dir results/extrapolation
@@ -34,7 +32,7 @@ def extrapolation_rows(name: str, path: str, texts: list[str], args) -> list[dic
     """One CSV row per factor for one checkpoint."""
     model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
-    length = args.train_length or model.config.max_position_embeddings
+    length = model.config.max_position_embeddings if args.train_length is None else args.train_length
     ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)[:args.max_tokens]
     span = max(args.factors) * length
     if ids.numel() < span:
@@ -73,8 +71,7 @@ def plot(rows: list[dict], output: Path, *, title: str):
     ax.set_xticks(factors, [f"{factor}×" for factor in factors])
     values = [row["perplexity"] for row in scored]
     log_y = bool(values) and max(values) > 10 * min(values)
-    if log_y:
-        ax.set_yscale("log")
+    ax.set_yscale("log" if log_y else "linear")
     ax.set_xlabel("evaluation length / training length")
     ax.set_ylabel("perplexity (log scale)" if log_y else "perplexity")
     ax.set_title(title)
@@ -109,6 +106,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     if min(args.factors) < 1:
         raise EvalError(f"--factors must be positive integers, got {args.factors}")
+    if args.train_length is not None and args.train_length < 1:  # None, not 0, means each model's own length
+        raise EvalError(f"--train-length must be at least 1, got {args.train_length}")
     args.factors = sorted(set(args.factors))
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))

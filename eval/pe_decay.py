@@ -31,10 +31,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError, run_script  # noqa: E402
+from helm.evaluation import EvalError, check_argument, run_script  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
+from helm.nn.validation import negative  # noqa: E402
 
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
           ("random", "mean", "random Gaussian q, k: mean over draws"),
@@ -79,7 +80,7 @@ def decay_curves(args) -> dict:
     alibi_head = heads - 1 if args.alibi_head is None else args.alibi_head
     if not 0 <= alibi_head < heads:
         raise EvalError(f"--alibi-head must lie in [0, {heads}), got {alibi_head}")
-    k = curvature_to_k(args.curvature)
+    k = curvature_to_k(check_argument(args.curvature, "--curvature", negative))
     generator = torch.Generator().manual_seed(args.seed)
     q_s = torch.randn(args.samples, heads, dim, generator=generator, dtype=torch.float64)
     k_random = torch.randn(args.samples, heads, distance + 1, dim, generator=generator, dtype=torch.float64)

@@ -1,10 +1,8 @@
 #!/usr/bin/env python
 """Perplexity of a causal LM over local text files, a folder of splits or a `datasets` dataset.
 
-Documents are tokenized without special tokens, each followed by eos, and concatenated. --stride = --seq-len
-(default): the windows are helm.data.pack_documents' rows; a smaller stride scores every token once with at
-least seq_len - stride tokens of context. --document-attention: no attention across documents, as train.py
-validates. See helm.evaluation and eval/README.md.
+Documents, each followed by eos, form one stream cut into windows (pack_documents' rows unless --stride is
+smaller); --document-attention scores them as train.py validates. See helm.evaluation and eval/README.md.
 
     python eval/perplexity.py --model runs/helm-d --files data/validation.jsonl --seq-len 512
 """

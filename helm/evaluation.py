@@ -29,9 +29,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "add_loading_arguments", "check_checkpoint", "load_checkpoint", "load_texts", "packed_inputs",
-           "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream",
-           "write_json"]
+__all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "load_checkpoint", "load_texts",
+           "packed_inputs", "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity",
+           "token_stream", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
@@ -48,6 +48,20 @@ def run_script(main: Callable, argv: Optional[list[str]] = None):
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
+
+def check_argument(value, name: str, rule):
+    """``value`` if the :mod:`helm.nn.validation` ``rule`` accepts it, else an :class:`EvalError` naming ``name``.
+
+    Scripts check an argument with the library's own rule up front, rather than :func:`run_script` turning every
+    ``ValueError`` into a user error: a ``ValueError`` raised deeper down (torch, transformers, a bug of ours) is
+    not the user's fault and keeps its traceback. Only a rule's verdict on a value the user typed is.
+    """
+    from helm.nn.validation import check
+
+    try:
+        return check(value, name, rule)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
 
 
 def perplexity(mean_nll: float) -> float:
@@ -210,8 +224,8 @@ def add_loading_arguments(parser) -> None:
                         help="run the code saved with a checkpoint of a model type neither helm nor transformers has")
 
 
-def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optional[str] = None,
-                    dtype: str = "float32", trust_remote_code: bool = False):
+def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.PathLike] = None,
+                    device: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False):
     """``(model, tokenizer)`` from a ``save_pretrained`` folder or hub id, the model in eval mode on ``device``.
 
     Importing ``helm`` registered the HELM model types, so HELM folders load with our own code, never the code
@@ -227,10 +241,11 @@ def load_checkpoint(path: str, *, tokenizer: Optional[str] = None, device: Optio
     except (OSError, ValueError) as error:
         hint = f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in str(error) else ""
         raise EvalError(f"could not load checkpoint {path!r}: {' '.join(str(error).split())}{hint}") from error
+    tokenizer = os.fspath(tokenizer or path)
     try:
-        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer or path), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise EvalError(f"could not load a tokenizer from {tokenizer or path!r}: {error} (save one next to the "
+        raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {error} (save one next to the "
                         "model with tokenizer.save_pretrained, or name its folder)") from error
     return model.to(device).eval(), tok
 
@@ -248,12 +263,14 @@ def check_device(device: Optional[str]) -> torch.device:
     return device
 
 
-def check_checkpoint(path: str, trust_remote_code: bool = False) -> str:
-    """``path`` if it is a folder with ``config.json`` or looks like a hub id (``name``, ``owner/name``); a folder
-    whose model type neither helm nor ``transformers`` knows, which would run the code saved with it, is refused
-    unless ``trust_remote_code``."""
+def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -> str:
+    """``path`` (a str) if it is a folder with ``config.json`` or a str that looks like a hub id (``name``,
+    ``owner/name``); a folder whose model type neither helm nor ``transformers`` knows, which would run the code
+    saved with it, is refused unless ``trust_remote_code``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    local = isinstance(path, os.PathLike)  # a Path names a folder, never a hub id
+    path = os.fspath(path)
     folder = Path(path).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
@@ -268,7 +285,7 @@ def check_checkpoint(path: str, trust_remote_code: bool = False) -> str:
                             f"knows, so loading it would run the code saved with it; {REMOTE_CODE_HINT}")
         return str(folder)
     parts = path.split("/")
-    if folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
+    if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
         raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
                         "save_pretrained, holding config.json and the weights, or a hub model id)")
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from helm.data import pack_documents
 from helm.evaluation import (
-    EvalError, check_checkpoint, load_texts, perplexity, rows_nll, sliding_windows, text_perplexity, token_stream,
+    EvalError, check_checkpoint, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows, text_perplexity,
+    token_stream,
 )
 from tests.helpers import assert_close, synthetic_text
 
@@ -172,3 +174,16 @@ def test_check_checkpoint_names_the_bad_path(tmp_path):
     with pytest.raises(EvalError, match="has no config.json"):
         check_checkpoint(str(tmp_path))
     assert check_checkpoint("owner/model") == "owner/model"  # a hub id is left to from_pretrained
+
+
+def test_checkpoint_paths_may_be_path_objects(tmp_path):
+    """A ``Path`` gets the same checks and messages as a str; it always names a folder, never a hub id."""
+    for missing in (tmp_path / "missing", Path("owner/model")):
+        with pytest.raises(EvalError, match=f"checkpoint not found: '{missing}'"):
+            check_checkpoint(missing)
+    with pytest.raises(EvalError, match="checkpoint not found: .*missing"):
+        load_checkpoint(tmp_path / "missing")
+    with pytest.raises(EvalError, match="has no config.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert check_checkpoint(tmp_path) == str(tmp_path)

@@ -391,13 +391,13 @@ def test_interrupted_checkpoint_write_never_looks_complete(tmp_path, run_data, c
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 4}, demo={"prompt": None})
     script = f"""
 import os, runpy, signal, sys
-import helm.training.checkpoint as C
-real = C._hash_file
+import helm.manifest as C
+real = C.hash_file
 def dying(path, fsync=False):
     if ".tmp-step-00000008" in str(path) and path.name == "random_states_0.pkl":  # after the model and optimiser
         os.kill(os.getpid(), signal.SIGKILL)
     return real(path, fsync)
-C._hash_file = dying
+C.hash_file = dying
 sys.argv = ["train.py", "--config", {str(recipe)!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """

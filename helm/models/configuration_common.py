@@ -144,7 +144,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     lm_head_mode: str = field(one_of(LM_HEAD_MODES), "linear")
     head_merge: str = field(one_of(HEAD_MERGES), "hcat")
     final_proj: bool = field(boolean, False)
-    validate_inputs: bool = True
+    validate_inputs: bool = field(boolean, True)
 
     @property
     def _attn_implementation(self):

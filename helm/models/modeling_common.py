@@ -4,6 +4,7 @@ config, and the causal-LM loss."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..manifest import MANIFEST, manifest_problem, read_manifest
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import lift
 from ..nn.attention import LorentzAttentionBase
@@ -86,6 +88,7 @@ class HelmPreTrainedModel(PreTrainedModel):
         :meth:`restore_geometry`. ``output_loading_info=True`` returns ``(model, info)`` as in ``transformers``."""
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        _check_local_folder(cls.__name__, where)
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
             # names them instead (and honours the caller's ignore_mismatched_sizes)
@@ -135,7 +138,10 @@ class HelmPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``transformers``' save plus a flattened copy of the code and ``auto_map`` (see :mod:`.remote_code`), so
-        the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed."""
+        the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed. A ``manifest.json`` left
+        there by ``train.py`` describes the old weights, so it is removed (it would refuse the new ones)."""
+        if kwargs.get("is_main_process", True):
+            (Path(save_directory) / MANIFEST).unlink(missing_ok=True)
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             from .remote_code import write_remote_code
@@ -144,6 +150,29 @@ class HelmPreTrainedModel(PreTrainedModel):
 
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _check_local_folder(name: str, where) -> None:
+    """Clear errors for a local path that is not a checkpoint folder (transformers would read a missing folder as a
+    malformed hub id), and the manifest check of folders written by ``train.py``: weights changed on disk after
+    they were written (truncation, bit rot) are refused instead of loaded."""
+    if not isinstance(where, (str, os.PathLike)):
+        return
+    path = Path(where)
+    looks_local = isinstance(where, os.PathLike) or str(where).startswith((".", "/", "~"))  # never a hub id
+    if path.is_file():
+        raise OSError(f"{name}.from_pretrained({str(where)!r}): expects the checkpoint folder (with config.json), "
+                      f"not a file; use {str(path.parent)!r}")
+    if looks_local and not path.exists():
+        raise OSError(f"{name}.from_pretrained({str(where)!r}): no such folder")
+    if (path / MANIFEST).is_file():
+        try:
+            problem = manifest_problem(path, read_manifest(path), lambda f: f.startswith(("model", "pytorch_model")))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"has an unreadable {MANIFEST} ({error})"
+        if problem:
+            raise OSError(f"{name}.from_pretrained({str(where)!r}): the checkpoint {problem}; re-save or re-download "
+                          f"it (or delete {MANIFEST} to load it anyway)")
 
 
 def _local_weight_files(where) -> list:

@@ -76,7 +76,14 @@ def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
     from .. import models  # noqa: F401  (registers helm_d / helm_mice with AutoConfig)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    data = json.loads(preset_path(name_or_path).read_text())
+    path = preset_path(name_or_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"preset file {str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(f"preset file {str(path)!r} must hold a JSON object with a \"model_type\" "
+                         "(e.g. \"helm_d\"), like the files in helm/presets/")
     model_type = data.pop("model_type")
     if model_type in CONFIG_MAPPING:
         check_overrides(CONFIG_MAPPING[model_type], overrides, preset_keys=data)

@@ -2,7 +2,7 @@
 (:mod:`.checkpoint`) and the JSONL metrics tracker (:mod:`.tracking`)."""
 
 from .checkpoint import (LOCK, CheckpointError, TrainerState, finalize, find_checkpoint, list_checkpoints, output_lock,
-                         read_trainer_state, save_checkpoint, verify_checkpoint)
+                         read_trainer_state, refused_pickles, save_checkpoint, save_final, verify_checkpoint)
 from .config import ConfigError, RunConfig, all_keys, cli_overrides, load_run_config, recipe_differences
 from .data import PackedRows, StreamRows, load_splits, load_tokenizer, pack_split
 from .tracking import JSONLTracker

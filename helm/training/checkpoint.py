@@ -9,9 +9,8 @@ a checkpoint that looks complete is complete; :func:`verify_checkpoint` refuses 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
+import pickle
 import os
 import re
 import shutil
@@ -19,14 +18,13 @@ from pathlib import Path
 
 import torch
 
+from ..manifest import MANIFEST, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 LOCK = "train.lock"
 STATE_FILE = "custom_checkpoint_0.pkl"
-FORMAT = 2
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -55,41 +53,6 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-            size += len(block)
-        if fsync:
-            os.fsync(handle.fileno())
-    return digest.hexdigest(), size
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic there
-        return
-    os.fsync(fd)
-    os.close(fd)
-
-
-def write_manifest(folder: Path, step: int) -> None:
-    """Hash (and flush to disk) every file in ``folder``, then write ``manifest.json`` atomically, last."""
-    files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        digest, size = _hash_file(path, fsync=True)
-        files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
-    tmp = folder / (MANIFEST + ".tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        json.dump({"format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(folder / MANIFEST)
-    _fsync_dir(folder)
-
-
 def verify_checkpoint(path: str | os.PathLike) -> dict:
     """The manifest of a complete, intact checkpoint; :class:`CheckpointError` saying what is wrong otherwise."""
     path = Path(path)
@@ -97,30 +60,21 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     advice = "delete it and resume from an earlier checkpoint with --resume PATH, or start over"
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        manifest = read_manifest(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST}, so it was interrupted "
                               f"while being written; {advice}") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {MANIFEST} is unreadable ({error}); "
                               f"{advice}") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} has a {MANIFEST} of an unknown format; {advice}")
+    files = manifest["files"]
     if STATE_FILE not in files or "random_states_0.pkl" not in files or not any(
             name.startswith(("model", "pytorch_model")) for name in files):
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: its manifest lacks the trainer state, RNG "
                               f"state or model weights; {advice}")
-    for name, entry in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing; {advice}")
-        size = file.stat().st_size
-        problem = (f"is truncated or corrupted: {name} has {size} bytes, the manifest records {entry['bytes']}"
-                   if size != entry["bytes"] else f"is corrupted: the SHA-256 of {name} does not match its manifest"
-                   if _hash_file(file)[0] != entry["sha256"] else None)
-        if problem:
-            raise CheckpointError(f"checkpoint {str(path)!r} {problem}; {advice}")
+    problem = manifest_problem(path, manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {str(path)!r} {problem}; {advice}")
     return manifest
 
 
@@ -140,9 +94,22 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
 
 def read_trainer_state(checkpoint: Path) -> dict:
     """The :class:`TrainerState` of a checkpoint, plus ``world_size`` (processes that saved it), without loading it."""
-    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    with refused_pickles(checkpoint):
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
     state["world_size"] = len(list(checkpoint.glob("random_states_*.pkl")))
     return state
+
+
+@contextlib.contextmanager
+def refused_pickles(checkpoint: Path):
+    """Turn torch's refusal to unpickle anything but tensors and plain data (``weights_only``) into a
+    :class:`CheckpointError` naming the checkpoint: its files were replaced after the manifest was written."""
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} holds a file that is not plain tensors and data, so "
+                              f"it was not loaded ({str(error).splitlines()[0]}); resume from another checkpoint"
+                              ) from None
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
@@ -158,7 +125,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
         if accelerator.is_main_process:
             write_manifest(tmp, step)
             finalize(tmp, final)
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
@@ -208,9 +175,27 @@ def _alive(pid: str) -> bool:
         return False
 
 
+def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int) -> Path:
+    """``save_pretrained`` model and tokenizer into ``output_dir/final`` atomically, with a manifest (which
+    ``from_pretrained`` of a HELM model checks); a failed write leaves the checkpoints and any older final/ as
+    they were and raises :class:`CheckpointError`."""
+    tmp, final = output_dir / ".tmp-final", output_dir / "final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp, step)
+        finalize(tmp, final)
+    except Exception as error:  # OSError, torch's RuntimeError or safetensors' SafetensorError on a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write the final model to {str(final)!r}: {' '.join(str(error).split())}; "
+                              "the checkpoints are intact: free space, then rerun with --resume") from None
+    return final
+
+
 def finalize(tmp: Path, final: Path) -> None:
     """Rename a fully written folder into place (replacing an older one of the same name)."""
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -137,8 +138,9 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_message(error)) from None
-    except ValueError as error:  # YAML syntax
-        raise ConfigError(f"--config {str(path)!r}: {error}") from None
+    except (ValueError, TypeError, yaml.YAMLError) as error:  # YAML syntax, or a recipe that is not a mapping
+        raise ConfigError(f"--config {str(path)!r} or an override is not a valid recipe: "
+                          f"{' '.join(str(error).split())}") from None
     validate(config)
     return config
 
@@ -165,6 +167,7 @@ def validate(c: RunConfig) -> None:
         ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "must be "
          "two numbers in [0, 1)"),
         ("train.output_dir", bool(c.train.output_dir), "must be set"),
+        ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),
         ("optim.final_lr_ratio", 0 <= c.optim.final_lr_ratio <= 1, "must be in [0, 1]"),
         ("data.holdout_documents", c.data.validation_split is not None or c.data.holdout_documents >= 1,

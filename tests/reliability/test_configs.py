@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import helm
 from helm.manifold import curvature_to_k
 from helm.models import HelmDConfig, HelmMiCEConfig
 from helm.nn import HMLA, LorentzEmbedding, LorentzLinear, LorentzLMHead, LorentzResidual, LorentzRMSNorm
@@ -77,6 +78,11 @@ OUT_OF_RANGE = [
     (HelmMiCEConfig, "bias_update_speed", -1.0, "non-negative"),
     (HelmMiCEConfig, "curvature", -2e4, r"\|K\| in \[0.0001, 10000\]"),
     (HelmMiCEConfig, "rms_norm_eps", 1.0, r"\(0, 0.01\]"),
+    # switches typed as booleans: a string "false" would be truthy
+    (HelmDConfig, "validate_inputs", "false", "a bool"),
+    (HelmMiCEConfig, "final_proj", "no", "a bool"),
+    (HelmDConfig, "head_merge", "concat", "one of"),
+    (HelmMiCEConfig, "expert_combine", "sum", "one of"),
 ]
 
 
@@ -177,6 +183,18 @@ def test_load_config_accepts_fields_and_standard_attributes(preset, overrides):
     import helm
 
     helm.load_config(preset, **overrides)
+
+
+PRESET_FILES = [("not JSON", '{"model_type": ', "is not valid JSON"), ("a list", "[1, 2]", "must hold a JSON object"),
+                ("no model_type", '{"hidden_size": 33}', 'must hold a JSON object with a "model_type"')]
+
+
+@pytest.mark.parametrize("case,text,match", PRESET_FILES, ids=[c[0] for c in PRESET_FILES])
+def test_bad_preset_files_are_refused_naming_the_file(case, text, match, tmp_path):
+    path = tmp_path / "preset.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"preset file '{path}' {match}"):
+        helm.load_config(str(path))
 
 
 def test_saved_configs_with_extra_keys_still_load(tmp_path):

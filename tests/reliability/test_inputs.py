@@ -258,6 +258,41 @@ def test_damaged_checkpoints_fail_loudly(saved, tmp_path, family, case, damage, 
         assert str(path) in str(err.value) and isinstance(err.value.__cause__, SafetensorError)
 
 
+def _flip_one_bit(path):
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-100] ^= 0x40  # an exponent bit of a weight: still a valid file, a different model
+    (path / "model.safetensors").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_changed_after_train_py_wrote_them_are_refused(saved, tmp_path, family):
+    """train.py writes final/ with a SHA-256 manifest; from_pretrained checks the weight files against it."""
+    from helm.manifest import write_manifest
+
+    path = tmp_path / family
+    shutil.copytree(saved / family, path)
+    write_manifest(path, 1)
+    assert AutoModelForCausalLM.from_pretrained(path) is not None  # intact: loads
+    _flip_one_bit(path)
+    with pytest.raises(OSError, match="is corrupted: the SHA-256 of model.safetensors does not match its manifest"):
+        AutoModelForCausalLM.from_pretrained(path)
+    # saving new weights there drops the old manifest instead of leaving one that refuses them
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    model.save_pretrained(path)
+    assert not (path / "manifest.json").exists()
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("where,match", [("/no/such/folder", "no such folder"),
+                                         ("model.safetensors", "expects the checkpoint folder")])
+def test_paths_that_are_not_checkpoint_folders_are_named(saved, where, match):
+    from helm.models.helm_d import HelmDForCausalLM
+
+    target = saved / "helm_d" / where if where == "model.safetensors" else where
+    with pytest.raises(OSError, match=match):
+        HelmDForCausalLM.from_pretrained(target)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ignore_mismatched_sizes_is_honoured(saved, tmp_path, family):
     """As in transformers: the mismatched weight is left freshly initialised and reported, the rest is loaded."""

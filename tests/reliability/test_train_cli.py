@@ -36,6 +36,13 @@ def _bad_utf8_recipe(tmp_path, run_data):
     return []
 
 
+def _recipe_text(text):
+    def write(tmp_path, run_data):
+        (tmp_path / "recipe.yaml").write_text(text)
+        return []
+    return write
+
+
 def _preset_without_model_type(tmp_path, run_data):
     preset = tmp_path / "preset.json"
     preset.write_text(json.dumps({"hidden_size": 33, "num_attention_heads": 2}))
@@ -66,6 +73,14 @@ def _remote_code_folder(tmp_path, run_data):
 
 # id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, message (regex)
 CASES = [
+    ("recipe-malformed-yaml", "tiny-helm-d", _recipe_text("model: [1, 2\n"), [], 2,
+     r"--config .*recipe.yaml' or an override is not a valid recipe: while parsing a flow sequence"),
+    ("recipe-is-a-list", "tiny-helm-d", _recipe_text("[1, 2]\n"), [], 2,
+     r"--config .*recipe.yaml' or an override is not a valid recipe"),
+    ("override-malformed-yaml", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[0.9"], 2,
+     r"or an override is not a valid recipe"),
+    ("seed-too-large", "tiny-helm-d", lambda t, r: [], ["--train.seed=4294967296"], 2,
+     r"train\.seed must be < 2\*\*32 \(numpy's seed range\), got 4294967296"),
     ("recipe-invalid-utf8", "tiny-helm-d", _bad_utf8_recipe, [], 2, r"--config .*recipe.yaml.*utf-8"),
     ("data-invalid-utf8", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "caf\xe9"}\n' * 50), [], 2,
      r"data\.dataset: .*train\.jsonl.*(UTF-8|utf-8)"),
@@ -173,7 +188,14 @@ def test_huge_learning_rate_diverges_with_exit_3(tmp_path, run_data):
     _checkpoint_weights_finite(tmp_path / "run")
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, run_data, capsys, monkeypatch):
+# a full disk as the OS reports it, and as torch.save reports it (a RuntimeError from its zip writer)
+DISK_FULL = {"oserror": lambda path: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path + "/optimizer.bin"),
+             "torch-runtimeerror": lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected "
+                                                             "pos 88832 vs 88724")}
+
+
+@pytest.mark.parametrize("kind", list(DISK_FULL))
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, run_data, capsys, monkeypatch):
     from accelerate import Accelerator
 
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 12, "save_every": 4, "keep_last": 1},
@@ -183,7 +205,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, run_data
     def full_disk(self, output_dir=None, **kwargs):
         if "step-00000008" in str(output_dir):
             real(self, output_dir, **kwargs)  # half written: then the disk fills up
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(output_dir) + "/optimizer.bin")
+            raise DISK_FULL[kind](str(output_dir))
         return real(self, output_dir, **kwargs)
 
     monkeypatch.setattr(Accelerator, "save_state", full_disk)
@@ -191,7 +213,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, run_data
     captured = capsys.readouterr()
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert "checkpoint of step 8" in error and "No space left on device" in error and "step-00000004" in error, error
+    assert "checkpoint of step 8" in error and "step-00000004" in error, error
+    assert ("No space left on device" if kind == "oserror" else "unexpected pos") in error, error
     root = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in list_checkpoints(root)] == [4] and not list(root.glob(".tmp-*"))
     verify_checkpoint(root / "step-00000004")
@@ -223,3 +246,62 @@ def test_overwrite_is_explicit_and_resume_continues(tmp_path, run_data, capsys):
     assert train_script.main(["--config", str(recipe), "--train.overwrite=true", "--train.keep_last=1"]) == 0
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
     capsys.readouterr()
+
+
+def test_disk_full_while_writing_the_final_model(tmp_path, run_data, capsys, monkeypatch):
+    """save_pretrained fails half way (safetensors reports ENOSPC as a SafetensorError): exit 2 naming final/,
+    no .tmp-final left, the checkpoints intact, and --resume then writes final/."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 4}, demo={"prompt": None})
+    real = PreTrainedModel.save_pretrained
+
+    def full_disk(self, save_directory, *args, **kwargs):
+        real(self, save_directory, *args, **kwargs)
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    code = train_script.main(["--config", str(recipe)])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert "could not write the final model" in error and "No space left on device" in error, error
+    run = tmp_path / "run"
+    assert not (run / "final").exists() and not (run / ".tmp-final").exists()
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4]
+    monkeypatch.undo()
+    assert train_script.main(["--config", str(recipe), "--resume"]) == 0, capsys.readouterr()
+    assert (run / "final" / "manifest.json").is_file()
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin"])
+def test_a_checkpoint_file_replaced_by_a_code_pickle_is_refused(target, tmp_path, run_data, capsys):
+    """Even with the manifest rewritten to match, --resume loads nothing that is not tensors and plain data: exit 2
+    naming the checkpoint, and the payload never runs."""
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    marker = tmp_path / "payload-ran"
+    torch.save({"state": _Payload(str(marker))}, checkpoint / target)
+    (checkpoint / "manifest.json").unlink()
+    write_manifest(checkpoint, 2)
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
+    captured = capsys.readouterr()
+    assert code == 2 and not marker.exists(), captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert "step-00000002" in error and "not plain tensors and data" in error, error
+    assert "Traceback" not in captured.err
