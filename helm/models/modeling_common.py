@@ -106,6 +106,24 @@ class HelmPreTrainedModel(PreTrainedModel):
         model.restore_geometry()
         return (model, info) if want_info else model
 
+    def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, pad_to_multiple_of: Optional[int] = None,
+                                mean_resizing: bool = True):
+        """``transformers``' resize for the Lorentz token table and LM head (either mode): old rows kept, new rows
+        the mean of the old ones (a point for point tables) or, with ``mean_resizing=False``, fresh ones;
+        ``config.vocab_size`` follows. Returns the input embedding module, as in ``transformers``."""
+        embeddings = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return embeddings
+        size = embeddings.num_embeddings if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        embeddings.resize(size, mean_resizing=mean_resizing)
+        head = self.get_output_embeddings()
+        if head is not None:
+            head.resize(size, mean_resizing=mean_resizing)
+        self.config.vocab_size = size
+        return embeddings
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """As in ``transformers``: ``exclude_embeddings`` leaves out the token (and learned position) tables, which
         are :class:`~helm.nn.LorentzEmbedding` / ``nn.Embedding`` modules here; the LM head is counted, as for Llama."""

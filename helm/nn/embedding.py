@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import expmap0, lift
+from ..manifold.math import expmap0, lift, normalize
 from .validation import EMBEDDING_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule
 
 
@@ -18,6 +18,41 @@ def wrapped_normal_(weight: torch.Tensor, *, k: float, std: float) -> torch.Tens
         u[..., 1:].normal_(0.0, std)
         weight.copy_(expmap0(u, k=k).to(weight.dtype))
     return weight
+
+
+def grown_table(weight: torch.Tensor, num_rows: int, *, k: float, std: float, on_manifold: bool,
+                mean_resizing: bool = True) -> torch.Tensor:
+    """``weight [V, D]`` cut or grown to ``[num_rows, D]``: the first rows kept, new rows appended.
+
+    New rows are, with ``mean_resizing`` (``transformers``' default for ``resize_token_embeddings``), the mean of
+    the old rows; for a table of points (``on_manifold``) that mean is projected back onto ``H_k`` (the Lorentz
+    centroid of the table, Eq. 3 with equal weights), so new rows are points too. Otherwise they are a fresh
+    draw of the layer's initialisation (normal with ``std``, or wrapped normal for points).
+    """
+    old = weight.detach()
+    kept, extra = old[:num_rows], num_rows - old.shape[0]
+    if extra <= 0:
+        return kept.clone()
+    if mean_resizing:
+        mean = old.double().mean(0, keepdim=True)
+        new = (normalize(mean, k=k) if on_manifold else mean).to(old.dtype).expand(extra, -1)
+    else:
+        new = old.new_empty(extra, old.shape[1])
+        wrapped_normal_(new, k=k, std=std) if on_manifold else nn.init.normal_(new, 0.0, std)
+    return torch.cat([kept, new])
+
+
+def replace_table(module: nn.Module, name: str, table: torch.Tensor) -> None:
+    """Set ``module.<name>`` to a new parameter holding ``table``, of the same kind (a ``ManifoldParameter`` stays
+    one, on the same manifold) and with the same ``requires_grad``."""
+    old = getattr(module, name)
+    if hasattr(old, "manifold"):
+        import geoopt
+
+        new = geoopt.ManifoldParameter(table, manifold=old.manifold, requires_grad=old.requires_grad)
+    else:
+        new = nn.Parameter(table, requires_grad=old.requires_grad)
+    setattr(module, name, new)
 
 
 class LorentzEmbedding(nn.Module):
@@ -57,6 +92,13 @@ class LorentzEmbedding(nn.Module):
             wrapped_normal_(self.weight, k=self.k, std=self.init_std)
         else:
             nn.init.normal_(self.weight, 0.0, self.init_std)
+
+    def resize(self, num_embeddings: int, *, mean_resizing: bool = True) -> None:
+        """Keep the first ``num_embeddings`` rows, or append new ones (see :func:`grown_table`)."""
+        check_dim(num_embeddings, "num_embeddings")
+        replace_table(self, "weight", grown_table(self.weight, num_embeddings, k=self.k, std=self.init_std,
+                                                  on_manifold=self.mode == "lorentz", mean_resizing=mean_resizing))
+        self.num_embeddings = num_embeddings
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(input_ids, self.weight)

@@ -10,7 +10,7 @@ from torch import nn
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import positive_exp, upcast
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
-from .embedding import wrapped_normal_
+from .embedding import grown_table, replace_table, wrapped_normal_
 
 
 class LorentzLMHead(nn.Module):
@@ -54,6 +54,16 @@ class LorentzLMHead(nn.Module):
                 self.log_tau.fill_(math.log(self.init_tau))
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
+
+    def resize(self, vocab_size: int, *, mean_resizing: bool = True) -> None:
+        """Keep the first ``vocab_size`` rows (and biases), or append new ones: rows as in
+        :func:`helm.nn.embedding.grown_table` (prototypes on ``H_k`` in ``distance`` mode), biases 0."""
+        check_dim(vocab_size, "vocab_size")
+        replace_table(self, "weight", grown_table(self.weight, vocab_size, k=self.k, std=self.init_std,
+                                                  on_manifold=self.mode == "distance", mean_resizing=mean_resizing))
+        if self.bias is not None:
+            bias = self.bias.detach()
+            replace_table(self, "bias", torch.cat([bias, bias.new_zeros(max(vocab_size - len(bias), 0))])[:vocab_size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "linear":
