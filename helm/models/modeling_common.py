@@ -44,7 +44,7 @@ class HelmPreTrainedModel(PreTrainedModel):
     """
 
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # the decoder layers are transformers GradientCheckpointingLayers
     _supports_sdpa = True
     _can_compile_fullgraph = False
 

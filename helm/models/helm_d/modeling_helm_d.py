@@ -9,6 +9,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.utils import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ...manifold.math import lift
@@ -33,7 +34,7 @@ from ..modeling_common import (
 from .configuration_helm_d import HelmDConfig
 
 
-class HelmDDecoderLayer(nn.Module):
+class HelmDDecoderLayer(GradientCheckpointingLayer):
     """``x ← x ⊕ Attn(RMSNorm_L(x))``, then ``x ← x ⊕ SwiGLU_L(RMSNorm_L(x))`` (⊕: Lorentz residual)."""
 
     def __init__(self, config: HelmDConfig, layer_idx: int):

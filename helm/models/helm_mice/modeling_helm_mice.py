@@ -9,6 +9,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.utils import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from ...manifold.math import lift
@@ -35,7 +36,7 @@ from ..modeling_common import (
 from .configuration_helm_mice import HelmMiCEConfig
 
 
-class HelmMiCEDecoderLayer(nn.Module):
+class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
     """``x ← x ⊕ HMLA(RMSNorm_L(x))``, then ``x ← x ⊕ MiCE(RMSNorm_L(x))`` (dense SwiGLU_L in the first
     ``first_k_dense_replace`` layers; Eq. 3 self-attention instead of HMLA when ``attention_type="mha"``)."""
 
