@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..nn.mice import sequence_balance_loss, update_routing_bias_
 
@@ -80,4 +81,29 @@ def attach_balancing(model: nn.Module) -> list:
     return layers
 
 
-__all__ = ["RouterBalancing", "attach_balancing"]
+class RoutingBiasCallback(TrainerCallback):
+    """``transformers.Trainer`` callback: the aux-loss-free routing-bias update after every optimiser step, from
+    the expert load of the step's micro-batches (HELM-MiCE, or a DeepSeek-V3 after :func:`attach_balancing`).
+
+    Under several processes each updates from its own load (``train.py`` sums the load over processes first).
+    """
+
+    def __init__(self):
+        self.load: Optional[list] = None
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        self._add(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._add(model)
+        for layer, load in zip(attach_balancing(getattr(model, "module", model)), self.load or []):
+            layer.last_expert_load.copy_(load)
+            layer.update_bias()
+        self.load = None
+
+    def _add(self, model) -> None:
+        loads = [layer.last_expert_load.clone() for layer in attach_balancing(getattr(model, "module", model))]
+        self.load = loads if self.load is None else [a + b for a, b in zip(self.load, loads)]
+
+
+__all__ = ["RouterBalancing", "RoutingBiasCallback", "attach_balancing"]
