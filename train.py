@@ -146,6 +146,8 @@ def build_model(cfg, config):
                                                  trust_remote_code=cfg.model.trust_remote_code, **cfg.model.overrides)
         with torch.no_grad():
             model.eval()(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except OSError as error:  # the weights of model.pretrained (missing, truncated, not matching their manifest)
+        raise ConfigError(f"model.pretrained: {' '.join(str(error).split())}") from None
     except Exception as error:
         raise ConfigError(f"model.overrides: {dict(cfg.model.overrides)} give a model that cannot be built and run "
                           f"forward ({type(error).__name__}: {' '.join(str(error).split())})") from None

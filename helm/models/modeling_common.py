@@ -5,6 +5,7 @@ config, and the causal-LM loss."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -168,6 +169,8 @@ class HelmPreTrainedModel(PreTrainedModel):
 
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
 
 def _check_local_folder(name: str, where) -> None:
@@ -185,7 +188,7 @@ def _check_local_folder(name: str, where) -> None:
         raise OSError(f"{name}.from_pretrained({str(where)!r}): no such folder")
     if (path / MANIFEST).is_file():
         try:
-            problem = manifest_problem(path, read_manifest(path), lambda f: f.startswith(("model", "pytorch_model")))
+            problem = manifest_problem(path, read_manifest(path), _WEIGHT_FILE.match)
         except (OSError, ValueError, KeyError, TypeError) as error:
             problem = f"has an unreadable {MANIFEST} ({error})"
         if problem:

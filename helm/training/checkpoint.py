@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import load as accelerate_load
 
 from ..manifest import MANIFEST, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
@@ -94,9 +95,12 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
 
 def read_trainer_state(checkpoint: Path) -> dict:
     """The :class:`TrainerState` of a checkpoint, plus ``world_size`` (processes that saved it), without loading it."""
+    rng_files = sorted(checkpoint.glob("random_states_*.pkl"))
     with refused_pickles(checkpoint):
         state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
-    state["world_size"] = len(list(checkpoint.glob("random_states_*.pkl")))
+        for path in rng_files:  # accelerate's load_state would skip an unreadable one silently (resume not exact)
+            accelerate_load(path, map_location="cpu")
+    state["world_size"] = len(rng_files)
     return state
 
 

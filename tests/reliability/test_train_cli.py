@@ -43,6 +43,23 @@ def _recipe_text(text):
     return write
 
 
+def _corrupted_pretrained(tmp_path, run_data):
+    """A folder train.py wrote (weights + manifest) whose weights changed on disk afterwards."""
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    from helm.manifest import write_manifest
+    from tests.test_train import MICRO_D
+
+    folder = tmp_path / "pretrained"
+    AutoModelForCausalLM.from_config(helm.load_config("tiny-helm-d", **MICRO_D)).save_pretrained(folder)
+    write_manifest(folder, 1)
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-100] ^= 0x40
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    return ["--model.preset=null", f"--model.pretrained={folder}"]
+
+
 def _preset_without_model_type(tmp_path, run_data):
     preset = tmp_path / "preset.json"
     preset.write_text(json.dumps({"hidden_size": 33, "num_attention_heads": 2}))
@@ -73,6 +90,8 @@ def _remote_code_folder(tmp_path, run_data):
 
 # id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, message (regex)
 CASES = [
+    ("pretrained-corrupted", "tiny-helm-d", _corrupted_pretrained, [], 2,
+     r"model\.pretrained: .*the checkpoint is corrupted: the SHA-256 of model\.safetensors does not match"),
     ("recipe-malformed-yaml", "tiny-helm-d", _recipe_text("model: [1, 2\n"), [], 2,
      r"--config .*recipe.yaml' or an override is not a valid recipe: while parsing a flow sequence"),
     ("recipe-is-a-list", "tiny-helm-d", _recipe_text("[1, 2]\n"), [], 2,
@@ -285,7 +304,7 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin"])
+@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
 def test_a_checkpoint_file_replaced_by_a_code_pickle_is_refused(target, tmp_path, run_data, capsys):
     """Even with the manifest rewritten to match, --resume loads nothing that is not tensors and plain data: exit 2
     naming the checkpoint, and the payload never runs."""
