@@ -7,14 +7,18 @@ variable set, then restores the environment so the rest of the session sees what
 get the variable back through ``monkeypatch``: ``helm.ops``' ``impl="triton"`` reads it at call time).
 
 If an earlier test module already imported triton for the GPU (``transformers`` imports it, for one),
-triton cannot be re-imported in this process; each kernel test then runs in a child pytest process that
-enables the interpreter from the start, and passes or fails with it.
+triton cannot be re-imported in this process; the kernel tests selected in this session then run together in
+one child pytest process that enables the interpreter from the start (one start-up, not one per test), and
+each test passes, fails or skips with its outcome there.
 """
 
 import importlib
 import os
 import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 
@@ -59,17 +63,50 @@ if not IN_PROCESS and os.environ.get(_CHILD_FLAG):
     raise RuntimeError("triton was imported before tests/kernels/conftest.py could enable its interpreter")
 
 
+_SELECTED: list = []  # node ids of this folder's tests in the session
+_OUTCOMES: dict = {}  # node id -> ("passed" | "failed" | "skipped", message), from the child run
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    _SELECTED[:] = [item.nodeid for item in items if Path(str(item.fspath)).parent == here]
+
+
+def _run_children(rootpath) -> None:
+    """Run every selected kernel test in one child process with the interpreter on; record each outcome."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                               *_SELECTED], cwd=rootpath, env=env, capture_output=True, text=True, timeout=3600)
+        if not report.is_file():
+            raise RuntimeError(f"the child kernel test run did not start:\n{proc.stdout[-4000:]}\n"
+                               f"{proc.stderr[-2000:]}")
+        for case in ElementTree.parse(report).iter("testcase"):
+            module = case.get("classname").replace(".", "/") + ".py"
+            nodeid = f"{module}::{case.get('name')}"
+            problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skipped = case.find("skipped")
+            if problem is not None:
+                _OUTCOMES[nodeid] = ("failed", f"{problem.get('message', '')}\n{(problem.text or '')[-6000:]}")
+            elif skipped is not None:
+                _OUTCOMES[nodeid] = ("skipped", skipped.get("message", ""))
+            else:
+                _OUTCOMES[nodeid] = ("passed", "")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """Out-of-process fallback (see the module docstring): run this one test in a fresh interpreter."""
+    """Out-of-process fallback (see the module docstring): report this test's outcome in the child run."""
     if IN_PROCESS:
         return None
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
-                          cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"in a child process with TRITON_INTERPRET=1:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}",
-                    pytrace=False)
+    if not _OUTCOMES:
+        _run_children(pyfuncitem.config.rootpath)
+    outcome, message = _OUTCOMES.get(pyfuncitem.nodeid, ("failed", "the child run did not report this test"))
+    if outcome == "failed":
+        pytest.fail(f"in a child process with TRITON_INTERPRET=1:\n{message}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(message)
     return True
 
 
