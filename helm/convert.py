@@ -209,8 +209,11 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     ``path_or_state_dict``: a ``torch.save`` file (read with ``weights_only=True``) or a state dict, bare or under
     ``"state_dict"`` / ``"model"``. ``model``: ``"helm_d"`` (official ``LTransformerDecoder``) or ``"helm_mice"``
     (``LorentzDeepSeekV3``); None detects it from the keys. The shapes are read from the weights; ``overrides``
-    are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``). Returns the
-    model in fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
+    are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``). Two
+    settings of the official MiCE are not in its weights and keep the official defaults unless overridden:
+    ``num_experts_per_tok`` (``n_activated_experts``, 2) and ``trainable_curvatures`` (``train_curv``, true); the
+    official ``route_scale`` must be 1 and ``n_expert_groups`` 1 (the zoo has neither). Returns the model in
+    fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
     """
     import helm  # noqa: F401  (registers the model types)
 
