@@ -28,6 +28,9 @@ LOG_K_MARGIN = math.log(10.0)
 # How MiCE combines its expert outputs (see :class:`MiCE`): ``centroid`` (ours, the paper's one centroid) or
 # ``lresnet_official`` (the official HELM code's chain of LResNets, kept so official checkpoints convert exactly).
 EXPERT_COMBINES = ("centroid", "lresnet_official")
+MOE_DISPATCHES = ("auto", "dense", "sparse")
+# tokens per MiCE call from which the CPU runs each expert on its own tokens (benchmarks/mice_dispatch.py)
+SPARSE_MIN_TOKENS = 128
 # lresnet_official: the fixed space scale of each step of the routed-expert chain (official ``weighted_sum``)
 OFFICIAL_CHAIN_SCALE = 2.0
 # lresnet_official: relative floor on |<a, a>_L| / k in the final LResNet, whose weight is unconstrained (the
@@ -177,7 +180,7 @@ class MiCE(nn.Module):
                  routed_curvatures: Optional[Sequence[float]] = None, trainable_curvatures: bool = True,
                  scoring_func: str = "sigmoid", norm_topk_prob: bool = True, aux_loss_alpha: float = 1e-4,
                  bias_update_speed: float = 1e-3, hidden_act: str = "silu", bias: bool = True,
-                 expert_combine: str = "centroid"):
+                 expert_combine: str = "centroid", dispatch: str = "auto"):
         super().__init__()
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(moe_intermediate_size, "moe_intermediate_size", minimum=2)
@@ -214,6 +217,8 @@ class MiCE(nn.Module):
             LorentzSwiGLU(hidden_size, moe_intermediate_size, k=k, hidden_act=hidden_act, bias=bias)
             for _ in range(n_shared_experts))
         self.expert_combine = expert_combine
+        check_choice(dispatch, "dispatch", MOE_DISPATCHES)
+        self.dispatch = dispatch
         if expert_combine == "lresnet_official":
             self.add_experts_weight = nn.Parameter(torch.empty((), dtype=torch.float32))
             self.add_experts_log_scale = nn.Parameter(torch.empty((), dtype=torch.float32))
@@ -257,12 +262,38 @@ class MiCE(nn.Module):
         self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
         if self.expert_combine == "lresnet_official":
             return self.combine_lresnet_official(x, weights, selected)
+        if self.sparse_dispatch(x):
+            return self.combine_sparse(x, weights, selected)
         outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         # one centroid; with non-negative weights |<s,s>_L| >= k (Σw)^2, the bound used as the clamp
         s = (w.unsqueeze(-1) * points).sum(-2)
         return normalize(s, k=self.k, floor=self.k * w.sum(-1, keepdim=True).pow(2))
+
+    def sparse_dispatch(self, x: torch.Tensor) -> bool:
+        """Run each routed expert on its own tokens only (:meth:`combine_sparse`) on the CPU, outside
+        ``torch.compile``, from ``SPARSE_MIN_TOKENS`` tokens on (below, the dense path's few large matmuls win;
+        ``benchmarks/mice_dispatch.py`` measures both). On GPUs the dense path stays: slicing by expert needs
+        the per-expert token counts on the host, a synchronisation per layer."""
+        return (self.dispatch == "sparse" or self.dispatch == "auto" and x.device.type == "cpu"
+                and x.shape[:-1].numel() >= SPARSE_MIN_TOKENS) and not torch.compiler.is_compiling()
+
+    def combine_sparse(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """The same centroid as the dense path, with routed expert ``j`` evaluated only on the tokens that
+        selected it (``index_add`` of ``g_j E_j(x_t)``); the shared experts see every token."""
+        flat = x.reshape(-1, x.shape[-1])
+        w, chosen = weights.reshape(-1, self.n_routed), selected.reshape(-1, self.n_routed)
+        shared = [s(flat) for s in self.shared_experts]
+        total = torch.stack(shared).sum(0) if shared else upcast(flat).new_zeros(flat.shape)
+        for j, expert in enumerate(self.experts):
+            # an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as densely,
+            # which DDP needs (a parameter without a gradient stops its reduction)
+            rows = chosen[:, j].nonzero().squeeze(-1)
+            total = total.index_add(0, rows, w[rows, j:j + 1] * expert(flat[rows]))
+        weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)
+        out = normalize(total, k=self.k, floor=self.k * weight_sum.pow(2))
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def combine_lresnet_official(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The official code's combination (class docstring): a chain of LResNets over the selected experts from the

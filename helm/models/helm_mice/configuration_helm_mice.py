@@ -14,7 +14,7 @@ from ...nn.validation import (
     one_of,
     optional,
 )
-from ...nn.mice import EXPERT_COMBINES
+from ...nn.mice import EXPERT_COMBINES, MOE_DISPATCHES
 from ..configuration_common import HelmConfigBase
 
 
@@ -38,6 +38,8 @@ class HelmMiCEConfig(HelmConfigBase):
             bias_update_speed: γ of the aux-loss-free routing-bias update (``bias_update_speed >= 0``, finite).
         expert_combine: ``centroid`` (paper Eq. 6: one weighted centroid) or ``lresnet_official`` (the official
             code's chain of LResNets; needs ``n_shared_experts=1``; see :class:`helm.nn.MiCE` and FIDELITY.md).
+        moe_dispatch: ``auto`` (each routed expert runs only on its tokens on the CPU from 128 tokens per call,
+            else every expert on every token), ``dense`` or ``sparse``; the same outputs either way.
     """
 
     model_type = "helm_mice"
@@ -60,6 +62,7 @@ class HelmMiCEConfig(HelmConfigBase):
     aux_loss_alpha: float = field(non_negative, 1e-4)
     bias_update_speed: float = field(non_negative, 1e-3)
     expert_combine: str = field(one_of(EXPERT_COMBINES), "centroid")
+    moe_dispatch: str = field(one_of(MOE_DISPATCHES), "auto")
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)

@@ -69,7 +69,8 @@ class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
                             trainable_curvatures=config.trainable_curvatures, scoring_func=config.scoring_func,
                             norm_topk_prob=config.norm_topk_prob, aux_loss_alpha=config.aux_loss_alpha,
                             bias_update_speed=config.bias_update_speed, hidden_act=config.hidden_act,
-                            bias=config.mlp_bias, expert_combine=config.expert_combine)
+                            bias=config.mlp_bias, expert_combine=config.expert_combine,
+                            dispatch=config.moe_dispatch)
         self.mlp_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                             space_scale=config.residual_space_scale)
 

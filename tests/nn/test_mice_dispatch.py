@@ -1,0 +1,54 @@
+"""Issue 13, item 1: sparse MiCE dispatch (each routed expert on its own tokens) equals the dense path on outputs
+and on the gradients of the input and of every parameter."""
+
+import pytest
+import torch
+
+from helm.manifold import lift, manifold_error
+from helm.nn.mice import SPARSE_MIN_TOKENS, MiCE
+
+CASES = [("shared-1", 1, (2, 37)), ("shared-0", 0, (3, 21)), ("shared-2", 2, (1, 63))]
+
+
+def layer(n_shared, **kwargs):
+    torch.manual_seed(0)
+    mice = MiCE(1 + 16, 1 + 24, n_routed_experts=5, num_experts_per_tok=2, n_shared_experts=n_shared, k=0.7,
+                routed_curvatures=[-0.2, -0.7, -1.0, -1.5, -2.0], **kwargs).double()
+    with torch.no_grad():
+        mice.gate.weight.normal_(0.0, 0.5)
+        mice.e_score_correction_bias[4] = -10.0  # expert 4 is never selected: an empty slice
+    return mice
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("case,n_shared,shape", CASES, ids=[c[0] for c in CASES])
+def test_sparse_dispatch_equals_dense_on_outputs_and_gradients(case, n_shared, shape, scoring):
+    mice = layer(n_shared, scoring_func=scoring, norm_topk_prob=scoring == "sigmoid")
+    x0 = lift(torch.randn(*shape, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2, k=0.7)
+    results = {}
+    for mode in ("dense", "sparse"):
+        mice.dispatch = mode
+        mice.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        out = mice.train()(x)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        results[mode] = (out.detach(), x.grad, {n: p.grad.clone() for n, p in mice.named_parameters()
+                                               if p.grad is not None}, mice.last_expert_load.clone())
+    (out_d, gx_d, gp_d, load_d), (out_s, gx_s, gp_s, load_s) = results["dense"], results["sparse"]
+    assert load_d[4] == 0 and torch.equal(load_d, load_s)
+    torch.testing.assert_close(out_s, out_d, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx_s, gx_d, rtol=1e-10, atol=1e-12)
+    # the expert no token selected gets zero gradients both ways (DDP needs a gradient for every parameter)
+    assert gp_d.keys() == gp_s.keys() and all(gp_s[n].abs().max() == 0 for n in gp_s if n.startswith("experts.4."))
+    for name in gp_d:
+        torch.testing.assert_close(gp_s[name], gp_d[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert manifold_error(out_s, 0.7).max() <= 1e-12
+
+
+def test_auto_dispatch_is_sparse_on_the_cpu_from_the_threshold():
+    mice = layer(1)
+    assert mice.dispatch == "auto"
+    small = torch.zeros(1, SPARSE_MIN_TOKENS - 1, 17)
+    assert not mice.sparse_dispatch(small) and mice.sparse_dispatch(torch.zeros(1, SPARSE_MIN_TOKENS, 17))
+    with pytest.raises(ValueError, match="dispatch"):
+        layer(1, dispatch="grouped")
