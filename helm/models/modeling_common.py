@@ -261,11 +261,8 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None:
         check_tensor(input_ids, "input_ids", (None, None), "[B, T]", dtype="integer", nonempty=True)
-        if config.validate_inputs and not torch.compiler.is_compiling():
-            if bool(((input_ids < 0) | (input_ids >= config.vocab_size)).any()):
-                lo, hi = int(input_ids.min()), int(input_ids.max())
-                raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size}); got values in "
-                                 f"[{lo}, {hi}] (is the tokenizer's vocabulary larger than the model's?)")
+        check_token_ids(config, input_ids, "input_ids",
+                        hint=" (is the tokenizer's vocabulary larger than the model's?)")
         batch, seq_len = input_ids.shape
     else:
         check_tensor(inputs_embeds, "inputs_embeds", (None, None, config.hidden_size), "[B, T, hidden_size]",
@@ -284,6 +281,23 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                          f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
                          "beyond its table; use a relative encoding (e.g. positional='hope') for longer inputs")
     return batch, seq_len
+
+
+def check_token_ids(config, ids: torch.Tensor, name: str, *, ignore_index: Optional[int] = None,
+                    hint: str = "") -> None:
+    """``ValueError`` naming ``name`` unless every id (other than ``ignore_index``) lies in ``[0, vocab_size)``.
+    With ``config.validate_inputs``: one device read, skipped while compiling."""
+    if not config.validate_inputs or torch.compiler.is_compiling():
+        return
+    vocab = config.vocab_size
+    outside = (ids < 0) | (ids >= vocab)
+    if ignore_index is not None:
+        outside &= ids != ignore_index
+    if bool(outside.any()):
+        bad = ids[outside]
+        also = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab}){also}; got values in "
+                         f"[{int(bad.min())}, {int(bad.max())}]{hint}")
 
 
 def refuse_attention_weights(config, output_attentions: Optional[bool]) -> None:
@@ -335,11 +349,7 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) 
     check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]", dtype="integer")
     ignore = kwargs.get("ignore_index", -100)
     vocab = model.config.vocab_size
-    if model.config.validate_inputs and not torch.compiler.is_compiling():
-        if bool(((labels != ignore) & ((labels < 0) | (labels >= vocab))).any()):
-            bad = labels[(labels != ignore) & ((labels < 0) | (labels >= vocab))]
-            raise ValueError(f"labels must lie in [0, vocab_size={vocab}) or equal ignore_index={ignore}; got "
-                             f"values in [{int(bad.min())}, {int(bad.max())}]")
+    check_token_ids(model.config, labels, "labels", ignore_index=ignore)
     if kwargs.get("num_items_in_batch") is None:
         shifted = kwargs.get("shift_labels")
         shifted = labels[..., 1:] if shifted is None else shifted

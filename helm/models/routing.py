@@ -92,17 +92,18 @@ class RoutingBiasCallback(TrainerCallback):
         self.load: Optional[list] = None
 
     def on_substep_end(self, args, state, control, model=None, **kwargs):
-        self._add(model)
+        self._add(attach_balancing(getattr(model, "module", model)))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self._add(model)
-        for layer, load in zip(attach_balancing(getattr(model, "module", model)), self.load or []):
+        layers = attach_balancing(getattr(model, "module", model))  # unwrapped from DDP
+        self._add(layers)
+        for layer, load in zip(layers, self.load or []):
             layer.last_expert_load.copy_(load)
             layer.update_bias()
         self.load = None
 
-    def _add(self, model) -> None:
-        loads = [layer.last_expert_load.clone() for layer in attach_balancing(getattr(model, "module", model))]
+    def _add(self, layers: list) -> None:
+        loads = [layer.last_expert_load.clone() for layer in layers]
         self.load = loads if self.load is None else [a + b for a, b in zip(self.load, loads)]
 
 

@@ -163,9 +163,10 @@ class MiCE(nn.Module):
     ``[B, T, 1+n]``, ``g_j`` ``[B, T]``; Minkowski norms in fp32 at least. The official gate corresponds to
     ``scoring_func="softmax"``, ``norm_topk_prob=False``.
 
-    All experts are evaluated on all tokens and combined with zero weights (or skipped by a mask) for unselected
-    ones: no Python loop over tokens, no data-dependent shapes, no host synchronisation. (Sparse dispatch would save
-    ``(N_r - K_r)/N_r`` of the expert FLOPs; it needs grouped GEMMs to stay sync-free.)
+    Dispatch (``dispatch``): densely, every expert runs on every token and unselected ones get zero weight (or
+    are skipped by a mask): no data-dependent shapes, no host synchronisation. On the CPU, ``auto`` switches to
+    :meth:`combine_sparse` (each routed expert on its own tokens, ``(N_r - K_r)/N_r`` of the expert FLOPs saved)
+    from ``SPARSE_MIN_TOKENS`` tokens; GPUs stay dense until grouped GEMMs keep that sync-free.
 
     After each forward the layer keeps ``last_expert_load`` (tokens routed to each expert, ``[N_r]``) and, in
     training, ``aux_loss``: the DeepSeek-V3 sequence-wise balance loss

@@ -18,11 +18,16 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import load as accelerate_load
+from safetensors import SafetensorError
 
 from ..manifest import MANIFEST, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# what a full disk raises while a folder is written: OSError, torch.save's RuntimeError ("unexpected pos"), or
+# safetensors' SafetensorError (a model.safetensors written by save_state or save_pretrained)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 LOCK = "train.lock"
 STATE_FILE = "custom_checkpoint_0.pkl"
@@ -127,9 +132,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
         accelerator.save_state(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            write_manifest(tmp, step)
-            finalize(tmp, final)
-    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+            finalize(tmp, final, step)
+    except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
@@ -188,17 +192,18 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int) 
     try:
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
-        write_manifest(tmp, step)
-        finalize(tmp, final)
-    except Exception as error:  # OSError, torch's RuntimeError or safetensors' SafetensorError on a full disk
+        finalize(tmp, final, step)
+    except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write the final model to {str(final)!r}: {' '.join(str(error).split())}; "
                               "the checkpoints are intact: free space, then rerun with --resume") from None
     return final
 
 
-def finalize(tmp: Path, final: Path) -> None:
-    """Rename a fully written folder into place (replacing an older one of the same name)."""
+def finalize(tmp: Path, final: Path, step: int) -> None:
+    """Write the manifest of a fully written folder last, then rename it into place (replacing an older one of
+    the same name)."""
+    write_manifest(tmp, step)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

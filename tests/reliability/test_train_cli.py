@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from helm.training import list_checkpoints, verify_checkpoint
@@ -207,10 +208,16 @@ def test_huge_learning_rate_diverges_with_exit_3(tmp_path, run_data):
     _checkpoint_weights_finite(tmp_path / "run")
 
 
-# a full disk as the OS reports it, and as torch.save reports it (a RuntimeError from its zip writer)
-DISK_FULL = {"oserror": lambda path: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path + "/optimizer.bin"),
-             "torch-runtimeerror": lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected "
-                                                             "pos 88832 vs 88724")}
+# a full disk as the OS reports it, as torch.save reports it (a RuntimeError from its zip writer) and as safetensors
+# reports it (model.safetensors): (error, fragment of the message)
+DISK_FULL = {
+    "oserror": (lambda path: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path + "/optimizer.bin"),
+                "No space left on device"),
+    "torch-runtimeerror": (lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 88832 "
+                                                     "vs 88724"), "unexpected pos"),
+    "safetensors-error": (lambda path: SafetensorError("Error while serializing: IoError(No space left on device (os "
+                                                       "error 28))"), "os error 28"),
+}
 
 
 @pytest.mark.parametrize("kind", list(DISK_FULL))
@@ -224,7 +231,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, ru
     def full_disk(self, output_dir=None, **kwargs):
         if "step-00000008" in str(output_dir):
             real(self, output_dir, **kwargs)  # half written: then the disk fills up
-            raise DISK_FULL[kind](str(output_dir))
+            raise DISK_FULL[kind][0](str(output_dir))
         return real(self, output_dir, **kwargs)
 
     monkeypatch.setattr(Accelerator, "save_state", full_disk)
@@ -233,7 +240,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, ru
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert "checkpoint of step 8" in error and "step-00000004" in error, error
-    assert ("No space left on device" if kind == "oserror" else "unexpected pos") in error, error
+    assert DISK_FULL[kind][1] in error, error
     root = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in list_checkpoints(root)] == [4] and not list(root.glob(".tmp-*"))
     verify_checkpoint(root / "step-00000004")
