@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_l
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
 from helm.data import MissingSourceError, build_default_data
+from helm.distributed import clip_grad_norm, use_fsdp_on_cpu
 from helm.evaluation import packed_inputs, perplexity, rows_nll
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
@@ -58,6 +59,7 @@ def make_accelerator(cfg, out: Path, resume_step):
     trackers += ["tensorboard"] if cfg.train.logger in ("tensorboard", "both") else []
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
                               step_scheduler_with_optimizer=False, fsdp_plugin=fsdp, log_with=trackers, project_dir=out)
+    use_fsdp_on_cpu(accelerator, fsdp)  # accelerate alone would run DDP on CPU processes
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError("train.mixed_precision=fp16 needs a GPU (fp16 with loss scaling); use no or bf16 on a CPU")
     return accelerator
@@ -182,9 +184,6 @@ def train(cfg, resume) -> dict:
     set_seed(cfg.train.seed)
     model = build_model(cfg, config)
     groups = group_parameters(model)
-    if cfg.train.distributed == "fsdp" and groups["manifold"] and world > 1:
-        raise ConfigError("train.distributed=fsdp would shard geoopt ManifoldParameters into plain tensors and train "
-                          "them as Euclidean; use ddp, or embedding_mode='space' and lm_head_mode='linear'")
 
     B, accum, L = cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len
     rows_per_step, start_step = B * world * accum, state.step
@@ -257,7 +256,7 @@ def train(cfg, resume) -> dict:
                     step_load = torch.stack([layer.last_expert_load for layer in routed])
                     load = step_load if load is None else load + step_load
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+                    grad_norm = clip_grad_norm(accelerator, model.parameters(), cfg.optim.grad_clip or float("inf"))
                     lr = scheduler.get_last_lr()[0]
                     optimizer.step()
                     scheduler.step()

@@ -57,14 +57,14 @@ def _read(path_or_state_dict) -> dict:
 def _positive_log(value: torch.Tensor, key: str, what: str) -> torch.Tensor:
     if not bool((value > 0).all()):
         raise ValueError(f"{key} = {value.flatten().tolist()} must be positive: the zoo stores {what}")
-    return value.log().reshape(())
+    return value.log().reshape(1)  # the zoo's scalars are [1]-shaped (FSDP2 shards dim 0)
 
 
 def _inverse_softplus(value: torch.Tensor, key: str) -> torch.Tensor:
     if not bool((value > 0).all()):
         raise ValueError(f"{key} = {value.item():g}: the official residual weight must be positive to convert "
                          "(the zoo keeps residual weights positive, w = softplus(raw_weight))")
-    return torch.log(torch.expm1(value)).reshape(())
+    return torch.log(torch.expm1(value)).reshape(1)
 
 
 def _curvature(state: dict) -> float:
@@ -118,10 +118,10 @@ def _helm_d(state: dict, used: set) -> tuple[dict, dict]:
             out[p + ours + ".weight"] = state[o + theirs + ".weight"]
             used.add(o + theirs + ".weight")
         for theirs, ours in (("Wq", "q_proj"), ("Wk", "k_proj"), ("Wv", "v_proj"), ("final_linear", "o_proj")):
-            _linear(out, p + f"self_attn.{ours}.linear", state, o + f"attn.{theirs}", used)
+            _linear(out, p + f"self_attn.{ours}", state, o + f"attn.{theirs}", used)
         _layer_scalars(out, state, used, o, p, "attn.scale", ("res1", "res2"))
         for theirs, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-            _linear(out, p + f"mlp.{ours}.linear", state, o + f"mlp.{theirs}.linear", used)
+            _linear(out, p + f"mlp.{ours}", state, o + f"mlp.{theirs}.linear", used)
     return config, out
 
 
@@ -154,16 +154,16 @@ def _helm_mice(state: dict, used: set) -> tuple[dict, dict]:
                              ("attn.kv_norm", "self_attn.kv_a_layernorm")):
             out[p + ours + ".weight"] = state[o + theirs + ".weight"]
             used.add(o + theirs + ".weight")
-        _linear(out, p + "self_attn.q_proj.linear", state, o + "attn.wq.linear", used)
-        _linear(out, p + "self_attn.kv_a_proj.linear", state, o + "attn.wkv_a.linear", used, slice(0, latent))
-        _linear(out, p + "self_attn.k_rope_proj.linear", state, o + "attn.wkv_a.linear", used, slice(latent, None))
-        _linear(out, p + "self_attn.kv_b_proj.linear", state, o + "attn.wkv_b.linear", used)
-        _linear(out, p + "self_attn.o_proj.linear", state, o + "attn.wo.linear", used)
+        _linear(out, p + "self_attn.q_proj", state, o + "attn.wq.linear", used)
+        _linear(out, p + "self_attn.kv_a_proj", state, o + "attn.wkv_a.linear", used, slice(0, latent))
+        _linear(out, p + "self_attn.k_rope_proj", state, o + "attn.wkv_a.linear", used, slice(latent, None))
+        _linear(out, p + "self_attn.kv_b_proj", state, o + "attn.wkv_b.linear", used)
+        _linear(out, p + "self_attn.o_proj", state, o + "attn.wo.linear", used)
         _layer_scalars(out, state, used, o, p, "attn.softmax_scale", ("attn_res", "ffn_res"))
         swiglu = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
         if i in dense:
             for theirs, ours in swiglu:
-                _linear(out, p + f"mlp.{ours}.linear", state, o + f"ffn.{theirs}.linear", used)
+                _linear(out, p + f"mlp.{ours}", state, o + f"ffn.{theirs}.linear", used)
             continue
         out[p + "mlp.gate.weight"] = state[o + "ffn.gate.weight"]
         out[p + "mlp.e_score_correction_bias"] = state.get(o + "ffn.gate.bias",
@@ -182,12 +182,12 @@ def _helm_mice(state: dict, used: set) -> tuple[dict, dict]:
             curvatures.append(-1.0 / float(k_j))
             used.add(e + "expert_manifold.k")
             for theirs, ours in swiglu:
-                _linear(out, p + f"mlp.experts.{j}.mlp.{ours}.linear", state, e + f"{theirs}.linear", used)
+                _linear(out, p + f"mlp.experts.{j}.mlp.{ours}", state, e + f"{theirs}.linear", used)
         for theirs, ours in swiglu:
-            _linear(out, p + f"mlp.shared_experts.0.{ours}.linear", state, o + f"ffn.shared_experts.{theirs}.linear",
+            _linear(out, p + f"mlp.shared_experts.0.{ours}", state, o + f"ffn.shared_experts.{theirs}.linear",
                     used)
-        out[p + "mlp.add_experts_weight"] = state[o + "ffn.add_experts.w_y"].reshape(())
-        out[p + "mlp.add_experts_log_scale"] = state[o + "ffn.add_experts.scale"].reshape(())
+        out[p + "mlp.add_experts_weight"] = state[o + "ffn.add_experts.w_y"].reshape(1)
+        out[p + "mlp.add_experts_log_scale"] = state[o + "ffn.add_experts.scale"].reshape(1)
         used |= {o + "ffn.add_experts.w_y", o + "ffn.add_experts.scale"}
         config.setdefault("routed_curvatures", curvatures)
         config.setdefault("n_routed_experts", len(experts))

@@ -15,6 +15,11 @@ Every trainable parameter falls in exactly one of three groups (:func:`group_par
 
 :class:`HybridAdamW` runs both optimisers behind one ``torch.optim.Optimizer``, so a learning-rate scheduler,
 ``accelerate`` and checkpointing see a single object whose ``state_dict`` covers every parameter.
+
+Under FSDP2 (``fully_shard``, ``train.distributed: fsdp``) the optimiser is built before sharding, as
+``accelerate`` expects: the groups are fixed then, by name and class, and :class:`RiemannianAdam` records each point's
+manifold, so after sharding (plain ``DTensor`` parameters) the points still get Riemannian updates on their local rows
+and no weight decay.
 """
 
 from __future__ import annotations
@@ -45,8 +50,11 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> str:
-    """Group of ``param``, registered as ``name`` directly on ``module``: ``decay``, ``no_decay`` or ``manifold``."""
-    if isinstance(param, geoopt.ManifoldParameter):
+    """Group of ``param``, registered as ``name`` directly on ``module``: ``decay``, ``no_decay`` or ``manifold``.
+
+    Manifold points are ``geoopt.ManifoldParameter``s, or the parameters a HELM module lists in
+    ``_manifold_parameters`` (which stay points after ``fully_shard`` made them plain ``DTensor`` parameters)."""
+    if isinstance(param, geoopt.ManifoldParameter) or name in getattr(module, "_manifold_parameters", ()):
         return "manifold"
     if name in NO_DECAY_NAMES or _is_norm(module) or param.ndim < 2:
         return "no_decay"
@@ -73,8 +81,98 @@ def group_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     return groups
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a ``DTensor`` (FSDP2's sharded parameters, gradients and moments), else the tensor: a
+    view, so in-place updates of it update the sharded tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _manifold_of(model: nn.Module, name: str, param: torch.Tensor):
+    """The manifold of a point: its own, or (sharded into a plain tensor) its HELM module's Lorentz manifold."""
+    if isinstance(param, geoopt.ManifoldParameter):
+        return param.manifold
+    from .manifold.lorentz import Lorentz
+
+    return Lorentz(model.get_submodule(name.rpartition(".")[0]).k)
+
+
+class RiemannianAdam(geoopt.optim.RiemannianAdam):
+    """``geoopt.optim.RiemannianAdam`` that keeps working when FSDP2 has sharded the points.
+
+    ``fully_shard`` replaces every parameter by a plain ``nn.Parameter`` holding a ``DTensor`` sharded along dim 0,
+    so a ``ManifoldParameter`` loses its class and ``geoopt`` would silently update it as a Euclidean tensor. Here
+    each point's manifold is recorded when the optimiser is built (``manifolds``, aligned with the parameters of the
+    one group), and the step (``geoopt``'s algorithm, the same operations in the same order) runs on the local
+    shards: rows are points and FSDP2 shards rows, so every Riemannian operation (gradient conversion, component
+    inner product, retraction, transport, projection) is row-wise and local. Moments are created like the point
+    (``DTensor`` for a sharded point), so distributed checkpointing of the state works as for AdamW.
+    """
+
+    def __init__(self, params, *args, manifolds: Optional[list] = None, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        if len(self.param_groups) != 1 or (manifolds is not None
+                                           and len(manifolds) != len(self.param_groups[0]["params"])):
+            raise ValueError("RiemannianAdam takes one parameter group and one manifold per parameter")
+        self.manifolds = manifolds
+
+    def _manifold(self, index: int, point: torch.Tensor):
+        if isinstance(point, (geoopt.ManifoldParameter, geoopt.ManifoldTensor)):
+            return point.manifold
+        return self.manifolds[index] if self.manifolds is not None else self._default_manifold
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        (beta1, beta2), eps, lr, weight_decay = group["betas"], group["eps"], group["lr"], group["weight_decay"]
+        if group["amsgrad"]:
+            raise NotImplementedError("amsgrad is not supported")
+        stabilize = False
+        for index, param in enumerate(group["params"]):
+            if param.grad is None:
+                continue
+            manifold = self._manifold(index, param)
+            state = self.state[param]
+            if len(state) == 0:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+            state["step"] += 1
+            point, grad = _local(param), _local(param.grad)
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            grad.add_(point, alpha=weight_decay)
+            grad = manifold.egrad2rgrad(point, grad)
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).add_(manifold.component_inner(point, grad), alpha=1 - beta2)
+            denom = exp_avg_sq.div(1 - beta2 ** state["step"]).sqrt_()
+            direction = exp_avg.div(1 - beta1 ** state["step"]) / denom.add_(eps)
+            new_point, exp_avg_new = manifold.retr_transp(point, -lr * direction, exp_avg)
+            point.copy_(new_point)
+            exp_avg.copy_(exp_avg_new)
+            stabilize |= group["stabilize"] is not None and state["step"] % group["stabilize"] == 0
+        if stabilize:
+            self.stabilize_group(group)
+        return loss
+
+    @torch.no_grad()
+    def stabilize_group(self, group):
+        for index, param in enumerate(group["params"]):
+            state = self.state[param]
+            if not state:  # no gradient yet
+                continue
+            manifold, point, exp_avg = self._manifold(index, param), _local(param), _local(state["exp_avg"])
+            point.copy_(manifold.projx(point))
+            exp_avg.copy_(manifold.proju(point, exp_avg))
+
+
 class HybridAdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` for Euclidean groups and ``geoopt.optim.RiemannianAdam`` for manifold points, in one.
+    """``torch.optim.AdamW`` for Euclidean groups and :class:`RiemannianAdam` (``geoopt``'s, shard-aware) for manifold
+    points, in one.
 
     The two inner optimisers share this object's ``param_groups`` dicts and its ``state``, so anything that
     edits ``param_groups`` (an LR scheduler, ``accelerate``) reaches both, and ``state_dict()`` /
@@ -113,7 +211,9 @@ class HybridAdamW(torch.optim.Optimizer):
         euclidean = named("decay", weight_decay=weight_decay) + named("no_decay", weight_decay=0.0)
         manifold = named("manifold", weight_decay=0.0, stabilize=stabilize)
         self.euclidean = torch.optim.AdamW(euclidean, lr=lr, betas=betas, eps=eps) if euclidean else None
-        self.riemannian = (geoopt.optim.RiemannianAdam(manifold, lr=manifold_lr or lr, betas=betas, eps=eps)
+        # the points' manifolds, recorded before FSDP2 can shard them into plain tensors
+        self.riemannian = (RiemannianAdam(manifold, lr=manifold_lr or lr, betas=betas, eps=eps,
+                                          manifolds=[_manifold_of(model, n, p) for n, p in groups["manifold"]])
                            if manifold else None)
         inner_groups = [g for opt in (self.euclidean, self.riemannian) if opt is not None for g in opt.param_groups]
         super().__init__(inner_groups, defaults={})
@@ -154,4 +254,5 @@ def build_optimizer(model: nn.Module, *, lr: float, manifold_lr: Optional[float]
                        stabilize=stabilize)
 
 
-__all__ = ["GROUPS", "NO_DECAY_NAMES", "HybridAdamW", "build_optimizer", "classify_parameter", "group_parameters"]
+__all__ = ["GROUPS", "NO_DECAY_NAMES", "HybridAdamW", "RiemannianAdam", "build_optimizer", "classify_parameter",
+           "group_parameters"]

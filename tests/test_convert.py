@@ -102,7 +102,7 @@ BAD = [
     ("zero temperature", "helm_d", lambda sd: sd.__setitem__("resblocks.0.attn.scale", torch.zeros(1)),
      r"resblocks.0.attn.scale = \[0.0\] must be positive"),
     ("missing weight", "helm_d", lambda sd: sd.pop("resblocks.1.mlp.w2.linear.weight"),
-     r"lacks 1 weights the converted model needs: \['model.layers.1.mlp.down_proj.linear.weight'\]"),
+     r"lacks 1 weights the converted model needs: \['model.layers.1.mlp.down_proj.weight'\]"),
     ("two curvatures", "helm_d", lambda sd: sd.__setitem__("manifold_out.k", torch.tensor(2.0)),
      r"manifold_out.k = 2 differs from manifold_hidden.k = 1"),
 ]

@@ -105,6 +105,10 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             have (False: the paper's architecture).
         validate_inputs: check token ids and labels against the vocabulary and ``inputs_embeds`` for finite
             points (one device read each, skipped while compiling).
+        fused_lm_loss: in training with ``labels``, compute the loss with the fused, chunked LM head +
+            cross-entropy (:func:`helm.ops.linear_cross_entropy`: no ``[B, T, V]`` logits, same loss and gradients)
+            and return ``logits=None``; ``forward(skip_logits=False)`` asks for the logits anyway (see
+            :func:`helm.models.modeling_common.lm_logits_and_loss`). False: always the plain path.
     """
 
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -145,6 +149,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     head_merge: str = field(one_of(HEAD_MERGES), "hcat")
     final_proj: bool = field(boolean, False)
     validate_inputs: bool = field(boolean, True)
+    fused_lm_loss: bool = field(boolean, True)
 
     @property
     def _attn_implementation(self):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
@@ -25,6 +26,12 @@ from ..nn.positional import PositionalEncoding
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
+from ..ops.attention import AttentionMask
+
+
+# Checkpoints saved before the attention and MLP projections became plain linears under Llama's names
+# (``q_proj.linear.weight`` is now ``q_proj.weight``); ``final_proj`` is still a LorentzLinear.
+LEGACY_KEY_MAPPING = {r"\.(q|k|v|o|q_a|q_b|kv_a|kv_b|k_rope|gate|up|down)_proj\.linear\.": r".\1_proj."}
 
 
 class HelmPreTrainedModel(PreTrainedModel):
@@ -47,7 +54,9 @@ class HelmPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True  # the decoder layers are transformers GradientCheckpointingLayers
     _supports_sdpa = True
-    _can_compile_fullgraph = False
+    # the forward has no graph break and no host read under torch.compile (checks that read the device are skipped
+    # while compiling; a static cache's length stays a tensor): tests/workflows/test_static_cache.py
+    _can_compile_fullgraph = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -83,6 +92,47 @@ class HelmPreTrainedModel(PreTrainedModel):
                 module.restore_frozen()
         return self
 
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        """``transformers``' loader, with the migration of checkpoints saved when the learnable scalars
+        (``log_tau``, ``raw_weight``, ``log_k``, ...) were 0-dim tensors: they are ``[1]`` now, because FSDP2 shards
+        every parameter along dim 0. Generic: every ``[1]`` parameter that the checkpoint holds as a 0-dim tensor is
+        swapped for a 0-dim placeholder while ``transformers`` loads (so its device, dtype and offload handling apply
+        unchanged), then reshaped back to ``[1]``; new checkpoints (``[1]``) load untouched."""
+        def stem(key: str) -> str:  # a base-model checkpoint loads into …ForCausalLM and back
+            return key[len(model.base_model_prefix) + 1:] if key.startswith(model.base_model_prefix + ".") else key
+
+        shapes = {}
+        if state_dict is not None:
+            shapes = {stem(k): tuple(v.shape) for k, v in state_dict.items()}
+        for file in checkpoint_files or ():
+            if str(file).endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(file, framework="pt") as f:
+                    shapes.update({stem(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            elif str(file).endswith(".bin"):
+                try:
+                    loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except Exception:  # noqa: BLE001 - unreadable: transformers' own load below reports it
+                    continue
+                shapes.update({stem(k): tuple(v.shape) for k, v in loaded.items()})
+        swapped = {}
+        for name, p in model.named_parameters():
+            if p.shape == (1,) and shapes.get(stem(name)) == ():
+                module, _, leaf = name.rpartition(".")
+                swapped[name] = (model.get_submodule(module), leaf)
+                setattr(swapped[name][0], leaf, nn.Parameter(p.detach().reshape(()), requires_grad=p.requires_grad))
+        result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
+                                                        *args, **kwargs)
+        for module, leaf in swapped.values():
+            loaded = getattr(module, leaf)
+            if loaded.dim() == 0 and loaded.device.type != "meta":  # left 0-dim where offloaded (still computes)
+                fixed = nn.Parameter(loaded.detach().reshape(1), requires_grad=loaded.requires_grad)
+                fixed._is_hf_initialized = getattr(loaded, "_is_hf_initialized", False)
+                setattr(module, leaf, fixed)
+        return result
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """``transformers``' loader, strict about the weights (see the class docstring), then
@@ -93,8 +143,10 @@ class HelmPreTrainedModel(PreTrainedModel):
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
             # names them instead (and honours the caller's ignore_mismatched_sizes)
-            model, info = super().from_pretrained(*args, output_loading_info=True,
-                                                  **{**kwargs, "ignore_mismatched_sizes": True})
+            model, info = super().from_pretrained(
+                *args, output_loading_info=True,
+                **{**kwargs, "ignore_mismatched_sizes": True,
+                   "key_mapping": {**LEGACY_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}})
         except (SafetensorError, OSError) as err:
             files = _local_weight_files(where)
             if not files or (isinstance(err, OSError) and not isinstance(err, SafetensorError)
@@ -104,6 +156,9 @@ class HelmPreTrainedModel(PreTrainedModel):
                           f"{', '.join(str(f) for f in files)} is corrupted or truncated and cannot be read "
                           f"({type(err).__name__}: {err}); re-save or re-download the checkpoint") from err
         check_loading_info(cls.__name__, where, info, ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes"))
+        # transformers re-saves a renamed checkpoint in its old layout; a migrated one is saved in the current one
+        model._weight_conversions = [c for c in getattr(model, "_weight_conversions", None) or []
+                                     if list(c.source_patterns) != list(LEGACY_KEY_MAPPING)]
         model.restore_geometry()
         return (model, info) if want_info else model
 
@@ -243,19 +298,63 @@ def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
                                      rope_theta=config.rope_theta, **options)
 
 
-def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_len: int,
+class CacheLayout(NamedTuple):
+    """Where the new tokens sit among the keys every attention layer sees (:func:`cache_layout`).
+
+    ``past_len``: tokens already cached: an int, or a static cache's 0-dim length tensor (kept a tensor so the
+    decode step compiles without a host synchronisation, as in ``transformers``). ``kv_len``: keys per layer, an
+    int: ``past_len + T`` for a growing cache, ``max_cache_len`` for a static one. ``q_offset``: None when the new
+    tokens are the last ``T`` keys, else the key index of the first one (``past_len``: static caches, whose slots
+    past ``past_len + T`` are not written yet and are masked)."""
+
+    past_len: Union[int, torch.Tensor]
+    kv_len: int
+    q_offset: Optional[Union[int, torch.Tensor]]
+
+    def known_past_len(self, config) -> Optional[int]:
+        """``past_len`` as an int when that needs no device read (or, with ``config.validate_inputs`` and outside
+        ``torch.compile``, one read); else None."""
+        if not isinstance(self.past_len, torch.Tensor):
+            return self.past_len
+        if config.validate_inputs and not torch.compiler.is_compiling():
+            return int(self.past_len)
+        return None
+
+
+def cache_layout(past_key_values, seq_len: int) -> CacheLayout:
+    """The :class:`CacheLayout` of ``seq_len`` new tokens on ``past_key_values`` (a ``transformers`` cache or None),
+    read as ``LlamaModel`` reads it: ``get_seq_length()`` (a tensor for static caches) and ``get_mask_sizes``."""
+    if past_key_values is None:
+        return CacheLayout(0, seq_len, None)
+    past_len = past_key_values.get_seq_length()
+    if isinstance(past_len, torch.Tensor):
+        # a copy: the static cache counts its length up in place when the first layer writes to it, and the mask
+        # and positions (built lazily) must see the length before this forward
+        past_len = past_len.clone()
+    kv_len, kv_offset = past_key_values.get_mask_sizes(seq_len, 0)
+    if kv_offset:
+        raise ValueError(f"{type(past_key_values).__name__} drops old keys (a sliding window); HELM models attend to "
+                         "the whole cache: use a DynamicCache or a StaticCache")
+    static = isinstance(past_len, torch.Tensor) or past_len + seq_len != kv_len
+    return CacheLayout(past_len, kv_len, past_len if static else None)
+
+
+def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                 segment_ids: Optional[torch.Tensor]) -> tuple[int, int]:
-    """Check a forward's inputs and return ``(B, T)``.
+                 segment_ids: Optional[torch.Tensor]) -> tuple[int, int, CacheLayout]:
+    """Check a forward's inputs and return ``(B, T, layout)`` (:func:`cache_layout` of ``past_key_values``).
 
     Exactly one of ``input_ids [B, T]`` (integers in ``[0, vocab_size)``) and ``inputs_embeds [B, T, 1+n]``
-    (floating point; points, time coordinate first), with ``B, T >= 1``; ``attention_mask [B, T_past+T]``;
-    ``segment_ids [B, T_past+T]`` (integers); ``position_ids [B, T]`` or ``[1, T]`` (integers, broadcast over the
+    (floating point; points, time coordinate first), with ``B, T >= 1``; ``attention_mask [B, T_past+T]`` (with a
+    static cache also ``[B, max_cache_len]``), or a 4-D mask ``[B|1, 1, T, T_kv]`` as ``transformers`` passes it
+    (``T_kv = T_past+T``, or ``max_cache_len`` for a static cache; used as given, bool or additive float);
+    ``segment_ids`` like a 2-D mask (integers); ``position_ids [B, T]`` or ``[1, T]`` (integers, broadcast over the
     batch as in ``transformers``); lengths the positional encoding can reach. Each error is a ``ValueError``
     naming the argument and the expected shape.
 
     Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
-    (skipped while compiling); ``config.validate_inputs = False`` turns it off.
+    (skipped while compiling); ``config.validate_inputs = False`` turns it off. With a static cache the exact
+    length of a 2-D mask is checked against the cache's length, one more read (also skipped while compiling).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -268,19 +367,31 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
         check_tensor(inputs_embeds, "inputs_embeds", (None, None, config.hidden_size), "[B, T, hidden_size]",
                      dtype="floating", nonempty=True, note=" points (time coordinate first)")
         batch, seq_len = inputs_embeds.shape[:2]
-    total = past_len + seq_len
+    layout = cache_layout(past_key_values, seq_len)
+    past = layout.known_past_len(config)
+    # a 2-D mask covers the tokens so far (past + T); a static cache also takes one over all its slots
+    total = None if past is None else past + seq_len
+    static = None if layout.q_offset is None else (batch, layout.kv_len)
     if attention_mask is not None:
-        check_tensor(attention_mask, "attention_mask", (batch, total), "[B, T_past+T]")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            check_tensor(attention_mask, "attention_mask", (batch, 1, seq_len, layout.kv_len), "[B, 1, T, T_kv]",
+                         alternative=(1, 1, seq_len, layout.kv_len), note=" (a 4-D mask)")
+        else:
+            check_tensor(attention_mask, "attention_mask", (batch, total), "[B, T_past+T]", alternative=static)
     if segment_ids is not None:
-        check_tensor(segment_ids, "segment_ids", (batch, total), "[B, T_past+T]", dtype="integer")
+        check_tensor(segment_ids, "segment_ids", (batch, total), "[B, T_past+T]", dtype="integer", alternative=static)
+    for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+        if t is not None and t.dim() == 2 and not seq_len <= t.shape[-1] <= layout.kv_len:
+            raise ValueError(f"{name} must be [B, T_past+T] with T <= T_past+T <= {layout.kv_len} (the cache's "
+                             f"length), got {tuple(t.shape)}")
     if position_ids is not None:
         check_tensor(position_ids, "position_ids", (batch, seq_len), "[B, T]", alternative=(1, seq_len),
                      dtype="integer")
-    if config.positional == "learned" and past_len + seq_len > config.max_position_embeddings:
-        raise ValueError(f"sequence length {past_len + seq_len} exceeds max_position_embeddings="
+    if config.positional == "learned" and past is not None and past + seq_len > config.max_position_embeddings:
+        raise ValueError(f"sequence length {past + seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
                          "beyond its table; use a relative encoding (e.g. positional='hope') for longer inputs")
-    return batch, seq_len
+    return batch, seq_len, layout
 
 
 def check_token_ids(config, ids: torch.Tensor, name: str, *, ignore_index: Optional[int] = None,
@@ -323,16 +434,36 @@ def lift_inputs_embeds(config, inputs_embeds: torch.Tensor) -> torch.Tensor:
     return points
 
 
-def default_position_ids(attention_mask: Optional[torch.Tensor], past_len: int, seq_len: int,
+def default_position_ids(attention_mask: Optional[torch.Tensor], layout: CacheLayout, seq_len: int,
                          batch: int, device) -> torch.Tensor:
-    """``[B, T]`` positions: from the padding mask (left padding starts real tokens at 0) or a plain range.
+    """``[B, T]`` positions: from a 2-D padding mask (left padding starts real tokens at 0) or a plain range
+    ``past_len + (0 .. T-1)`` (also for a 4-D mask, as in ``LlamaModel``).
 
     ``attention_mask`` is read as a boolean (nonzero = real token), like :class:`helm.ops.AttentionMask`."""
-    if attention_mask is not None:
+    steps = torch.arange(seq_len, device=device)
+    if attention_mask is not None and attention_mask.dim() == 2:
         # the mask is boolean (nonzero = keep), as in the attention itself: a mask of 2s or 0.5s means the same
-        pos = attention_mask.bool().long().cumsum(-1) - 1
-        return pos.clamp_min(0)[:, -seq_len:]
-    return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
+        pos = (attention_mask.bool().long().cumsum(-1) - 1).clamp_min(0)
+        if not isinstance(layout.past_len, torch.Tensor) and pos.shape[-1] == layout.past_len + seq_len:
+            return pos[:, -seq_len:]
+        return pos.index_select(1, steps + layout.past_len)  # a mask over a static cache's slots
+    return (steps + layout.past_len).expand(batch, seq_len)
+
+
+def attention_mask_for(layout: CacheLayout, batch: int, seq_len: int, attention_mask: Optional[torch.Tensor],
+                       segment_ids: Optional[torch.Tensor], device) -> AttentionMask:
+    """The forward's one :class:`~helm.ops.AttentionMask`: a 4-D ``attention_mask`` is used as given (the dense
+    form); 2-D masks and ``segment_ids`` shorter than a static cache are padded to its length (as masked slots and
+    segment ``-1``), and the queries are placed at ``layout.q_offset``."""
+    dense = None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        dense, attention_mask = attention_mask, None
+    if attention_mask is not None and attention_mask.shape[-1] < layout.kv_len:
+        attention_mask = F.pad(attention_mask.bool(), (0, layout.kv_len - attention_mask.shape[-1]))
+    if segment_ids is not None and segment_ids.shape[-1] < layout.kv_len:
+        segment_ids = F.pad(segment_ids, (0, layout.kv_len - segment_ids.shape[-1]), value=-1)
+    return AttentionMask(batch, seq_len, layout.kv_len, padding=attention_mask, segment_ids=segment_ids,
+                         device=device, q_offset=layout.q_offset, dense=dense)
 
 
 def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -346,16 +477,61 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) 
     mean whenever a token is labelled, 0 with zero gradients when none is, and exactly transformers' value when
     the caller passes ``num_items_in_batch`` itself (gradient accumulation).
     """
-    check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]", dtype="integer")
+    kwargs = _checked_loss_kwargs(model, tuple(logits.shape[:2]), labels, kwargs)
+    return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+
+
+def _checked_loss_kwargs(model, shape: tuple, labels: torch.Tensor, kwargs: dict) -> dict:
+    """Check ``labels`` against ``[B, T] = shape`` and the vocabulary; set ``num_items_in_batch`` (see
+    :func:`causal_lm_loss`)."""
+    check_tensor(labels, "labels", shape, "[B, T]", dtype="integer")
     ignore = kwargs.get("ignore_index", -100)
-    vocab = model.config.vocab_size
     check_token_ids(model.config, labels, "labels", ignore_index=ignore)
     if kwargs.get("num_items_in_batch") is None:
         shifted = kwargs.get("shift_labels")
         shifted = labels[..., 1:] if shifted is None else shifted
-        kwargs["num_items_in_batch"] = (shifted != ignore).sum().clamp_min(1)
-    return model.loss_function(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
+        kwargs = {**kwargs, "num_items_in_batch": (shifted != ignore).sum().clamp_min(1)}
+    return kwargs
 
 
-__all__ = ["HelmPreTrainedModel", "causal_lm_loss", "check_inputs", "check_loading_info", "default_position_ids",
-           "lift_inputs_embeds", "refuse_attention_weights", "positional_encoding"]
+def fused_causal_lm_loss(model, hidden_states: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """:func:`causal_lm_loss` of ``model.lm_head(hidden_states)`` without the ``[B, T, V]`` logits: the LM head's
+    fused, chunked cross-entropy (:func:`helm.ops.linear_cross_entropy`), same shift (``labels[:, 1:]`` or the
+    caller's ``shift_labels``), ``ignore_index``, ``num_items_in_batch`` and normalisation, same loss and
+    gradients. The loss is fp32 (fp64 for an fp64 model, where ``ForCausalLMLoss`` would round it to fp32)."""
+    kwargs = _checked_loss_kwargs(model, tuple(hidden_states.shape[:2]), labels, kwargs)
+    ignore = kwargs.get("ignore_index", -100)
+    targets = kwargs.get("shift_labels")
+    if targets is None:
+        targets = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+    total = model.get_output_embeddings()(hidden_states, targets=targets, ignore_index=ignore)
+    count = kwargs["num_items_in_batch"]
+    return total / (count.to(total.device) if torch.is_tensor(count) else count)
+
+
+def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torch.Tensor],
+                       skip_logits: Optional[bool], **kwargs) -> tuple:
+    """``(logits, loss)`` of a HELM ``…ForCausalLM.forward``: the LM head on ``hidden_states``, and the causal-LM
+    loss when ``labels`` are given.
+
+    With ``skip_logits`` the loss is :func:`fused_causal_lm_loss` and ``logits`` is None (the name and rule of
+    Liger's fused loss, which ``transformers.Trainer`` passes in evaluation with ``use_liger_kernel``).
+    ``skip_logits=None`` (the default) means ``config.fused_lm_loss and model.training and labels is not None``:
+    training steps never build the ``[B, T, V]`` logits, while evaluation, generation and ``skip_logits=False``
+    return them as before. ``skip_logits=True`` without labels is a ``ValueError``.
+    """
+    if skip_logits is None:
+        skip_logits = bool(getattr(model.config, "fused_lm_loss", True)) and model.training and labels is not None
+    if skip_logits:
+        if labels is None:
+            raise ValueError("skip_logits=True computes only the loss and needs labels; pass labels, or "
+                             "skip_logits=False / None for the logits")
+        return None, fused_causal_lm_loss(model, hidden_states, labels, **kwargs)
+    logits = model.get_output_embeddings()(hidden_states)
+    return logits, None if labels is None else causal_lm_loss(model, logits, labels, **kwargs)
+
+
+__all__ = ["CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_inputs",
+           "check_loading_info", "default_position_ids",
+           "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "refuse_attention_weights",
+           "positional_encoding"]

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..manifold.math import hcat, lift, positive_exp
 from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
-from .linear import LorentzLinear
+from .linear import linear_space, lorentz_linear, space_linear
 from .positional import PositionalTables
 from .validation import HEAD_MERGES, check, check_choice, check_dim, check_k, temperature
 
@@ -37,7 +37,7 @@ class LorentzAttentionBase(nn.Module):
         self.num_heads, self.k, self.attn_impl, self.layer_idx = num_heads, float(k), attn_impl, layer_idx
         self.head_merge = head_merge
         self.tau_init = float(tau_init)
-        self.log_tau = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.log_tau = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -48,7 +48,7 @@ class LorentzAttentionBase(nn.Module):
     @property
     def tau(self) -> torch.Tensor:
         """``τ = exp(log τ)``: positive under any optimiser step, kept in fp32 (:func:`positive_exp`)."""
-        return positive_exp(self.log_tau)
+        return positive_exp(self.log_tau.reshape(()))
 
     def merged_dim(self, value_head_dim: int) -> int:
         """Features of the merged heads for per-head values of ambient dim ``value_head_dim = 1 + d_v``."""
@@ -99,16 +99,17 @@ class LorentzSelfAttention(LorentzAttentionBase):
         super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(d) if tau_init is None else tau_init,
                          attn_impl=attn_impl, layer_idx=layer_idx, head_merge=head_merge)
         self.head_dim = head_dim
-        # One HLT per head; stacked into one matmul (same parameters as H separate HLTs).
-        self.q_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
-        self.k_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
-        self.v_proj = LorentzLinear(hidden_size, 1 + num_heads * d, k=k, bias=bias)
-        self.o_proj = LorentzLinear(self.merged_dim(head_dim), hidden_size, k=k, bias=bias)
+        # One HLT per head; stacked into one matmul (same parameters as H separate HLTs). The Euclidean maps
+        # are plain linears under Llama's names, lifted here (see helm.nn.linear.space_linear).
+        self.q_proj = space_linear(hidden_size, 1 + num_heads * d, bias=bias)
+        self.k_proj = space_linear(hidden_size, 1 + num_heads * d, bias=bias)
+        self.v_proj = space_linear(hidden_size, 1 + num_heads * d, bias=bias)
+        self.o_proj = space_linear(self.merged_dim(head_dim), hidden_size, bias=bias)
 
-    def _heads(self, proj: LorentzLinear, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Space parts ``[B, H, T, d]`` of one projection."""
         B, T, _ = x.shape
-        return proj.space(x).view(B, T, self.num_heads, self.head_dim - 1).transpose(1, 2)
+        return linear_space(proj, x).view(B, T, self.num_heads, self.head_dim - 1).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, *, position_embeddings: Optional[PositionalTables] = None,
                 attention_mask: Optional[AttentionMask] = None, past_key_values=None) -> torch.Tensor:
@@ -120,4 +121,4 @@ class LorentzSelfAttention(LorentzAttentionBase):
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key[..., 1:], position_embeddings=pos,
                           attention_mask=attention_mask)
-        return self.o_proj(self.merge_heads(out))
+        return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)

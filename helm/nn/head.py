@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import positive_exp, upcast
+from ..ops.lm_loss import linear_cross_entropy
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
 
@@ -21,7 +23,8 @@ class LorentzLMHead(nn.Module):
         ``distance`` (fully hyperbolic): class prototypes ``p_c`` on ``H^n_k`` (a ``ManifoldParameter``),
             ``logits_c = -d²(x, p_c) / τ + b_c = (2k + 2<x, p_c>_L) / τ + b_c`` with learnable ``τ > 0``.
 
-    Shapes: ``[..., 1+n] -> [..., V]``; logits in at least fp32.
+    Shapes: ``[..., 1+n] -> [..., V]``; logits in at least fp32. ``head(x, targets=t)`` returns the summed
+    cross-entropy instead, fused and chunked (no ``[..., V]`` logits; the training path of ``…ForCausalLM``).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, k: float = 1.0, mode: str = "linear",
@@ -41,7 +44,7 @@ class LorentzLMHead(nn.Module):
 
             self._manifold_parameters = ("weight",)
             self.weight = geoopt.ManifoldParameter(torch.empty(vocab_size, hidden_size), manifold=Lorentz(self.k))
-            self.log_tau = nn.Parameter(torch.empty((), dtype=torch.float32))
+            self.log_tau = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
         self.bias = nn.Parameter(torch.empty(vocab_size)) if bias else None
         self.reset_parameters()
 
@@ -65,12 +68,32 @@ class LorentzLMHead(nn.Module):
             bias = self.bias.detach()
             replace_table(self, "bias", torch.cat([bias, bias.new_zeros(max(vocab_size - len(bias), 0))])[:vocab_size])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, targets: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                chunk_size: Optional[int] = None) -> torch.Tensor:
+        """Logits ``[..., V]``; with ``targets`` (integer ``[...]``, ``ignore_index`` where unlabelled) instead the
+        summed cross-entropy of those logits over the labelled positions, computed by
+        :func:`helm.ops.linear_cross_entropy` in chunks of ``chunk_size`` tokens without the ``[..., V]`` logits
+        (same loss and gradients; ``distance`` mode drops the constant ``2k/τ``, which cancels in the softmax)."""
+        if targets is not None:
+            return self._cross_entropy(x, targets, ignore_index=ignore_index, chunk_size=chunk_size)
         if self.mode == "linear":
             logits = nn.functional.linear(x.to(self.weight.dtype), self.weight)
         else:
             w = self.weight
             jw = torch.cat([-w[:, :1], w[:, 1:]], dim=-1).to(x.dtype)
-            logits = (2 * self.k + 2 * (x @ jw.T)) / positive_exp(self.log_tau)
+            logits = (2 * self.k + 2 * (x @ jw.T)) / positive_exp(self.log_tau.reshape(()))
         logits = upcast(logits)
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)
+
+    def _cross_entropy(self, x: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
+                       chunk_size: Optional[int]) -> torch.Tensor:
+        """The head as the affine map ``s·(x' Wᵀ) + b`` of :func:`helm.ops.linear_cross_entropy`: ``linear`` is
+        ``x' = x``, ``s = 1``; ``distance`` is ``x' = Jx`` (time coordinate negated), ``s = 2/τ``."""
+        x = x.reshape(-1, x.shape[-1])
+        if self.mode == "linear":
+            return linear_cross_entropy(x.to(self.weight.dtype), self.weight, targets.reshape(-1), bias=self.bias,
+                                        ignore_index=ignore_index, chunk_size=chunk_size)
+        jx = torch.cat([-x[:, :1], x[:, 1:]], dim=-1)
+        return linear_cross_entropy(jx, self.weight.to(x.dtype), targets.reshape(-1),
+                                    scale=2 / positive_exp(self.log_tau.reshape(())), bias=self.bias,
+                                    ignore_index=ignore_index, chunk_size=chunk_size)

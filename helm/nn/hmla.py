@@ -6,11 +6,13 @@ import math
 from typing import Optional
 
 import torch
+from torch import nn
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from ..manifold.math import lift
-from ..ops.attention import AttentionMask
+from ..manifold.math import lift, sqnorm, upcast
+from ..ops.attention import AttentionMask, _normalise, alibi_bias
 from .attention import LorentzAttentionBase
-from .linear import LorentzLinear
+from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
 from .positional import PositionalTables
 from .validation import check_dim
@@ -32,8 +34,39 @@ class HMLA(LorentzAttentionBase):
       ``sqrt(d_n + d_r)``; heads joined by HCat (``head_merge="flatten"``: the official code's flattened
       per-head points, see :class:`~helm.nn.attention.LorentzAttentionBase`), then ``HLT_o``.
 
-    The cache (a ``transformers`` ``DynamicCache``; ``layer_idx`` selects the layer) holds exactly
+    The cache (a ``transformers`` ``DynamicCache`` or ``StaticCache``; ``layer_idx`` selects the layer) holds
     ``c_KV`` as its "keys" ``[B, 1, T, 1+n_kv]`` and ``k^R`` as its "values" ``[B, 1, T, 1+d_r]``.
+
+    **Absorbed decoding** (``absorb=True``, config ``hmla_absorb``). The space parts of ``k^C_h`` and ``v^C_h`` are
+    linear in the latent ``c = c_KV`` (``kv_b_proj`` is ``W c + b`` on the full ambient latent), so for a query
+    ``q_h = [q_t, q^C, q^R]`` and cached token ``j``::
+
+        <q_h, k_hj>_L = (W_k,h^T q^C)·c_j + q^R·k^R_j - q_t k_t,hj + q^C·b_k,h      (the last term: constant in j)
+        Σ_j a_j v^C_s,hj = W_v,h Σ_j a_j c_j + b_v,h                                 (Σ_j a_j = 1)
+
+    The key up-projection is absorbed into the query and the value up-projection applied after the weighted
+    sum; what the Lorentz lift adds is not linear, so the cache keeps it: per head and token the key time
+    ``k_t = sqrt(k + |k^C_s|² + |k^R_s|²)``, and for the centred value ``w = v - c_h`` its time part ``u = v_t - c_t``
+    and ``e = <w, w>_L`` (fp64 accumulation), three scalars appended to the cached ``c_KV`` as columns
+    (``[B, 1, T, 1+n_kv+3H]`` in fp32/fp64 caches; in a half-precision cache each fp32 scalar is stored bit for bit
+    in two columns). The centroid is then normalised exactly as :mod:`helm.ops.attention` does, ``N = k + E -
+    <D, D>_L`` with ``D = Σ a w = [Σ a u, W_v,h (Σ a c - c_0)]``, for a per-head centre ``c_h`` = the value of the
+    cache's first key (index 0, latent ``c_0``), read from the cache: fixed for the life of the cache, so the
+    scalars of old tokens stay valid (the normalisation is the same for any centre; centring keeps it precise far
+    from the origin, and ``w_s = W_v (c - c_0)`` comes from latent differences, so the absorbed path is at least as
+    precise as the plain one there). A cached forward of ``T <= absorb_max_query`` tokens (where it costs
+    fewer multiply-adds than re-expanding the cache: ``T < n_kv(d_n+d_v)/(2 n_kv - d_n - d_v)``, 31 tiny / 63 at
+    120M / 85 at 1B) then costs ``O(T_cache·(n_kv + d_r))`` per head and never runs ``kv_b_proj`` over the cache;
+    longer prefills and training (no cache) take the plain path, which writes the same scalars. The result equals
+    the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``). Other cache classes (offloaded,
+    quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without the scalars keep the plain
+    layout and path.
+
+    Cache bytes per token per layer (fp32; bf16 halves all but the absorbed scalars, which stay fp32)::
+
+        shape            HMHA (mha: H(1+d) keys + values)   HMLA (1+n_kv + 1+d_r)   absorbed HMLA (+3H fp32)
+        helm-mice-120m   6·65·2 = 780 floats = 3120 B        65+17 = 82 f = 328 B    100 f = 400 B (bf16: 236 B)
+        helm-mice-1b     14·65·2 = 1820 floats = 7280 B      257+65 = 322 f = 1288 B 364 f = 1456 B (bf16: 812 B)
 
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values) -> [B, T, 1+n]`` (tables and mask built once per forward by the model).
@@ -42,7 +75,7 @@ class HMLA(LorentzAttentionBase):
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int = 0, k: float = 1.0,
                  tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True, rms_norm_eps: float = 1e-12, head_merge: str = "hcat"):
+                 bias: bool = True, rms_norm_eps: float = 1e-12, head_merge: str = "hcat", absorb: bool = False):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(kv_lora_rank, "kv_lora_rank", minimum=2)
         check_dim(qk_nope_head_dim, "qk_nope_head_dim", minimum=2)
@@ -58,21 +91,24 @@ class HMLA(LorentzAttentionBase):
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         H = num_heads
         if q_lora_rank:
-            self.q_a_proj = LorentzLinear(hidden_size, q_lora_rank, k=k, bias=bias)
+            self.q_a_proj = space_linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = LorentzRMSNorm(q_lora_rank, k=k, eps=rms_norm_eps)
-            self.q_b_proj = LorentzLinear(q_lora_rank, 1 + H * (dn + dr), k=k, bias=bias)
+            self.q_b_proj = space_linear(q_lora_rank, 1 + H * (dn + dr), bias=bias)
         else:
-            self.q_proj = LorentzLinear(hidden_size, 1 + H * (dn + dr), k=k, bias=bias)
-        self.kv_a_proj = LorentzLinear(hidden_size, kv_lora_rank, k=k, bias=bias)
+            self.q_proj = space_linear(hidden_size, 1 + H * (dn + dr), bias=bias)
+        self.kv_a_proj = space_linear(hidden_size, kv_lora_rank, bias=bias)
         self.kv_a_layernorm = LorentzRMSNorm(kv_lora_rank, k=k, eps=rms_norm_eps)
-        self.k_rope_proj = LorentzLinear(hidden_size, qk_rope_head_dim, k=k, bias=bias)
-        self.kv_b_proj = LorentzLinear(kv_lora_rank, 1 + H * (dn + dv), k=k, bias=bias)
-        self.o_proj = LorentzLinear(self.merged_dim(v_head_dim), hidden_size, k=k, bias=bias)
+        self.k_rope_proj = space_linear(hidden_size, qk_rope_head_dim, bias=bias)
+        self.kv_b_proj = space_linear(kv_lora_rank, 1 + H * (dn + dv), bias=bias)
+        self.o_proj = space_linear(self.merged_dim(v_head_dim), hidden_size, bias=bias)
+        self.absorb = bool(absorb)
+        # the query length up to which the absorbed path needs fewer multiply-adds than re-expanding the cache
+        self.absorb_max_query = max(1, kv_lora_rank * (dn + dv) // max(2 * kv_lora_rank - dn - dv, 1))
 
     def latent(self, x: torch.Tensor, position_embeddings: PositionalTables) -> tuple:
         """What the cache stores for new tokens: ``c_KV [B, 1, T, 1+n_kv]``, rotated ``k^R [B, 1, T, 1+d_r]``."""
-        c_kv = self.kv_a_layernorm(self.kv_a_proj(x)).unsqueeze(1)
-        k_rope = position_embeddings.rotate(self.k_rope_proj.space(x).unsqueeze(1))
+        c_kv = self.kv_a_layernorm(lorentz_linear(self.kv_a_proj, x, k=self.k)).unsqueeze(1)
+        k_rope = position_embeddings.rotate(linear_space(self.k_rope_proj, x).unsqueeze(1))
         return c_kv, lift(k_rope, k=self.k)
 
     def forward(self, x: torch.Tensor, *, position_embeddings: Optional[PositionalTables] = None,
@@ -80,18 +116,136 @@ class HMLA(LorentzAttentionBase):
         B, T, _ = x.shape
         H, dn, dr, dv = self.num_heads, self.dn, self.dr, self.dv
         pos = _NO_POSITIONS if position_embeddings is None else position_embeddings
-        q_in = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else x
-        q_s = (self.q_b_proj if self.q_lora_rank else self.q_proj).space(q_in).view(B, T, H, dn + dr).transpose(1, 2)
+        q_in = self.q_a_layernorm(lorentz_linear(self.q_a_proj, x, k=self.k)) if self.q_lora_rank else x
+        q_proj = self.q_b_proj if self.q_lora_rank else self.q_proj
+        q_s = linear_space(q_proj, q_in).view(B, T, H, dn + dr).transpose(1, 2)
         q_s = torch.cat([q_s[..., :dn], pos.rotate(q_s[..., dn:])], dim=-1)
 
         c_kv, k_rope = self.latent(x, pos)
+        L = self.kv_lora_rank
+        # a wrapped kv_b_proj (PEFT's LoRA, a quantised linear) is not W c + b with the weight we could absorb
+        absorbed = (self.absorb and past_key_values is not None and type(self.kv_b_proj) is nn.Linear
+                    and _holds_scalars(past_key_values, self.layer_idx, L))
+        if absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
+            first = _first_latent(past_key_values, self.layer_idx, c_kv)
+            centre = lift(self._kv_heads(first)[..., dn:], k=self.k)
+            scalars = self._token_scalars(c_kv, k_rope, first, centre)
+            c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
         if past_key_values is not None:
             c_kv, k_rope = past_key_values.update(c_kv, k_rope, self.layer_idx)
+        if absorbed and T <= self.absorb_max_query:
+            out = self._attend_absorbed(q_s, c_kv, k_rope, first, centre, pos, attention_mask)
+            return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
+        c_kv = c_kv[..., :L]
         Tk = c_kv.shape[-2]
-        kv_s = self.kv_b_proj.space(c_kv.squeeze(1)).view(B, Tk, H, dn + dv).transpose(1, 2)
+        kv_s = self._kv_heads(c_kv)
         # HCat(k^C_h, k^R): concatenated space parts, one recomputed time coordinate (lift).
         k_s = torch.cat([kv_s[..., :dn].to(k_rope.dtype), k_rope[..., 1:].expand(B, H, Tk, dr)], dim=-1)
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(kv_s[..., dn:], k=self.k)
         out = self.attend(q, key, value, q_pe=q[..., 1 + dn:], k_pe=key[..., 1 + dn:], position_embeddings=pos,
                           attention_mask=attention_mask)
-        return self.o_proj(self.merge_heads(out))
+        return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
+
+
+    def _kv_heads(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """``kv_b_proj`` space parts per head: latents ``[B, 1, T, 1+n_kv]`` -> ``[B, H, T, d_n + d_v]``."""
+        B, _, T, _ = c_kv.shape
+        return linear_space(self.kv_b_proj, c_kv.squeeze(1)).view(B, T, self.num_heads, self.dn + self.dv).transpose(1, 2)
+
+    def _token_scalars(self, c_kv: torch.Tensor, k_rope: torch.Tensor, first: torch.Tensor,
+                       centre: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, T, 3H]`` for new latents ``c_kv [B, 1, T, 1+n_kv]``: per head the key time coordinate (as the plain
+        path lifts ``HCat(k^C, k^R)``), and for the centred value ``w = v - c`` (``c``: the value of the first key's
+        latent ``first``) its time part ``u = v_t - c_t`` and ``e = <w, w>_L``; laid out ``[k_t | u | e]``, fp32 (fp64
+        for fp64 inputs).
+
+        ``w_s = W_v (c_KV - c_0)`` is taken from the latent difference and ``u = w_s·(w_s + 2 c_s) / (v_t + c_t)``
+        without cancellation, so both stay precise when the values cluster far from the origin."""
+        B, _, T, _ = c_kv.shape
+        H, dn, dv = self.num_heads, self.dn, self.dv
+        kv_s = self._kv_heads(c_kv)
+        k_s = torch.cat([kv_s[..., :dn].to(k_rope.dtype), k_rope[..., 1:].expand(B, H, T, self.dr)], dim=-1)
+        k_t = lift(k_s, k=self.k)[..., 0]
+        w = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:]
+        w_s = upcast(torch.einsum("btl,hdl->bhtd", (c_kv - first).squeeze(1).to(w.dtype), w))
+        c_s, c_t = centre[..., 1:], centre[..., :1]
+        v_t = lift(c_s + w_s, k=self.k)[..., :1]
+        u = (w_s * (w_s + 2 * c_s)).sum(-1, keepdim=True) / (v_t + c_t)
+        e = sqnorm(torch.cat([u, w_s], dim=-1))
+        scalars = torch.stack([k_t.to(u.dtype), u.squeeze(-1), e], dim=-2)  # [B, H, 3, T]
+        return scalars.permute(0, 3, 2, 1).reshape(B, 1, T, 3 * H)
+
+    def _attend_absorbed(self, q_s: torch.Tensor, keys: torch.Tensor, k_rope: torch.Tensor, first: torch.Tensor,
+                         centre: torch.Tensor, pos: PositionalTables, mask: Optional[AttentionMask]) -> torch.Tensor:
+        """Eq. 3 in the latent space (see the class docstring): queries ``q_s [B, H, Tq, d_n+d_r]`` (space parts,
+        rotated), the cache's ``keys [B, 1, Tk, 1+n_kv+…]`` (latents and scalars) and ``k_rope [B, 1, Tk, 1+d_r]``,
+        the first key's latent ``first [B, 1, 1, 1+n_kv]`` and the value centres ``[B, H, 1, 1+d_v]`` it fixes.
+        Returns the per-head centroids ``[B, H, Tq, 1+d_v]`` (fp32, or fp64 for fp64 inputs)."""
+        B, H, Tq, _ = q_s.shape
+        L, dn, dv, Tk = self.kv_lora_rank, self.dn, self.dv, keys.shape[-2]
+        acc = torch.promote_types(upcast(q_s).dtype, upcast(keys).dtype)
+        z = keys[:, 0, :, :L].to(acc)  # [B, Tk, 1+n_kv]: a view for fp32 caches
+        k_t, u, e = _unpack(keys[:, 0, :, L:], acc).to(acc).unflatten(-1, (3, H)).unbind(-2)  # [B, Tk, H] each
+        w = self.kv_b_proj.weight.to(acc).view(H, dn + dv, L)
+        q_s = q_s.to(acc)
+        q_t = (q_s.pow(2).sum(-1, keepdim=True) + self.k).sqrt()  # [B, H, Tq, 1]
+        q_lat = torch.einsum("bhqd,hdl->bhql", q_s[..., :dn], w[:, :dn])  # W_k^T q^C (q^C·b_k: constant in j)
+        k_r = k_rope[:, 0, :, 1:].to(acc)  # [B, Tk, d_r]
+        inner = (torch.bmm(q_lat.reshape(B, H * Tq, L), z.transpose(1, 2))
+                 + torch.bmm(q_s[..., dn:].reshape(B, H * Tq, self.dr), k_r.transpose(1, 2))).view(B, H, Tq, Tk)
+        scale = (2.0 / self.tau).to(acc)
+        logits = (inner - q_t * k_t.transpose(1, 2).unsqueeze(2)) * scale
+        bias = pos.score_bias(q_s[..., dn:], k_r.unsqueeze(1), scale)
+        if bias is not None:
+            logits = logits + bias.to(acc)
+        if mask is None:
+            mask = AttentionMask(B, Tq, Tk, device=q_s.device)
+        if pos.alibi_slopes is not None:
+            logits = logits + alibi_bias(pos.alibi_slopes, Tq, Tk, mask.q_offset).to(acc)
+        keep = mask.keep()
+        if keep is not None:
+            logits = logits.masked_fill(~keep, torch.finfo(acc).min)
+        a = logits.softmax(-1)
+        # D = Σ a w: the space part W_v (Σ a c_j - c_0) (Σ a = 1), the time part Σ a u and E = Σ a e from the scalars
+        lat = torch.bmm(a.view(B, H * Tq, Tk), z).view(B, H, Tq, L) - first.to(acc)
+        d_s = torch.einsum("bhql,hdl->bhqd", lat, w[:, dn:])
+        ue = torch.einsum("bhqj,bjch->bhqc", a, torch.stack([u, e], dim=-2))  # [B, H, Tq, 2]
+        return _normalise(torch.cat([ue[..., :1], d_s, ue[..., 1:]], dim=-1), centre.to(acc), self.k)
+
+
+def _holds_scalars(cache, layer_idx: int, latent_dim: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cache`` holds (or will hold, when still empty) the absorbed layout: a
+    ``transformers`` dynamic or static layer, not offloaded, not already written with the plain layout."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or getattr(cache, "offloading", False):
+        return False
+    if layer_idx >= len(layers):
+        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
+    layer = layers[layer_idx]
+    if type(layer) not in (DynamicLayer, StaticLayer):
+        return False
+    keys = getattr(layer, "keys", None) if layer.is_initialized else None
+    return not (isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-1] == latent_dim)
+
+
+def _first_latent(cache, layer_idx: int, c_kv: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, 1, 1+n_kv]``: the latent of the key at cache index 0 once this forward has written, read before the
+    update (a static cache's length is a tensor: chosen with ``where``, no host read)."""
+    new = c_kv[:, :, :1]
+    past = cache.get_seq_length(layer_idx)
+    if isinstance(past, int) and past == 0:
+        return new
+    first = cache.layers[layer_idx].keys[:, :, :1, :c_kv.shape[-1]]
+    return torch.where(past > 0, first, new) if isinstance(past, torch.Tensor) else first
+
+
+def _pack(scalars: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scalars as columns of a cache of ``dtype``: as they are, or (a half-precision cache) their fp32 bytes
+    reinterpreted as two columns each, so they are stored exactly."""
+    return scalars.to(dtype) if scalars.dtype.itemsize <= dtype.itemsize else scalars.contiguous().view(dtype)
+
+
+def _unpack(columns: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_pack` (``acc``: the fp32 / fp64 accumulation dtype)."""
+    width = torch.float64 if acc == torch.float64 else torch.float32
+    return columns if columns.dtype.itemsize >= width.itemsize else columns.contiguous().view(width)

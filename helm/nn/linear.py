@@ -13,6 +13,32 @@ from .validation import check_dim, check_k
 Curv = Union[float, torch.Tensor]
 
 
+def space_linear(in_features: int, out_features: int, *, bias: bool = True) -> nn.Linear:
+    """The Euclidean map of an HLT ``H^{n} -> H^{m}``: ``nn.Linear(1+n, m)`` (``out_features`` is ambient, ``1+m``).
+
+    Attention and MLP layers hold their projections as these plain linears under Llama's names (``q_proj``,
+    ``gate_proj``, ...) and lift with :func:`lorentz_linear`. A wrapper that adds to a linear's output (PEFT's
+    LoRA, quantised linears) then changes ``W x + b`` before the lift, so the output stays on the hyperboloid.
+    """
+    check_dim(in_features, "in_features", minimum=2)
+    check_dim(out_features, "out_features", minimum=2)
+    return nn.Linear(in_features, out_features - 1, bias=bias)
+
+
+def linear_space(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``W x + b`` on the full input (time coordinate included), in the weight's dtype: ``[..., 1+n] -> [..., m]``."""
+    return linear(x.to(linear.weight.dtype))
+
+
+def lorentz_linear(linear: nn.Module, x: torch.Tensor, *, k: Curv, k_out: Optional[Curv] = None) -> torch.Tensor:
+    """HLT: ``y = sqrt(k_out/k) · lift_k(W x + b) = lift_{k_out}(sqrt(k_out/k) · (W x + b))``, ``[..., 1+n] ->
+    [..., 1+m]``; ``k_out`` defaults to ``k`` (no scaling)."""
+    y_s = linear_space(linear, x)
+    if k_out is None or k_out is k:
+        return lift(y_s, k=k)
+    return lift(y_s * (k_out / k) ** 0.5, k=k_out)
+
+
 class LorentzLinear(nn.Module):
     """Hyperbolic linear transformation ``H^{n}_{k_in} -> H^{m}_{k_out}``.
 
@@ -32,8 +58,6 @@ class LorentzLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, k: float = 1.0, k_out: Optional[float] = None,
                  bias: bool = True):
         super().__init__()
-        check_dim(in_features, "in_features", minimum=2)
-        check_dim(out_features, "out_features", minimum=2)
         check_k(k, "k")
         if k_out is not None:
             check_k(k_out, "k_out")
@@ -41,23 +65,18 @@ class LorentzLinear(nn.Module):
         self.k = float(k)
         # Same object when the curvature does not change, so forward skips the scaling.
         self.k_out = self.k if k_out is None or float(k_out) == self.k else float(k_out)
-        self.linear = nn.Linear(in_features, out_features - 1, bias=bias)
+        self.linear = space_linear(in_features, out_features, bias=bias)
 
     def space(self, x: torch.Tensor) -> torch.Tensor:
         """``W x + b``: the output space part before lifting (``[..., m]``, in the weight's dtype)."""
-        return self.linear(x.to(self.linear.weight.dtype))
+        return linear_space(self.linear, x)
 
     def forward(self, x: torch.Tensor, *, k: Optional[Curv] = None, k_out: Optional[Curv] = None) -> torch.Tensor:
         """``k`` / ``k_out`` override the constructor's curvatures (MiCE experts pass their own)."""
-        y_s = self.space(x)
         if k is None and k_out is None:
-            k_in, k_o = self.k, self.k_out
-        else:
-            k_in = self.k if k is None else k
-            k_o = k_in if k_out is None else k_out
-        if k_o is not k_in:
-            y_s = y_s * (k_o / k_in) ** 0.5
-        return lift(y_s, k=k_o)
+            return lorentz_linear(self.linear, x, k=self.k, k_out=self.k_out)
+        k_in = self.k if k is None else k
+        return lorentz_linear(self.linear, x, k=k_in, k_out=k_out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, k={self.k:g}, k_out={self.k_out:g}"

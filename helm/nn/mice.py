@@ -110,7 +110,8 @@ class CurvatureExpert(nn.Module):
         check_k(k_expert, "k_expert")
         self.k, self.k_expert_init, self.trainable = float(k), float(k_expert), trainable
         self.mlp = LorentzSwiGLU(hidden_size, intermediate_size, k=k_expert, hidden_act=hidden_act, bias=bias)
-        self.log_k = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=trainable)
+        # [1], not []: FSDP2 shards dim 0
+        self.log_k = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=trainable)
         self.reset_geometry()
 
     def reset_geometry(self) -> None:
@@ -124,7 +125,7 @@ class CurvatureExpert(nn.Module):
 
     @property
     def k_expert(self) -> torch.Tensor:
-        return bounded_log_k(self.log_k.float()).exp()
+        return bounded_log_k(self.log_k.float().reshape(())).exp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kj = self.k_expert
@@ -221,8 +222,9 @@ class MiCE(nn.Module):
         check_choice(dispatch, "dispatch", MOE_DISPATCHES)
         self.dispatch = dispatch
         if expert_combine == "lresnet_official":
-            self.add_experts_weight = nn.Parameter(torch.empty((), dtype=torch.float32))
-            self.add_experts_log_scale = nn.Parameter(torch.empty((), dtype=torch.float32))
+            # [1], not []: FSDP2 shards dim 0
+            self.add_experts_weight = nn.Parameter(torch.empty(1, dtype=torch.float32))
+            self.add_experts_log_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
         self.reset_geometry()
         self.aux_loss: Optional[torch.Tensor] = None
 
@@ -309,7 +311,7 @@ class MiCE(nn.Module):
             g = weights[..., j:j + 1]
             step = scaled_lresnet(y, expert(x), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
             y = torch.where(selected[..., j:j + 1], step, y)
-        w = upcast(self.add_experts_weight)
-        scale = positive_exp(self.add_experts_log_scale)
+        w = upcast(self.add_experts_weight.reshape(()))
+        scale = positive_exp(self.add_experts_log_scale.reshape(()))
         return scaled_lresnet(self.shared_experts[0](x), y, w, k=self.k, space_scale=scale,
                               floor=OFFICIAL_NORM_FLOOR * self.k)

@@ -10,7 +10,7 @@ from torch import nn
 from ..manifold.math import lift
 from .validation import check_dim, check_k
 from .activation import get_activation
-from .linear import LorentzLinear
+from .linear import linear_space, lorentz_linear, space_linear
 
 
 class LorentzSwiGLU(nn.Module):
@@ -38,11 +38,11 @@ class LorentzSwiGLU(nn.Module):
         check_k(k, "k")
         self.k = float(k)
         self.act = get_activation(hidden_act)
-        self.gate_proj = LorentzLinear(hidden_size, intermediate_size, k=k, bias=bias)
-        self.up_proj = LorentzLinear(hidden_size, intermediate_size, k=k, bias=bias)
-        self.down_proj = LorentzLinear(intermediate_size, hidden_size, k=k, bias=bias)
+        self.gate_proj = space_linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = space_linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = space_linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
         kk = self.k if k is None else k
-        y = self.act(self.gate_proj.space(x)) * self.up_proj.space(x)
-        return self.down_proj(lift(y, k=kk), k=k)
+        y = self.act(linear_space(self.gate_proj, x)) * linear_space(self.up_proj, x)
+        return lorentz_linear(self.down_proj, lift(y, k=kk), k=kk)

@@ -37,7 +37,7 @@ class LorentzResidual(nn.Module):
         self.k = float(k)
         self.space_scale = space_scale
         self.init_weight = float(weight)
-        self.raw_weight = nn.Parameter(torch.empty((), dtype=torch.float32))
+        self.raw_weight = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -46,7 +46,7 @@ class LorentzResidual(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return F.softplus(upcast(self.raw_weight))
+        return F.softplus(upcast(self.raw_weight.reshape(())))
 
     def forward(self, x: torch.Tensor, fx: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
         kk = self.k if k is None else k

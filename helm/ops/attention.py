@@ -71,9 +71,18 @@ def _logit_scale(tau: Tau, num_heads: int, like: torch.Tensor) -> torch.Tensor:
 class AttentionMask:
     """Who may attend to whom, built once per model forward and read by every attention layer.
 
-    Queries are the *last* ``Tq`` of the ``Tk`` positions (bottom-right alignment, as in cached decoding).
+    Queries sit at key indices ``q_offset .. q_offset + Tq - 1``; by default (``q_offset=None``) they are the
+    *last* ``Tq`` of the ``Tk`` positions (bottom-right alignment, as in cached decoding with a growing cache).
     ``padding`` ``[B, Tk]``: True for real tokens (the Hugging Face ``attention_mask``). ``segment_ids``
     ``[B, Tk]``: document ids of packed rows; a query attends only to keys of its own document.
+
+    **Static caches.** A ``transformers`` ``StaticCache`` hands every layer all ``Tk = max_cache_len`` slots, of
+    which only the first ``q_offset + Tq`` are written. ``q_offset`` (an int, or the cache's 0-dim length tensor,
+    read without a host synchronisation so the decode step compiles) then places the queries, and the unwritten
+    keys count as padding (``padding`` is ANDed with ``index < q_offset + Tq``). ``dense`` ``[B, 1, Tq, Tk]``
+    (bool, True = may attend) is a ready-made keep-mask, such as the 4-D mask ``generate`` builds for static
+    caches: it replaces the causal and padding rules (segments still apply), as a 4-D mask does in
+    ``transformers``; its keys that no query may see count as padding.
 
     Two forms, one meaning: the Triton kernel reads ``padding`` and ``segment_ids`` (it never materialises a
     ``Tq × Tk`` mask); eager and sdpa read :meth:`keep`, the dense boolean mask, computed on first use and
@@ -82,23 +91,51 @@ class AttentionMask:
     without a host-side check.
     """
 
-    __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "_keep", "_groups")
+    __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "q_offset", "dense",
+                 "_keep", "_groups")
 
     def __init__(self, batch: int, q_len: int, kv_len: int, *, causal: bool = True,
-                 padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None):
+                 padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None,
+                 q_offset: Optional[Union[int, torch.Tensor]] = None, dense: Optional[torch.Tensor] = None):
         for name, t in (("attention_mask", padding), ("segment_ids", segment_ids)):
             if t is not None and tuple(t.shape) != (batch, kv_len):
                 raise ValueError(f"{name} must be [B, Tk] = {(batch, kv_len)}, got {tuple(t.shape)}")
+        if dense is not None and (dense.dim() != 4 or dense.shape[1] != 1 or dense.shape[-2:] != (q_len, kv_len)
+                                  or dense.shape[0] not in (1, batch)):
+            raise ValueError(f"a 4-D attention mask must be [B, 1, Tq, Tk] = {(batch, 1, q_len, kv_len)}, "
+                             f"got {tuple(dense.shape)}")
+        if isinstance(q_offset, int) and q_offset == kv_len - q_len:
+            q_offset = None  # bottom-right: the default
         self.batch, self.q_len, self.kv_len, self.causal, self.device = batch, q_len, kv_len, bool(causal), device
+        self.q_offset = None if q_offset is None else torch.as_tensor(q_offset, device=device)
         self.padding = None if padding is None else padding.to(device=device, dtype=torch.bool)
         self.segment_ids = None if segment_ids is None else segment_ids.to(device)
+        self.dense = None if dense is None else _as_keep(dense).to(device).expand(batch, 1, q_len, kv_len)
+        if self.dense is not None:
+            seen = self.dense.any(-2).view(batch, kv_len)
+            self.padding = seen if self.padding is None else self.padding & seen
+        if self.q_offset is not None:
+            written = torch.arange(kv_len, device=device).view(1, kv_len) < self.q_offset + q_len
+            self.padding = written.expand(batch, kv_len) if self.padding is None else self.padding & written
         self._keep = None
         self._groups = False
 
     @property
     def is_plain_causal(self) -> bool:
         """Causal over a square problem with nothing else masked: fused kernels can use their causal flag."""
-        return self.causal and self.padding is None and self.segment_ids is None and self.q_len == self.kv_len
+        return (self.causal and self.padding is None and self.segment_ids is None and self.q_len == self.kv_len
+                and self.dense is None and self.q_offset is None)
+
+    @property
+    def bottom_right(self) -> bool:
+        """The queries are the last ``Tq`` keys and the mask is causal + padding + segments (no ``dense`` mask):
+        what the Triton kernel expresses."""
+        return self.q_offset is None and self.dense is None
+
+    def query_index(self) -> torch.Tensor:
+        """``[Tq]`` int64: the key index of each query."""
+        start = self.kv_len - self.q_len if self.q_offset is None else self.q_offset
+        return torch.arange(self.q_len, device=self.device) + start
 
     def keep(self) -> Optional[torch.Tensor]:
         """Boolean keep-mask ``[B, 1, Tq, Tk]`` (True = may attend), or None when nothing is masked."""
@@ -115,23 +152,36 @@ class AttentionMask:
 
     def __repr__(self) -> str:
         return (f"AttentionMask(B={self.batch}, Tq={self.q_len}, Tk={self.kv_len}, causal={self.causal}, "
-                f"padding={self.padding is not None}, segments={self.segment_ids is not None})")
+                f"padding={self.padding is not None}, segments={self.segment_ids is not None}, "
+                f"offset={self.q_offset is not None}, dense={self.dense is not None})")
+
+
+def _as_keep(mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D mask as booleans: bool as given (True = attend); floating point in ``transformers``' additive form
+    (0 = attend, a large negative number = masked)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask > torch.finfo(mask.dtype).min / 2
+    return mask != 0
 
 
 def _dense_keep(mask: AttentionMask):
     """The dense form of ``mask``; ``False`` (not None, so it is cached) when nothing is masked."""
     B, Tq, Tk, device = mask.batch, mask.q_len, mask.kv_len, mask.device
-    keep = None
-    if mask.causal:
-        qi = torch.arange(Tk - Tq, Tk, device=device).view(Tq, 1)
-        kj = torch.arange(Tk, device=device).view(1, Tk)
-        keep = (kj <= qi).view(1, 1, Tq, Tk).expand(B, 1, Tq, Tk)
-    if mask.padding is not None:
-        pad = mask.padding.view(B, 1, 1, Tk)
-        keep = pad if keep is None else keep & pad
+    keep = mask.dense
+    qi = mask.query_index()
+    if keep is None:
+        if mask.causal:
+            kj = torch.arange(Tk, device=device).view(1, Tk)
+            keep = (kj <= qi.view(Tq, 1)).view(1, 1, Tq, Tk).expand(B, 1, Tq, Tk)
+        if mask.padding is not None:
+            pad = mask.padding.view(B, 1, 1, Tk)
+            keep = pad if keep is None else keep & pad
     if mask.segment_ids is not None:
         seg = mask.segment_ids
-        same = seg[:, -Tq:].view(B, 1, Tq, 1) == seg.view(B, 1, 1, Tk)
+        seg_q = seg[:, -Tq:] if mask.q_offset is None else seg.index_select(1, qi)
+        same = seg_q.view(B, 1, Tq, 1) == seg.view(B, 1, 1, Tk)
         keep = same if keep is None else keep & same
     if keep is None:
         return False
@@ -154,9 +204,12 @@ def build_attention_mask(
                          device=device).keep()
 
 
-def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """ALiBi logits bias ``-m_h · (i - j)`` as ``[1, H, Tq, Tk]`` (queries are the last ``Tq`` positions)."""
-    qi = torch.arange(kv_len - q_len, kv_len, device=slopes.device).view(q_len, 1)
+def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int,
+               q_offset: Optional[Union[int, torch.Tensor]] = None) -> torch.Tensor:
+    """ALiBi logits bias ``-m_h · (i - j)`` as ``[1, H, Tq, Tk]``; the queries are at key indices
+    ``q_offset + (0 .. Tq-1)``, by default the last ``Tq`` positions."""
+    start = kv_len - q_len if q_offset is None else q_offset
+    qi = (torch.arange(q_len, device=slopes.device) + start).view(q_len, 1)
     kj = torch.arange(kv_len, device=slopes.device).view(1, kv_len)
     return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
 
@@ -241,7 +294,10 @@ def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
     the centre of each query row (that of the key at the query's position, which is in its document)."""
     c = _value_centres(v, mask.groups())
     w = v - c
-    c_rows = c if c.shape[-2] == 1 else c[..., mask.kv_len - mask.q_len:, :]
+    c_rows = c
+    if c.shape[-2] > 1:  # each query row takes the centre of the key at its own position
+        rows = mask.query_index()
+        c_rows = c[..., mask.kv_len - mask.q_len:, :] if mask.q_offset is None else c.index_select(-2, rows)
     return c_rows, torch.cat([w, sqnorm(w, keepdim=True)], dim=-1)
 
 
@@ -277,7 +333,7 @@ def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_s
     if position_bias is not None:
         bias = position_bias.to(dtype)
     if alibi_slopes is not None:
-        ab = alibi_bias(alibi_slopes, Tq, Tk).to(dtype)
+        ab = alibi_bias(alibi_slopes, Tq, Tk, mask.q_offset).to(dtype)
         bias = ab if bias is None else bias + ab
     return q, kk, v, _logit_scale(tau, H, q), keep, bias
 
@@ -344,12 +400,22 @@ def _triton_available(device: torch.device) -> Optional[str]:
 def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
                      alibi_slopes=None) -> torch.Tensor:
     """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`); it reads the mask's
-    padding and segment ids and builds no dense mask."""
+    padding and segment ids and builds no dense mask.
+
+    The kernel aligns the queries bottom-right (they are the last ``Tq`` keys), and centres each query row's values
+    on the group of the key at its own position. A mask with a query offset or a 4-D mask (a static cache, whose
+    last slots are not written yet) breaks both, so it runs through :func:`sdpa_attention`, the same maths."""
     reason = _triton_available(query.device)
     if reason is not None:
         raise ValueError(reason)
     if position_bias is not None:
         raise ValueError("impl='triton' supports ALiBi slopes but not a dense position_bias; use impl='sdpa'")
+    if not mask.bottom_right:
+        if "triton-static" not in _AUTO_LOGGED and not torch.compiler.is_compiling():
+            _AUTO_LOGGED.add("triton-static")
+            logger.info("helm attention impl='triton': %r is not bottom-right aligned (a static cache or a 4-D "
+                        "mask); using 'sdpa' for it", mask)
+        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes)
     kernel, _ = _load_kernel()
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
                   segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes)
@@ -367,12 +433,13 @@ def available_attention_impls() -> tuple:
     return tuple(ATTENTION_IMPLS) + ("auto",)
 
 
-def _resolve_impl(impl: str, device: torch.device, needs_dense_bias: bool) -> str:
+def _resolve_impl(impl: str, device: torch.device, needs_dense: bool) -> str:
+    """``impl``, or for ``auto`` the Triton kernel on CUDA unless the call needs a dense bias or mask."""
     if impl != "auto":
         return impl
-    choice = "triton" if device.type == "cuda" and not needs_dense_bias and _triton_available(device) is None \
+    choice = "triton" if device.type == "cuda" and not needs_dense and _triton_available(device) is None \
         else "sdpa"
-    if (choice, device.type) not in _AUTO_LOGGED:
+    if (choice, device.type) not in _AUTO_LOGGED and not torch.compiler.is_compiling():  # dynamo refuses logging
         _AUTO_LOGGED.add((choice, device.type))
         logger.info("helm attention impl='auto' uses %r on %s", choice, device.type)
     return choice
@@ -452,6 +519,7 @@ def lorentz_attention(
     elif attention_mask is not None or segment_ids is not None:
         raise ValueError("pass either mask or attention_mask / segment_ids, not both")
     _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl)
-    name = _resolve_impl(impl, query.device, position_bias is not None)
+    # the kernel takes neither a dense bias nor a query offset / 4-D mask (static caches): auto picks sdpa there
+    name = _resolve_impl(impl, query.device, position_bias is not None or not mask.bottom_right)
     return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
                                  alibi_slopes=alibi_slopes)

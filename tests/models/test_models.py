@@ -281,7 +281,7 @@ def test_mice_aux_loss_is_added_in_training_only(tiny_config):
     model = tiny(tiny_config, "helm_mice")
     ids = torch.randint(0, 512, (2, 17))
     model.train()
-    out = model(ids, labels=ids)
+    out = model(ids, labels=ids, skip_logits=False)  # the logits too (training with labels skips them by default)
     layers = model.mice_layers()
     assert len(layers) == model.config.num_hidden_layers - model.config.first_k_dense_replace
     expected = torch.stack([m.aux_loss for m in layers]).sum()

@@ -25,7 +25,7 @@ def make_mice(scoring_func="softmax", norm_topk_prob=False, *, top_k=2, seed=0, 
         mice.e_score_correction_bias.copy_(0.05 * torch.randn(len(CURVATURES)))
         mice.gate.weight.mul_(20.0)  # scores far from uniform
         for name, p in mice.named_parameters():
-            if name.endswith("linear.bias"):
+            if name.endswith("_proj.bias"):
                 p.normal_(0.0, 0.3)
     return mice
 
@@ -123,11 +123,11 @@ def test_on_manifold_and_gradients():
         "add_experts_weight": mice.add_experts_weight.grad,
         "add_experts_log_scale": mice.add_experts_log_scale.grad,
         "gate.weight": mice.gate.weight.grad,
-        "shared_experts.0.down_proj": mice.shared_experts[0].down_proj.linear.weight.grad,
+        "shared_experts.0.down_proj": mice.shared_experts[0].down_proj.weight.grad,
     }
     for j, expert in enumerate(mice.experts):
-        grads[f"experts.{j}.down_proj"] = expert.mlp.down_proj.linear.weight.grad
-        grads[f"experts.{j}.gate_proj"] = expert.mlp.gate_proj.linear.weight.grad
+        grads[f"experts.{j}.down_proj"] = expert.mlp.down_proj.weight.grad
+        grads[f"experts.{j}.gate_proj"] = expert.mlp.gate_proj.weight.grad
         grads[f"experts.{j}.log_k"] = expert.log_k.grad
     for name, grad in grads.items():
         assert grad is not None, name
@@ -138,14 +138,14 @@ def test_on_manifold_and_gradients():
 
 def test_parameters_only_in_official_mode():
     official = MiCE(D, 1 + 7, n_routed_experts=4, num_experts_per_tok=2, expert_combine="lresnet_official")
-    assert official.add_experts_weight.dtype == torch.float32 and official.add_experts_weight.dim() == 0
+    assert official.add_experts_weight.dtype == torch.float32 and official.add_experts_weight.shape == (1,)
     assert official.add_experts_weight.item() == 1.0
     assert official.add_experts_log_scale.item() == pytest.approx(math.log(2.0))
     assert {"add_experts_weight", "add_experts_log_scale"} <= set(official.state_dict())
 
     centroid = MiCE(D, 1 + 7, n_routed_experts=2, num_experts_per_tok=1)
     assert centroid.expert_combine == "centroid"
-    swiglu = [f"{p}_proj.linear.{w}" for p in ("down", "gate", "up") for w in ("bias", "weight")]
+    swiglu = [f"{p}_proj.{w}" for p in ("down", "gate", "up") for w in ("bias", "weight")]
     expected = {"e_score_correction_bias", "gate.weight"}
     expected |= {f"experts.{j}.log_k" for j in range(2)}
     expected |= {f"experts.{j}.mlp.{s}" for j in range(2) for s in swiglu}

@@ -191,3 +191,32 @@ def test_mask_errors_name_the_problem():
         lorentz_attention(q, k, v, k=0.5, tau=1.0, mask=AttentionMask(2, 9, 9), attention_mask=torch.ones(2, 9))
     with pytest.raises(ValueError, match="segment_ids must be"):
         AttentionMask(2, 9, 9, segment_ids=torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("form", ["offset int", "offset tensor", "4-D mask", "4-D float mask"])
+def test_static_cache_slots_give_the_attention_of_the_written_keys(form, impl):
+    """Issue 14, item 1: queries at key indices 5..6 of 10 slots (the last 3 unwritten, zero) attend exactly as
+    the last 2 of the 7 written keys do; with left padding, packed documents and ALiBi."""
+    q, k, v = qkv(2, 3, 2, 7, dtype=torch.float64, seed=3)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1, :2] = False
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    slopes = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+    ref = lorentz_attention(q, k, v, k=0.5, tau=1.5, attention_mask=pad, segment_ids=seg, alibi_slopes=slopes,
+                            impl="eager")
+    zeros = lambda x: torch.cat([x, torch.zeros_like(x[:, :, :3])], dim=2)
+    slot_pad = torch.cat([pad, torch.zeros(2, 3, dtype=torch.bool)], 1)
+    slot_seg = torch.cat([seg, torch.full((2, 3), -1)], 1)
+    if form.startswith("offset"):
+        offset = 5 if form == "offset int" else torch.tensor(5)
+        mask = AttentionMask(2, 2, 10, padding=slot_pad, segment_ids=slot_seg, q_offset=offset)
+    else:
+        keep = AttentionMask(2, 2, 10, padding=slot_pad, q_offset=5).keep()
+        additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)  # transformers' eager form
+        dense = keep if form == "4-D mask" else additive
+        mask = AttentionMask(2, 2, 10, segment_ids=slot_seg, dense=dense, q_offset=5)
+    assert not mask.bottom_right and not mask.is_plain_causal
+    out = lorentz_attention(q, zeros(k), zeros(v), k=0.5, tau=1.5, mask=mask, alibi_slopes=slopes, impl=impl)
+    assert_close(out, ref)

@@ -48,7 +48,7 @@ BAD_INPUTS = [
     ("attention_mask 1-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(5,\)", "accepts"),
     ("attention_mask batch", lambda: dict(input_ids=ids(), attention_mask=torch.ones(3, T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(3, 5\)", "accepts"),
     ("attention_mask length", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T + 1)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(2, 6\)", "accepts"),
-    ("attention_mask 4-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, 1, T, T)), ValueError, r"attention_mask must be \[B, T_past\+T\]", "accepts"),
+    ("attention_mask 4-D length", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, 1, T, T + 1)), ValueError, r"attention_mask must be \[B, 1, T, T_kv\] = \[2, 1, 5, 5\] \(a 4-D mask\)", "raises"),
     ("position_ids 1-D", lambda: dict(input_ids=ids(), position_ids=torch.arange(T)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\] \(or \[1, 5\]\), got \(5,\)", "raises"),
     ("position_ids length", lambda: dict(input_ids=ids(), position_ids=torch.arange(T - 1).expand(B, T - 1)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\]", "raises"),
     ("position_ids batch", lambda: dict(input_ids=ids(), position_ids=torch.arange(T).expand(3, T)), ValueError, r"position_ids must be \[B, T\] = \[2, 5\] \(or \[1, 5\]\), got \(3, 5\)", "raises"),
@@ -225,7 +225,7 @@ def _drop_tail(path):  # header intact, tensor data cut short
 
 
 WEIGHT = "model.layers.0.attn_residual.raw_weight"
-MATRIX = "model.layers.1.self_attn.o_proj.linear.weight"
+MATRIX = "model.layers.1.self_attn.o_proj.weight"
 # (case id, damage to the saved directory, exception, message fragment)
 DAMAGED = [
     ("no weights file", lambda p: os.remove(p / "model.safetensors"), OSError, "no file named model.safetensors"),

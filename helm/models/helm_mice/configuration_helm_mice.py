@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...nn.validation import (
     ATTENTION_TYPES,
     SCORING_FUNCS,
+    boolean,
     check,
     curvature_pair,
     field,
@@ -40,6 +41,11 @@ class HelmMiCEConfig(HelmConfigBase):
             code's chain of LResNets; needs ``n_shared_experts=1``; see :class:`helm.nn.MiCE` and FIDELITY.md).
         moe_dispatch: ``auto`` (each routed expert runs only on its tokens on the CPU from 128 tokens per call,
             else every expert on every token), ``dense`` or ``sparse``; the same outputs either way.
+        hmla_absorb: absorbed HMLA decoding (:class:`helm.nn.HMLA`): the cache also keeps three fp32 scalars per
+            head and token (key and value time coordinates, centred value norm), and a cached forward of a few
+            tokens attends in the latent space, ``O(T_cache·(n_kv + d_r))`` per head instead of re-running
+            ``kv_b_proj`` over the cache; outputs equal the plain path to fp32 rounding. Training and long prefills
+            are unchanged. Ignored with ``attention_type="mha"``.
     """
 
     model_type = "helm_mice"
@@ -63,6 +69,7 @@ class HelmMiCEConfig(HelmConfigBase):
     bias_update_speed: float = field(non_negative, 1e-3)
     expert_combine: str = field(one_of(EXPERT_COMBINES), "centroid")
     moe_dispatch: str = field(one_of(MOE_DISPATCHES), "auto")
+    hmla_absorb: bool = field(boolean, True)
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)

@@ -26,10 +26,11 @@ from ...nn.residual import LorentzResidual
 from ...ops.attention import AttentionMask
 from ..modeling_common import (
     HelmPreTrainedModel,
-    causal_lm_loss,
+    attention_mask_for,
     check_inputs,
     default_position_ids,
     lift_inputs_embeds,
+    lm_logits_and_loss,
     refuse_attention_weights,
     positional_encoding,
 )
@@ -50,7 +51,7 @@ class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
                                   qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
                                   tau_init=config.tau_init, attn_impl=config.attn_impl, layer_idx=layer_idx,
                                   bias=config.attention_bias, rms_norm_eps=config.rms_norm_eps,
-                                  head_merge=config.head_merge)
+                                  head_merge=config.head_merge, absorb=config.hmla_absorb)
         else:
             self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim,
                                                   k=k, tau_init=config.tau_init, attn_impl=config.attn_impl,
@@ -137,21 +138,21 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        batch, seq_len = check_inputs(self.config, input_ids, inputs_embeds, past_len, attention_mask, position_ids,
-                                      segment_ids)
+        # layout: past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
+        batch, seq_len, layout = check_inputs(self.config, input_ids, inputs_embeds, past_key_values, attention_mask,
+                                              position_ids, segment_ids)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
-            position_ids = default_position_ids(attention_mask, past_len, seq_len, batch, device)
+            position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
 
         hidden_states = (self.embed_tokens(input_ids) if inputs_embeds is None
                          else lift_inputs_embeds(self.config, inputs_embeds))
         if self.pos_encoding.absolute:
             hidden_states = lift(self.pos_encoding.embed(hidden_states[..., 1:], position_ids), k=self.config.k)
         # built once here, read by every layer
-        position_embeddings = self.pos_encoding(position_ids, kv_len=past_len + seq_len, dtype=hidden_states.dtype)
-        mask = AttentionMask(batch, seq_len, past_len + seq_len, padding=attention_mask, segment_ids=segment_ids,
-                             device=device)
+        position_embeddings = self.pos_encoding(position_ids, kv_len=layout.kv_len, dtype=hidden_states.dtype,
+                                                q_offset=layout.q_offset)
+        mask = attention_mask_for(layout, batch, seq_len, attention_mask, segment_ids, device)
 
         # transformers' convention: the embeddings, every layer's output, the last one after the final norm
         all_hidden_states = [hidden_states]
@@ -189,16 +190,15 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
                 inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
-                logits_to_keep: int = 0, **kwargs) -> MoeCausalLMOutputWithPast:
+                logits_to_keep: int = 0, skip_logits: Optional[bool] = None, **kwargs) -> MoeCausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                              segment_ids=segment_ids, output_hidden_states=output_hidden_states,
                              output_attentions=output_attentions)
         hidden_states = outputs.last_hidden_state
-        logits = self.lm_head(hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states)
-        loss = None
-        if labels is not None:
-            loss = causal_lm_loss(self, logits, labels, **kwargs)
+        # in training with labels (config.fused_lm_loss) the loss is fused and logits is None: lm_logits_and_loss
+        kept = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+        logits, loss = lm_logits_and_loss(self, kept, labels, skip_logits, **kwargs)
         # the sequence-wise balance losses of this forward's MiCE layers (set only in training)
         balance = [m.aux_loss for m in self.model.mice_layers() if m.aux_loss is not None]
         aux_loss = torch.stack(balance).sum() if self.training and balance else None

@@ -52,14 +52,19 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
-def index_positions(batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def index_positions(batch: int, q_len: int, kv_len: int, device,
+                    q_offset: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the queries and keys in the key index space, ``[B, Tq]`` and ``[B, Tk]``.
 
-    Relative encodings only see differences, and within one row (or one packed document, or the real tokens
-    of a left-padded row) index differences equal position differences.
+    The queries are the last ``Tq`` keys, or, with ``q_offset`` (a static cache: an int or a 0-dim tensor, read
+    without synchronising), the keys ``q_offset .. q_offset + Tq - 1``. Relative encodings only see differences,
+    and within one row (or one packed document, or the real tokens of a left-padded row) index differences equal
+    position differences.
     """
     k_pos = torch.arange(kv_len, device=device).expand(batch, kv_len)
-    return k_pos[:, kv_len - q_len:], k_pos
+    if q_offset is None:
+        return k_pos[:, kv_len - q_len:], k_pos
+    return (torch.arange(q_len, device=device) + q_offset).expand(batch, q_len), k_pos
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,12 +125,13 @@ class PositionalEncoding(nn.Module):
         biases compare queries at ``q_pos [B, Tq]`` with keys at ``k_pos [B, Tk]``."""
         return PositionalTables()
 
-    def forward(self, position_ids: torch.Tensor, *, kv_len: int, dtype: torch.dtype = torch.float32
-                ) -> PositionalTables:
+    def forward(self, position_ids: torch.Tensor, *, kv_len: int, dtype: torch.dtype = torch.float32,
+                q_offset: int | torch.Tensor | None = None) -> PositionalTables:
         """Tables for new tokens at ``position_ids [B, T]`` attending to ``kv_len`` keys (cache + new), for
-        hidden states of ``dtype``. Biases see index positions (:func:`index_positions`)."""
+        hidden states of ``dtype``. Biases see index positions (:func:`index_positions`; ``q_offset`` places the
+        queries in a static cache's ``kv_len`` slots)."""
         B, T = position_ids.shape
-        q_pos, k_pos = index_positions(B, T, kv_len, position_ids.device)
+        q_pos, k_pos = index_positions(B, T, kv_len, position_ids.device, q_offset)
         return self.tables(position_ids, q_pos, k_pos, work_dtype(dtype))
 
     def rotate(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,7 @@ class HoPEBoost(PositionalEncoding):
         self._freqs64 = freqs
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if learnable_decay:
-            self.decay_raw = nn.Parameter(torch.empty((), dtype=torch.float32))
+            self.decay_raw = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
             self.reset_parameters()
 
     @classmethod
@@ -145,7 +145,7 @@ class HoPEBoost(PositionalEncoding):
         """``θ'`` (a float, or a 0-dim fp32 tensor carrying gradient when learnable)."""
         if self.learnable_decay:
             # the floor keeps θ' - max θ representable in fp32: a vanishing gap would stop the slowest decay
-            gap = nn.functional.softplus(self.decay_raw.float()).clamp_min(_MIN_DECAY_GAP * self.max_theta)
+            gap = nn.functional.softplus(self.decay_raw.float().reshape(())).clamp_min(_MIN_DECAY_GAP * self.max_theta)
             return self.max_theta + gap
         return self.theta_prime_init
 

@@ -1,0 +1,111 @@
+"""Generation speed of HELM models next to transformers' Euclidean models of the same shape, in one run.
+
+For each model and context length (random prompts of 256, 1k and 4k tokens, batch 1):
+
+* ``generate``: greedy, ``max_new_tokens`` new tokens with the model's default cache; new tokens per second,
+  prefill included (what a user sees);
+* decode step: one cached forward of one token after a prefill of the context, in ms: the cost of a step as
+  the cache grows (it should stay nearly flat; attention over the cache is the only part that grows).
+
+Models: ``tiny-helm-d``, ``tiny-helm-mice`` (HMLA: the latent cache is re-expanded by ``kv_b_proj`` at every
+step), ``tiny-helm-mice`` with ``hmla_absorb=True`` when the config has that switch (the absorbed decoding of
+issue 13), ``tiny-llama`` and ``tiny-deepseek-v3``. Models alternate within each repeat so that a change in
+machine load hits all of them; the best of the repeats is reported. Ratios at the end: HELM-MiCE / HELM-D decode
+step (issue 13's target is <= 1.2 at 1k) and each HELM model / its Euclidean twin.
+
+Usage: ``python benchmarks/generate.py [--contexts 256 1024 4096] [--new-tokens 32] [--steps 16] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import helm  # noqa: E402
+
+MODELS = {"helm-d": ("tiny-helm-d", {}), "helm-mice": ("tiny-helm-mice", {}),
+          "helm-mice-absorbed": ("tiny-helm-mice", {"hmla_absorb": True}),
+          "llama": ("tiny-llama", {}), "deepseek-v3": ("tiny-deepseek-v3", {})}
+
+
+def build(name: str, max_len: int):
+    preset, options = MODELS[name]
+    config = helm.load_config(preset, max_position_embeddings=max_len)
+    if any(not hasattr(config, key) for key in options):
+        return None  # this version of the zoo lacks the switch
+    for key, value in options.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@torch.inference_mode()
+def generate_rate(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    """New tokens per second of greedy ``generate`` (prefill included)."""
+    start = time.perf_counter()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=model.config.pad_token_id)
+    return new_tokens / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def decode_step(model, prompt: torch.Tensor, steps: int) -> float:
+    """Mean seconds of one cached single-token forward after a prefill of ``prompt``."""
+    out = model(prompt, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    args = parser.parse_args(argv)
+    max_len = max(args.contexts) + args.new_tokens + args.steps + 1
+    models = {name: build(name, max_len) for name in args.models}
+    for name in [n for n, m in models.items() if m is None]:
+        print(f"  {name}: skipped, this version has no {', '.join(MODELS[name][1])} switch")
+        del models[name]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, greedy, {args.new_tokens} new "
+          f"tokens per generate, {args.steps} decode steps per repeat, best of {args.repeats} repeats")
+    step, rate = {}, {}
+    for context in args.contexts:
+        prompt = torch.randint(2, 512, (1, context), generator=torch.Generator().manual_seed(context))
+        for model in models.values():  # warm-up
+            decode_step(model, prompt[:, :64], 2)
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                s = decode_step(model, prompt, args.steps)
+                step[name, context] = min(step.get((name, context), float("inf")), s)
+                r = generate_rate(model, prompt, args.new_tokens)
+                rate[name, context] = max(rate.get((name, context), 0.0), r)
+    print(f"\n{'model':<20}" + "".join(f"{f'decode ms @{c}':>16}{f'gen tok/s @{c}':>17}" for c in args.contexts))
+    for name in models:
+        print(f"{name:<20}" + "".join(f"{step[name, c] * 1e3:16.2f}{rate[name, c]:17.1f}" for c in args.contexts))
+    ratios = [("helm-mice", "helm-d"), ("helm-mice-absorbed", "helm-d"), ("helm-d", "llama"),
+              ("helm-mice", "deepseek-v3"), ("helm-mice-absorbed", "deepseek-v3")]
+    print()
+    for a, b in ratios:
+        if a in models and b in models:
+            print(f"  decode step {a} / {b}: " + ", ".join(f"{step[a, c] / step[b, c]:.2f}x @{c}"
+                                                              for c in args.contexts))
+    for name in models:
+        first, last = args.contexts[0], args.contexts[-1]
+        print(f"  {name}: decode step @{last} / @{first} = {step[name, last] / step[name, first]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
