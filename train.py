@@ -153,6 +153,8 @@ def build_model(cfg, config):
     except Exception as error:
         raise ConfigError(f"model.overrides: {dict(cfg.model.overrides)} give a model that cannot be built and run "
                           f"forward ({type(error).__name__}: {' '.join(str(error).split())})") from None
+    if cfg.train.gradient_checkpointing:  # layers recompute activations in the backward (transformers' new name first)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     return model.train()
 
 
@@ -201,6 +203,9 @@ def train(cfg, resume) -> dict:
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
     routed = attach_balancing(unwrapped)  # MiCE layers, or hooks on DeepSeek-V3's routers (same balancing)
+    # only the training forward is compiled (one graph where the model allows); the rest uses the plain module
+    forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
+        if cfg.train.compile else model
     if checkpoint is not None:
         # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
         with refused_pickles(checkpoint):
@@ -225,9 +230,8 @@ def train(cfg, resume) -> dict:
             nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
         return float(nll / count.clamp_min(1))
 
-    initial = None
-    if start_step == 0 and cfg.train.eval_at_start:
-        initial = validation_loss(unwrapped)
+    initial = validation_loss(unwrapped) if start_step == 0 and cfg.train.eval_at_start else None
+    if initial is not None:
         accelerator.log({"val_loss": initial, "val_ppl": perplexity(initial)}, step=0)
         say(f"[train] step 0: validation loss {initial:.4f}, perplexity {perplexity(initial):,.1f}")
 
@@ -240,21 +244,19 @@ def train(cfg, resume) -> dict:
     first_bad = torch.zeros(1, dtype=torch.long, device=accelerator.device)  # first non-finite step, read when synced
     run_start, tokens_per_step = time.perf_counter(), rows_per_step * L
     for step in range(start_step, cfg.train.max_steps):
-        load = None
+        load = 0  # tokens per routed expert, summed over the micro-batches
         for micro in range(accum):
             start = step * rows_per_step + (micro * world + rank) * B
             batch = train_rows.next(B) if streaming else train_rows.take(start, B)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             with accelerator.accumulate(model):
-                output = model(**packed_inputs(unwrapped, batch), labels=batch["labels"])
+                output = forward(**packed_inputs(unwrapped, batch), labels=batch["labels"], use_cache=False)
                 accelerator.backward(output.loss)
-                aux = getattr(output, "aux_loss", None)
-                window_loss += (output.loss - (aux if aux is not None else 0)).detach() / accum
-                if aux is not None:
-                    window_aux += aux.detach() / accum
+                aux = output.aux_loss.detach() if getattr(output, "aux_loss", None) is not None else zero
+                window_loss += (output.loss.detach() - aux) / accum
+                window_aux += aux / accum
                 if routed:
-                    step_load = torch.stack([layer.last_expert_load for layer in routed])
-                    load = step_load if load is None else load + step_load
+                    load = load + torch.stack([layer.last_expert_load for layer in routed])
                 if accelerator.sync_gradients:
                     grad_norm = clip_grad_norm(accelerator, model.parameters(), cfg.optim.grad_clip or float("inf"))
                     lr = scheduler.get_last_lr()[0]
@@ -283,9 +285,8 @@ def train(cfg, resume) -> dict:
                                      f"{cfg.train.mixed_precision})")
 
         if log:
-            elapsed = time.perf_counter() - window_start
             loss = accelerator.reduce(window_loss, "mean").item() / window_steps
-            speed = window_steps * tokens_per_step / max(elapsed, 1e-9)
+            speed = window_steps * tokens_per_step / max(time.perf_counter() - window_start, 1e-9)
             values = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed,
                       "tokens": done * tokens_per_step, "elapsed_s": time.perf_counter() - run_start}
             if routed:

@@ -1,9 +1,14 @@
 """Training throughput of HELM models next to transformers' Euclidean models of the same shape, in one run.
 
-Pairs (tiny presets, the shapes of the README's CPU runs):
+Pairs (``--pairs``) at two sets of shapes (``--shapes``):
 
-* ``tiny-helm-d``    (ambient 129 = 1 + 128, 4 layers, 4 heads)  vs  ``tiny-llama``       (``LlamaForCausalLM``, 128)
-* ``tiny-helm-mice`` (HMLA + MiCE, 4 routed / 2 active / 1 shared)  vs  ``tiny-deepseek-v3`` (``DeepseekV3ForCausalLM``)
+* ``helm-d``: ``tiny-helm-d`` (ambient 129 = 1 + 128, 4 layers, 4 heads) vs ``tiny-llama`` (``LlamaForCausalLM``);
+  paper: ``helm-d-115m`` vs ``llama-115m``
+* ``mice``: ``tiny-helm-mice`` (HMLA + MiCE, 4 routed / 2 active / 1 shared) vs ``tiny-deepseek-v3``
+  (``DeepseekV3ForCausalLM``); paper: ``helm-mice-120m`` vs ``deepseek-v3-120m``
+
+``tiny`` runs 8 rows x 256 tokens by default; ``paper`` (opt-in: minutes per pair on 2 CPU cores, 128k vocabulary)
+1 row x 256 and x 1024 tokens (``--batch-size``, ``--seq-len`` override both).
 
 Each step is what ``train.py`` does per optimiser step: forward on packed rows (document ids / restarting
 positions, so attention stays within documents), backward, gradient clipping, the optimiser step of
@@ -12,8 +17,16 @@ bias update. Measurements of the two models alternate, so a change in machine lo
 reported time is the best of the repeats (other processes only ever add time; the median is printed too).
 The ratio is HELM time / Euclidean time per token (the paper reports 1.5–1.8x for its implementation).
 
-Usage: ``python benchmarks/train_step.py [--batch-size 8] [--seq-len 256] [--steps 3] [--repeats 5]
-[--pairs helm-d mice]``
+``--compile`` also times both models under ``torch.compile`` (``--backend``, default inductor; one graph where
+the model says it can: ``_can_compile_fullgraph``), after warm-up steps that include the compilation (its time is
+printed). The **roofline ratio** is step time / (6 · N_active · tokens / F), F the fp32 FLOP/s of one
+``torch.mm`` of the HELM model's MLP shape (``[tokens, hidden] @ [hidden, intermediate]``) measured in the same
+run: 1.0 would be every parameter's forward and backward matmuls at that GEMM's speed. N_active counts the
+parameters a token uses: all but the input embedding table (a lookup), with routed experts scaled by
+top-k / routed (shared experts and routers count fully); attention's ``T²`` matmuls are not in it.
+
+Usage: ``python benchmarks/train_step.py [--shapes tiny paper] [--pairs helm-d mice] [--batch-size B]
+[--seq-len T ...] [--compile [--backend inductor]] [--steps 3] [--repeats 5] [--warmup 2] [--threads N]``
 """
 
 from __future__ import annotations
@@ -33,8 +46,6 @@ from helm.data import pack_documents  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
 from helm.evaluation import packed_inputs  # noqa: E402
 
-PAIRS = {"helm-d": ("tiny-helm-d", "tiny-llama"), "mice": ("tiny-helm-mice", "tiny-deepseek-v3")}
-
 
 def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Rows of random documents (lengths 20–400 tokens) packed like train.py packs real text."""
@@ -48,23 +59,55 @@ def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> di
     return {k: v[:batch_size] for k, v in rows.items()}
 
 
-class Trainer:
-    """One model, its optimiser and a fixed batch; ``run(n)`` times ``n`` training steps."""
+SHAPES = {"tiny": {"helm-d": ("tiny-helm-d", "tiny-llama"), "mice": ("tiny-helm-mice", "tiny-deepseek-v3")},
+          "paper": {"helm-d": ("helm-d-115m", "llama-115m"), "mice": ("helm-mice-120m", "deepseek-v3-120m")}}
+DEFAULT_BATCH = {"tiny": (8, [256]), "paper": (1, [256, 1024])}  # rows, sequence lengths
 
-    def __init__(self, preset: str, batch: dict[str, torch.Tensor], lr: float = 1e-3):
+
+def active_parameters(model) -> int:
+    """Parameters one token's forward multiplies with: all but the input embedding table (unless tied to the LM
+    head), routed experts counted at ``num_experts_per_tok / n_routed_experts``."""
+    config = model.config
+    routed = config.num_experts_per_tok / config.n_routed_experts if getattr(config, "n_routed_experts", None) else 1
+    table = model.get_input_embeddings().weight
+    tied = table is getattr(model.get_output_embeddings(), "weight", None)
+    return round(sum(p.numel() * (routed if ".experts." in name else 1) for name, p in model.named_parameters()
+                     if p is not table or tied))
+
+
+def gemm_flops(m: int, k: int, n: int, repeats: int = 10) -> float:
+    """fp32 FLOP/s of ``[m, k] @ [k, n]`` (best of ``repeats``)."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
+class Trainer:
+    """One model (compiled with ``backend`` unless None), its optimiser and a fixed batch; ``run(n)`` times ``n``
+    training steps."""
+
+    def __init__(self, preset: str, batch: dict[str, torch.Tensor], lr: float = 1e-3, backend: str | None = None):
         torch.manual_seed(0)
         self.name = preset
         self.model = AutoModelForCausalLM.from_config(helm.load_config(preset))
         self.model.train()
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.active = active_parameters(self.model)
         self.optimizer = build_optimizer(self.model, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-        self.inputs = {**packed_inputs(self.model, batch), "labels": batch["labels"]}
+        self.inputs = {**packed_inputs(self.model, batch), "labels": batch["labels"], "use_cache": False}
         self.routing = hasattr(self.model, "update_routing_bias")
         self.tokens = batch["input_ids"].numel()
+        self.forward = self.model if backend is None else torch.compile(
+            self.model, backend=backend, fullgraph=self.model._can_compile_fullgraph)
         self.loss = float("nan")
 
     def step(self) -> None:
-        out = self.model(**self.inputs)
+        out = self.forward(**self.inputs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -80,39 +123,70 @@ class Trainer:
         return (time.perf_counter() - start) / steps
 
 
-def compare(helm_preset: str, euclid_preset: str, args) -> tuple[float, float]:
-    vocab = helm.load_config(helm_preset).vocab_size
-    batch = packed_batch(args.batch_size, args.seq_len, vocab)
-    trainers = [Trainer(helm_preset, batch), Trainer(euclid_preset, batch)]
-    for t in trainers:  # warm-up: allocator, thread pools, first-call dispatch
+def compare(helm_preset: str, euclid_preset: str, batch_size: int, seq_len: int, backend, args) -> tuple:
+    """Time the pair (eager, or compiled with ``backend``); returns (HELM s/step, Euclidean s/step, roofline ratios)."""
+    config = helm.load_config(helm_preset)
+    batch = packed_batch(batch_size, seq_len, config.vocab_size)
+    trainers = [Trainer(helm_preset, batch, backend=backend), Trainer(euclid_preset, batch, backend=backend)]
+    mode = backend or "eager"
+    for t in trainers:  # warm-up: compilation, allocator, thread pools, first-call dispatch
+        start = time.perf_counter()
         t.run(args.warmup)
+        if backend is not None:
+            print(f"  [{mode}] {t.name}: {args.warmup} warm-up steps, compilation included: "
+                  f"{time.perf_counter() - start:.0f} s")
     times = {t.name: [] for t in trainers}
     for _ in range(args.repeats):
         for t in trainers:
             times[t.name].append(t.run(args.steps))
     best = [min(times[t.name]) for t in trainers]
+    flops = gemm_flops(batch_size * seq_len, config.hidden_size, config.intermediate_size)
+    roofline = []
     for t, sec in zip(trainers, best):
-        median = statistics.median(times[t.name])
-        print(f"  {t.name:<18} {type(t.model).__name__:<24} {t.params / 1e6:6.2f}M params  "
-              f"{sec * 1e3:8.1f} ms/step  {t.tokens / sec:9,.0f} tokens/s  (median {median * 1e3:.1f} ms, "
-              f"final loss {t.loss:.3f})")
-    print(f"  => {helm_preset} / {euclid_preset} training time per token: {best[0] / best[1]:.2f}x")
-    return best[0], best[1]
+        roofline.append(sec / (6 * t.active * t.tokens / flops))
+        print(f"  {mode:<9} {t.name:<17} {type(t.model).__name__:<23} {t.params / 1e6:7.2f}M params "
+              f"({t.active / 1e6:.2f}M active)  {sec * 1e3:8.1f} ms/step  {t.tokens / sec:8,.0f} tokens/s  roofline "
+              f"{roofline[-1]:5.1f}x  (median {statistics.median(times[t.name]) * 1e3:.1f} ms, loss {t.loss:.3f})")
+    print(f"  => {mode}: {helm_preset} / {euclid_preset} training time per token: {best[0] / best[1]:.2f}x "
+          f"(GEMM {batch_size * seq_len}x{config.hidden_size} @ {config.hidden_size}x{config.intermediate_size}: "
+          f"{flops / 1e9:.1f} GFLOP/s)")
+    return best[0], best[1], roofline
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny"],
+                        help="tiny presets, and/or the paper's 115M/120M shapes (opt-in: minutes per pair)")
+    parser.add_argument("--pairs", nargs="+", choices=sorted(SHAPES["tiny"]), default=list(SHAPES["tiny"]))
+    parser.add_argument("--batch-size", type=int, default=None, help="rows per step (default: tiny 8, paper 1)")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=None,
+                        help="tokens per row, one or more (default: tiny 256, paper 256 1024)")
+    parser.add_argument("--compile", action="store_true", help="also time both models of each pair compiled")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend for --compile")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=list(PAIRS))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (e.g. 1 on a shared machine)")
     args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch_size} x "
-          f"{args.seq_len} packed tokens; best of {args.repeats} repeats x {args.steps} steps")
-    for name in args.pairs:
-        compare(*PAIRS[name], args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.repeats} repeats x "
+          f"{args.steps} steps")
+    rows = []
+    for shape in args.shapes:
+        batch_size = args.batch_size or DEFAULT_BATCH[shape][0]
+        for seq_len in args.seq_len or DEFAULT_BATCH[shape][1]:
+            for pair in args.pairs:
+                helm_preset, euclid_preset = SHAPES[shape][pair]
+                print(f"\n{helm_preset} vs {euclid_preset}: {batch_size} x {seq_len} packed tokens")
+                for backend in [None] + ([args.backend] if args.compile else []):
+                    h, e, (rh, re) = compare(helm_preset, euclid_preset, batch_size, seq_len, backend, args)
+                    rows.append((helm_preset, seq_len, backend or "eager", h, e, rh, re))
+    print("\n| HELM model | T | mode | HELM ms/step | Euclidean ms/step | HELM / Euclidean | roofline HELM | "
+          "roofline Euclidean |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, seq_len, mode, h, e, rh, re in rows:
+        print(f"| {name} | {seq_len} | {mode} | {h * 1e3:,.0f} | {e * 1e3:,.0f} | {h / e:.2f}x | {rh:.1f}x "
+              f"| {re:.1f}x |")
 
 
 if __name__ == "__main__":

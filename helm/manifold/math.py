@@ -125,9 +125,13 @@ def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.T
     Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (or ``[..., 1]`` with ``keepdim``).
     """
     dtype = torch.promote_types(upcast(x).dtype, upcast(y).dtype)
-    x, y = _wide(x), _wide(y)
-    out = (x[..., 1:] * y[..., 1:]).sum(-1, keepdim=True) - x[..., :1] * y[..., :1]
-    out = out.to(dtype)
+    same = y is x  # sqnorm: widen once
+    x = _wide(x)
+    y = x if same else _wide(y)
+    # one product, split (not sliced twice: its backward is one kernel instead of two zero-filled copies)
+    prod = x.square() if same else x * y
+    time, space = prod.split([1, prod.shape[-1] - 1], dim=-1)
+    out = (space.sum(-1, keepdim=True) - time).to(dtype)
     return out if keepdim else out.squeeze(-1)
 
 
@@ -145,8 +149,33 @@ def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
     """
     x_s = upcast(x_s)
     kk = _kt(k, x_s)
+    if torch.is_grad_enabled() and (x_s.requires_grad or isinstance(kk, torch.Tensor) and kk.requires_grad):
+        return _Lift.apply(x_s, kk)
     x_t = (x_s.pow(2).sum(-1, keepdim=True) + kk).sqrt()
     return torch.cat([x_t, x_s], dim=-1)
+
+
+class _Lift(torch.autograd.Function):
+    """:func:`lift` with a fused gradient, ``∂/∂x_s = g_s + (g_t / x_t) x_s`` and ``∂/∂k = Σ g_t / (2 x_t)``: one
+    pass over ``[..., n]`` where autograd's chain through ``pow``, ``sum``, ``sqrt`` and ``cat`` takes four (every
+    layer lifts several times). Used when a gradient is needed; not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, x_s: torch.Tensor, k) -> torch.Tensor:
+        x_t = (x_s.pow(2).sum(-1, keepdim=True) + k).sqrt()
+        ctx.save_for_backward(x_s, x_t)
+        ctx.k_shape = k.shape if isinstance(k, torch.Tensor) else None
+        return torch.cat([x_t, x_s], dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x_s, x_t = ctx.saved_tensors
+        g_t, g_s = grad.split([1, x_s.shape[-1]], dim=-1)
+        h = g_t / x_t
+        grad_x = torch.addcmul(g_s, h, x_s) if ctx.needs_input_grad[0] else None
+        grad_k = (h / 2).sum_to_size(ctx.k_shape) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_k
 
 
 def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:

@@ -73,6 +73,16 @@ class HelmPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "reset_geometry"):
             module.reset_geometry()
 
+    def _set_gradient_checkpointing(self, enable: bool = True, **kwargs) -> None:
+        """``transformers``' hook behind ``gradient_checkpointing_enable()``; also lets ``torch.compile`` trace the
+        checkpointed layers in one graph (``fullgraph=True``). Their forwards have side effects that eager
+        recomputation repeats to no effect (the attention mask's shared dense form, MiCE's balance loss and expert
+        load, recomputed with the same values): dynamo is told it may skip them in the recompute, a global flag that
+        accelerate's regional compilation sets too."""
+        if enable:
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        super()._set_gradient_checkpointing(enable=enable, **kwargs)
+
     def restore_geometry(self) -> "HelmPreTrainedModel":
         """Re-wrap manifold parameters and re-freeze fixed curvatures after loading.
 

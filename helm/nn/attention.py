@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from ..manifold.math import hcat, lift, positive_exp
+from ..manifold.math import hcat, lift, positive_exp, sqnorm
 from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
 from .linear import linear_space, lorentz_linear, space_linear
 from .positional import PositionalTables
@@ -61,13 +62,15 @@ class LorentzAttentionBase(nn.Module):
         return hcat(out, k=self.k, dim=-2) if self.head_merge == "hcat" else out.flatten(-2)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, q_pe: torch.Tensor,
-               k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask]
-               ) -> torch.Tensor:
-        """Eq. 3 on points ``q, key [B, H, T, 1+d]``, ``value [B, H, Tk, 1+dv]``; ``q_pe, k_pe`` are the space
+               k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask],
+               value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eq. 3 on points ``q, key [B, H, T, 1+d]``, ``value [B, H, Tk, 1+dv]`` (with ``value_centre``: one more
+        column, the values' centred norms, see :func:`helm.ops.lorentz_attention`); ``q_pe, k_pe`` are the space
         coordinates the positional encoding acts on (its score bias reads them)."""
         bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / self.tau)
         return lorentz_attention(q, key, value, k=self.k, tau=self.tau, mask=attention_mask, position_bias=bias,
-                                 alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_impl)
+                                 alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_impl,
+                                 value_centre=value_centre)
 
 
 class LorentzSelfAttention(LorentzAttentionBase):
@@ -87,7 +90,14 @@ class LorentzSelfAttention(LorentzAttentionBase):
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
     forward (None: no positional encoding; plain causal attention over the new tokens and the cache).
-    The cache stores per-head Lorentz keys (after the positional rotation) and values ``[B, H, T, 1+d]``.
+    The cache stores per-head Lorentz keys (after the positional rotation) ``[B, H, T, 1+d]`` and values, each with
+    one more column ``[B, H, T, 1+d+1]``: its centred norm ``e = <v - c, v - c>_L`` (fp64 accumulation) for the centre
+    ``c`` = the value of the cache's first key (per batch row and head, fixed for the life of the cache; not in
+    training mode, whose forward with a cache stays that of ``helm.ops``). A decode
+    step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``; ``eager``
+    recomputes its centres, the reference), instead of re-centring and re-casting the whole cache every step
+    (:func:`helm.ops.lorentz_attention`, ``value_centre``). Caches other than ``transformers``' dynamic and static
+    ones, and a cache written without the column, keep plain values.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
@@ -117,8 +127,43 @@ class LorentzSelfAttention(LorentzAttentionBase):
         q_s = pos.rotate(self._heads(self.q_proj, x))
         k_s = pos.rotate(self._heads(self.k_proj, x))
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(self._heads(self.v_proj, x), k=self.k)
+        centre = None
         if past_key_values is not None:
+            # not in training mode: its forward keeps the per-document centres of helm.ops (outputs and gradients)
+            if not self.training and extends_cache(past_key_values, self.layer_idx, values=True,
+                                                   plain_width=self.head_dim):
+                centre = first_cached(past_key_values, self.layer_idx, value, values=True).detach()
+                value = torch.cat([value, sqnorm(value - centre, keepdim=True)], dim=-1)
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key[..., 1:], position_embeddings=pos,
-                          attention_mask=attention_mask)
+                          attention_mask=attention_mask, value_centre=centre)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
+
+
+def extends_cache(cache, layer_idx: int, *, values: bool, plain_width: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cache`` takes extra columns after the plain ones (the keys', or with
+    ``values`` the values'), that a layer computes once per token instead of every decode step: a ``transformers``
+    dynamic or static layer (not offloaded), not already written with the plain width ``plain_width``."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or getattr(cache, "offloading", False):
+        return False
+    if layer_idx >= len(layers):
+        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
+    layer = layers[layer_idx]
+    if type(layer) not in (DynamicLayer, StaticLayer):
+        return False
+    stored = getattr(layer, "values" if values else "keys", None) if layer.is_initialized else None
+    return not (isinstance(stored, torch.Tensor) and stored.dim() == 4 and stored.shape[-1] == plain_width)
+
+
+def first_cached(cache, layer_idx: int, new: torch.Tensor, *, values: bool) -> torch.Tensor:
+    """``[B, h, 1, C]``: the first ``C = new.shape[-1]`` columns of the key (or value) at cache index 0 once the new
+    tokens ``new [B, h, T, C]`` are written, read before the update (a static cache's length is a tensor: chosen with
+    ``where``, no host read). The per-token columns that :func:`extends_cache` allows are relative to it."""
+    first = new[:, :, :1]
+    past = cache.get_seq_length(layer_idx)
+    if isinstance(past, int) and past == 0:
+        return first
+    layer = cache.layers[layer_idx]
+    stored = (layer.values if values else layer.keys)[:, :, :1, :new.shape[-1]].to(new.dtype)
+    return torch.where(past > 0, stored, first) if isinstance(past, torch.Tensor) else stored

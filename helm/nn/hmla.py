@@ -7,11 +7,10 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from ..manifold.math import lift, sqnorm, upcast
+from ..manifold.math import lift, upcast
 from ..ops.attention import AttentionMask, _normalise, alibi_bias
-from .attention import LorentzAttentionBase
+from .attention import LorentzAttentionBase, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
 from .positional import PositionalTables
@@ -28,7 +27,8 @@ class HMLA(LorentzAttentionBase):
     * ``c_KV = RMSNorm_L(HLT_kv_a(x))`` ``[1+n_kv]`` — the latent, the only per-head-free state cached;
     * ``k^R = PE(HLT_kr(x)_s)`` ``[1+d_r]`` — one rotary key shared by all heads, also cached (the positional
       encoding acts on the ``d_r`` rope coordinates only: rotation, and the score bias of ``hope_boost``);
-    * ``k^C_h, v^C_h = HLT_kv_b(c_KV)`` per head ``[1+d_n]``, ``[1+d_v]`` — rebuilt from the cache every step;
+    * ``k^C_h, v^C_h = HLT_kv_b(c_KV)`` per head ``[1+d_n]``, ``[1+d_v]`` — rebuilt from the cache every step
+      (the plain path; absorbed decoding, below, never rebuilds them);
     * ``q^C_h, q^R_h`` from ``HLT_q(x)`` (or through a latent ``c_Q`` when ``q_lora_rank > 0``), ``q^R`` rotated;
     * ``q_h = HCat(q^C_h, q^R_h)``, ``k_h = HCat(k^C_h, k^R)``, Eq. 3 with ``τ`` initialised to
       ``sqrt(d_n + d_r)``; heads joined by HCat (``head_merge="flatten"``: the official code's flattened
@@ -57,16 +57,19 @@ class HMLA(LorentzAttentionBase):
     precise as the plain one there). A cached forward of ``T <= absorb_max_query`` tokens (where it costs
     fewer multiply-adds than re-expanding the cache: ``T < n_kv(d_n+d_v)/(2 n_kv - d_n - d_v)``, 31 tiny / 63 at
     120M / 85 at 1B) then costs ``O(T_cache·(n_kv + d_r))`` per head and never runs ``kv_b_proj`` over the cache;
-    longer prefills and training (no cache) take the plain path, which writes the same scalars. The result equals
+    longer prefills take the plain path, which writes the same scalars; in training mode (``model.train()``) the
+    layer never writes them and always takes the plain path (outputs and gradients as before). The result equals
     the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``). Other cache classes (offloaded,
     quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without the scalars keep the plain
     layout and path.
 
-    Cache bytes per token per layer (fp32; bf16 halves all but the absorbed scalars, which stay fp32)::
+    Cache bytes per token per layer (fp32: the cached points are fp32 in bf16 models too, their time coordinates
+    being computed in fp32; HMHA = ``attention_type="mha"``, per-head keys ``H(1+d)`` and values ``H(1+d)``, plus
+    one centred norm per head and token in eval mode, see :class:`~helm.nn.LorentzSelfAttention`)::
 
-        shape            HMHA (mha: H(1+d) keys + values)   HMLA (1+n_kv + 1+d_r)   absorbed HMLA (+3H fp32)
-        helm-mice-120m   6·65·2 = 780 floats = 3120 B        65+17 = 82 f = 328 B    100 f = 400 B (bf16: 236 B)
-        helm-mice-1b     14·65·2 = 1820 floats = 7280 B      257+65 = 322 f = 1288 B 364 f = 1456 B (bf16: 812 B)
+        shape            HMHA                         HMLA (1+n_kv + 1+d_r)        absorbed HMLA (+3H)
+        helm-mice-120m   780 (+6) floats = 3144 B     65+17 = 82 floats = 328 B    100 floats = 400 B
+        helm-mice-1b     1820 (+14) floats = 7336 B   257+65 = 322 floats = 1288 B 364 floats = 1456 B
 
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values) -> [B, T, 1+n]`` (tables and mask built once per forward by the model).
@@ -124,10 +127,12 @@ class HMLA(LorentzAttentionBase):
         c_kv, k_rope = self.latent(x, pos)
         L = self.kv_lora_rank
         # a wrapped kv_b_proj (PEFT's LoRA, a quantised linear) is not W c + b with the weight we could absorb
-        absorbed = (self.absorb and past_key_values is not None and type(self.kv_b_proj) is nn.Linear
-                    and _holds_scalars(past_key_values, self.layer_idx, L))
+        # (not in training mode: a training forward with a cache stays the plain one, outputs and gradients)
+        absorbed = (self.absorb and not self.training and past_key_values is not None
+                    and type(self.kv_b_proj) is nn.Linear
+                    and extends_cache(past_key_values, self.layer_idx, values=False, plain_width=L))
         if absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
-            first = _first_latent(past_key_values, self.layer_idx, c_kv)
+            first = first_cached(past_key_values, self.layer_idx, c_kv, values=False).detach()
             centre = lift(self._kv_heads(first)[..., dn:], k=self.k)
             scalars = self._token_scalars(c_kv, k_rope, first, centre)
             c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
@@ -163,17 +168,16 @@ class HMLA(LorentzAttentionBase):
         without cancellation, so both stay precise when the values cluster far from the origin."""
         B, _, T, _ = c_kv.shape
         H, dn, dv = self.num_heads, self.dn, self.dv
-        kv_s = self._kv_heads(c_kv)
-        k_s = torch.cat([kv_s[..., :dn].to(k_rope.dtype), k_rope[..., 1:].expand(B, H, T, self.dr)], dim=-1)
-        k_t = lift(k_s, k=self.k)[..., 0]
-        w = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:]
-        w_s = upcast(torch.einsum("btl,hdl->bhtd", (c_kv - first).squeeze(1).to(w.dtype), w))
-        c_s, c_t = centre[..., 1:], centre[..., :1]
-        v_t = lift(c_s + w_s, k=self.k)[..., :1]
-        u = (w_s * (w_s + 2 * c_s)).sum(-1, keepdim=True) / (v_t + c_t)
-        e = sqnorm(torch.cat([u, w_s], dim=-1))
-        scalars = torch.stack([k_t.to(u.dtype), u.squeeze(-1), e], dim=-2)  # [B, H, 3, T]
-        return scalars.permute(0, 3, 2, 1).reshape(B, 1, T, 3 * H)
+        k_c = upcast(self._kv_heads(c_kv)[..., :dn])
+        k_t = (k_c.square().sum(-1) + upcast(k_rope[..., 1:]).square().sum(-1) + self.k).sqrt()  # [B, H, T]
+        w_v = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:]
+        w_s = upcast(torch.matmul((c_kv - first).to(w_v.dtype), w_v.transpose(-1, -2)))  # [B, H, T, d_v]
+        c_s, c_t = centre[..., 1:], centre[..., 0]
+        v_t = ((c_s + w_s).square().sum(-1) + self.k).sqrt()
+        u = (w_s * (w_s + 2 * c_s)).sum(-1) / (v_t + c_t)
+        wide = torch.float64 if u.device.type != "mps" else u.dtype  # e accumulated in fp64, as helm.ops does
+        e = (w_s.to(wide).square().sum(-1) - u.to(wide).square()).to(u.dtype)
+        return torch.stack([k_t.to(u.dtype), u, e], dim=-1).permute(0, 2, 3, 1).reshape(B, 1, T, 3 * H)
 
     def _attend_absorbed(self, q_s: torch.Tensor, keys: torch.Tensor, k_rope: torch.Tensor, first: torch.Tensor,
                          centre: torch.Tensor, pos: PositionalTables, mask: Optional[AttentionMask]) -> torch.Tensor:
@@ -182,19 +186,21 @@ class HMLA(LorentzAttentionBase):
         the first key's latent ``first [B, 1, 1, 1+n_kv]`` and the value centres ``[B, H, 1, 1+d_v]`` it fixes.
         Returns the per-head centroids ``[B, H, Tq, 1+d_v]`` (fp32, or fp64 for fp64 inputs)."""
         B, H, Tq, _ = q_s.shape
-        L, dn, dv, Tk = self.kv_lora_rank, self.dn, self.dv, keys.shape[-2]
+        L, dn, dr, Tk = self.kv_lora_rank, self.dn, self.dr, keys.shape[-2]
         acc = torch.promote_types(upcast(q_s).dtype, upcast(keys).dtype)
-        z = keys[:, 0, :, :L].to(acc)  # [B, Tk, 1+n_kv]: a view for fp32 caches
-        k_t, u, e = _unpack(keys[:, 0, :, L:], acc).to(acc).unflatten(-1, (3, H)).unbind(-2)  # [B, Tk, H] each
-        w = self.kv_b_proj.weight.to(acc).view(H, dn + dv, L)
-        q_s = q_s.to(acc)
-        q_t = (q_s.pow(2).sum(-1, keepdim=True) + self.k).sqrt()  # [B, H, Tq, 1]
-        q_lat = torch.einsum("bhqd,hdl->bhql", q_s[..., :dn], w[:, :dn])  # W_k^T q^C (q^C·b_k: constant in j)
-        k_r = k_rope[:, 0, :, 1:].to(acc)  # [B, Tk, d_r]
-        inner = (torch.bmm(q_lat.reshape(B, H * Tq, L), z.transpose(1, 2))
-                 + torch.bmm(q_s[..., dn:].reshape(B, H * Tq, self.dr), k_r.transpose(1, 2))).view(B, H, Tq, Tk)
+        z = keys[:, 0, :, :L].to(acc)  # [B, Tk, 1+n_kv] and [B, Tk, 3H]: views of the cache in fp32 caches
+        scalars = _unpack(keys[:, 0, :, L:], acc).to(acc)
+        w = self.kv_b_proj.weight.to(acc).view(H, dn + self.dv, L)
         scale = (2.0 / self.tau).to(acc)
-        logits = (inner - q_t * k_t.transpose(1, 2).unsqueeze(2)) * scale
+        q_s = q_s.to(acc)
+        q_t = (q_s.square().sum(-1, keepdim=True) + self.k).sqrt() * scale  # [B, H, Tq, 1]
+        q_sc = q_s * scale
+        q_lat = torch.matmul(q_sc[..., :dn], w[:, :dn])  # W_k^T q^C [B, H, Tq, 1+n_kv] (q^C·b_k: constant in j)
+        k_r = k_rope[:, 0, :, 1:].to(acc)  # [B, Tk, d_r]
+        # 2/τ <q, k>_L up to a constant in j: q_lat·c_j + q^R·k^R_j - q_t k_t,j
+        logits = torch.baddbmm(torch.bmm(q_sc[..., dn:].reshape(B, H * Tq, dr), k_r.transpose(1, 2)),
+                               q_lat.view(B, H * Tq, L), z.transpose(1, 2)).view(B, H, Tq, Tk)
+        logits = logits.addcmul(q_t, scalars[..., :H].transpose(1, 2).unsqueeze(2), value=-1)
         bias = pos.score_bias(q_s[..., dn:], k_r.unsqueeze(1), scale)
         if bias is not None:
             logits = logits + bias.to(acc)
@@ -205,38 +211,13 @@ class HMLA(LorentzAttentionBase):
         keep = mask.keep()
         if keep is not None:
             logits = logits.masked_fill(~keep, torch.finfo(acc).min)
-        a = logits.softmax(-1)
+        a = logits.softmax(-1).view(B, H * Tq, Tk)
         # D = Σ a w: the space part W_v (Σ a c_j - c_0) (Σ a = 1), the time part Σ a u and E = Σ a e from the scalars
-        lat = torch.bmm(a.view(B, H * Tq, Tk), z).view(B, H, Tq, L) - first.to(acc)
-        d_s = torch.einsum("bhql,hdl->bhqd", lat, w[:, dn:])
-        ue = torch.einsum("bhqj,bjch->bhqc", a, torch.stack([u, e], dim=-2))  # [B, H, Tq, 2]
+        lat = torch.bmm(a, z).view(B, H, Tq, L) - first.to(acc)
+        d_s = torch.matmul(lat, w[:, dn:].transpose(-1, -2))  # [B, H, Tq, d_v]
+        # Σ_j a_hj [u | e]_j,h': every head against every head's scalars (2H columns), then the diagonal h' = h
+        ue = torch.bmm(a, scalars[..., H:]).view(B, H, Tq, 2, H).diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)
         return _normalise(torch.cat([ue[..., :1], d_s, ue[..., 1:]], dim=-1), centre.to(acc), self.k)
-
-
-def _holds_scalars(cache, layer_idx: int, latent_dim: int) -> bool:
-    """Whether layer ``layer_idx`` of ``cache`` holds (or will hold, when still empty) the absorbed layout: a
-    ``transformers`` dynamic or static layer, not offloaded, not already written with the plain layout."""
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list) or getattr(cache, "offloading", False):
-        return False
-    if layer_idx >= len(layers):
-        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
-    layer = layers[layer_idx]
-    if type(layer) not in (DynamicLayer, StaticLayer):
-        return False
-    keys = getattr(layer, "keys", None) if layer.is_initialized else None
-    return not (isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-1] == latent_dim)
-
-
-def _first_latent(cache, layer_idx: int, c_kv: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, 1, 1+n_kv]``: the latent of the key at cache index 0 once this forward has written, read before the
-    update (a static cache's length is a tensor: chosen with ``where``, no host read)."""
-    new = c_kv[:, :, :1]
-    past = cache.get_seq_length(layer_idx)
-    if isinstance(past, int) and past == 0:
-        return new
-    first = cache.layers[layer_idx].keys[:, :, :1, :c_kv.shape[-1]]
-    return torch.where(past > 0, first, new) if isinstance(past, torch.Tensor) else first
 
 
 def _pack(scalars: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

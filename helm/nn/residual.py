@@ -53,10 +53,11 @@ class LorentzResidual(nn.Module):
         w = self.weight
         # |<x + w fx, x + w fx>_L| = k (1 + w)² + w d²(x, fx): the centroid's well-conditioned form for two points
         norm2 = kk * (1 + w) ** 2 + w * sqdist(x, fx, k=kk, keepdim=True)
-        out = normalize(upcast(x) + w * upcast(fx), k=kk, norm2=norm2)
-        if self.space_scale is not None:
-            out = lift(out[..., 1:] * self.space_scale, k=kk)
-        return out
+        s = upcast(x) + w * upcast(fx)
+        if self.space_scale is None:
+            return normalize(s, k=kk, norm2=norm2)
+        # normalize, then scale the space part: the two factors applied at once, and one lift instead of two
+        return lift(s[..., 1:] * (norm2.rsqrt() * (kk ** 0.5 * self.space_scale)), k=kk)
 
     def extra_repr(self) -> str:
         return f"k={self.k:g}, space_scale={self.space_scale}"

@@ -356,8 +356,12 @@ def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_
 
 
 def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                   alibi_slopes=None) -> torch.Tensor:
-    """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`."""
+                   alibi_slopes=None, value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`.
+
+    ``value_centre`` ``[B, H, 1, 1+dv]``: ``value`` is ``[v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (a cache that
+    keeps it, :class:`helm.nn.LorentzSelfAttention`), so ``SDPA`` on it gives ``S = Σ ν v`` and ``E`` and the
+    normalisation takes ``D = S - c``: no pass over the values besides the attention itself (a decode step)."""
     q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes,
                                            causal_flag_ok=True)
     # J q · 2/τ in one broadcast multiply: the sign flip of the time coordinate rides on the scale vector
@@ -368,9 +372,11 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
     if bias is not None:
         attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
     use_causal_flag = attn_mask is None and mask.is_plain_causal
-    c, we = _centred_values(v, mask)
+    c, we = _centred_values(v, mask) if value_centre is None else (value_centre.to(v.dtype), v)
     with torch.autocast(device_type=q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q, kk, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
+    if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)
+        out = torch.cat([out[..., :-1] - c, out[..., -1:]], dim=-1)
     return _normalise(out, c, k)
 
 
@@ -488,6 +494,7 @@ def lorentz_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     impl: str = "auto",
     mask: Optional[AttentionMask] = None,
+    value_centre: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Multi-head Lorentz attention (paper Eq. 3).
 
@@ -505,6 +512,11 @@ def lorentz_attention(
         impl: ``eager``, ``sdpa``, ``triton`` or ``auto``.
         mask: a prebuilt :class:`AttentionMask` (models build one per forward for all layers); replaces
             ``causal``, ``attention_mask`` and ``segment_ids``.
+        value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` of the values for which ``value`` carries one more
+            column, ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (fp64 accumulation): what a
+            cache computes once per token. ``sdpa`` then normalises from ``SDPA(·, ·, [v | e])`` with ``D = S - c``
+            instead of re-centring every value every call (a decode step's cost over the cache); ``eager`` and
+            ``triton`` drop the column and centre as usual. The same centroid (any centre gives it exactly).
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` (fp32 for half-precision inputs, else the input dtype).
@@ -518,8 +530,19 @@ def lorentz_attention(
                              device=query.device)
     elif attention_mask is not None or segment_ids is not None:
         raise ValueError("pass either mask or attention_mask / segment_ids, not both")
+    if value_centre is not None and (value_centre.dim() != 4 or value_centre.shape[-2] != 1
+                                     or value_centre.shape[-1] != value.shape[-1] - 1
+                                     or value_centre.shape[:2] != value.shape[:2]):
+        raise ValueError(f"value_centre must be [B, H, 1, 1+dv] for values [B, H, Tk, 1+dv+1], got "
+                         f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
     _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl)
     # the kernel takes neither a dense bias nor a query offset / 4-D mask (static caches): auto picks sdpa there
     name = _resolve_impl(impl, query.device, position_bias is not None or not mask.bottom_right)
+    extra = {}
+    if value_centre is not None:
+        if ATTENTION_IMPLS[name] is sdpa_attention:
+            extra = {"value_centre": value_centre}
+        else:  # eager (the reference) and the kernel centre the values themselves
+            value = value[..., :-1]
     return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, **extra)

@@ -8,8 +8,8 @@ The plain path materialises ``[N, V]`` fp32 logits, their log-softmax and, in ba
 at ``N = 2048`` tokens and the 128k Llama-3 vocabulary that is ~1 GB per tensor, more than the 115M model's
 activations. :func:`linear_cross_entropy` walks the rows in chunks of ``chunk_size`` tokens (default: about
 :data:`CHUNK_ELEMENTS` logits per chunk) in one ``[chunk, V]`` buffer. Per chunk it computes the logits, their fp32
-``logsumexp`` (fp64 stays fp64, also under bf16 autocast or bf16 weights) and the NLL of the targets; when gradients are needed it turns the
-same buffer into ``dL/dlogits = softmax - onehot`` (zero on ignored rows) and accumulates
+``logsumexp`` (fp64 stays fp64, also under bf16 autocast or bf16 weights) and the NLL of the targets; when
+gradients are needed it turns the same buffer into ``dL/dlogits = softmax - onehot`` (zero on ignored rows) and accumulates
 
     dL/dx = s · dl W,   dL/dW = s · Σ_chunks dlᵀ x,   dL/ds = Σ <dl W, x>,   dL/db = Σ_rows dl
 

@@ -74,6 +74,9 @@ class TrainConfig:
     keep_last: int = 2
     logger: str = "jsonl"
     progress_bar: bool = True
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -151,7 +154,7 @@ MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "optim.weight_decay":
            "demo.max_new_tokens": 1, "demo.top_k": 0}
 POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
-           "train.logger": ("jsonl", "tensorboard", "both")}
+           "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager")}
 
 
 def validate(c: RunConfig) -> None:
@@ -190,8 +193,8 @@ def validate(c: RunConfig) -> None:
 RESUMABLE_CHANGES = frozenset({
     "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.logger",
-    "train.progress_bar", "data.build_default", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
-    "demo.temperature", "demo.top_k",
+    "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
+    "data.build_default", "demo.prompt", "demo.max_new_tokens", "demo.do_sample", "demo.temperature", "demo.top_k",
 })
 
 

@@ -172,12 +172,14 @@ def test_generation_with_cache_equals_without(tiny_config, family):
     assert sampled.shape == beams.shape == (2, 11)
 
 
-def test_mice_cache_is_the_latent(tiny_config):
-    model = tiny(tiny_config, "helm_mice").eval()
+@pytest.mark.parametrize("absorb", [False, True])
+def test_mice_cache_is_the_latent(tiny_config, absorb):
+    """c_KV and k^R, nothing per head but (absorbed decoding) three scalars per head after c_KV."""
+    model = tiny(tiny_config, "helm_mice", hmla_absorb=absorb).eval()
     out = model(torch.randint(0, 512, (1, 9)), use_cache=True)
     cfg = model.config
     for layer in out.past_key_values.layers:
-        assert tuple(layer.keys.shape) == (1, 1, 9, cfg.kv_lora_rank)
+        assert tuple(layer.keys.shape) == (1, 1, 9, cfg.kv_lora_rank + 3 * cfg.num_attention_heads * absorb)
         assert tuple(layer.values.shape) == (1, 1, 9, cfg.qk_rope_head_dim)
 
 

@@ -28,7 +28,7 @@ def make_layer(absorb, dtype=torch.float32, value_offset=0.0):
                 p.normal_(0, 0.1)
         if value_offset:  # values clustered far from the origin: a large common bias on every v^C_h
             layer.kv_b_proj.bias.view(HEADS, 8 + 12)[:, 8:] += value_offset
-    return layer.to(dtype)
+    return layer.to(dtype).eval()  # in training mode the layer never absorbs (see the test at the end)
 
 
 def decode(layer, x, *, prefill, cache, padding=None, positional="hope", start=0):
@@ -38,10 +38,9 @@ def decode(layer, x, *, prefill, cache, padding=None, positional="hope", start=0
     pe = build_positional_encoding(positional, head_dim=8, num_heads=HEADS, max_position_embeddings=128)
     outs = []
     for stop in [prefill, *range(prefill + 1, T + 1)]:
-        past = start
         static = isinstance(cache.layers[0] if cache.layers else None, StaticLayer)
         kv_len = cache.layers[0].max_cache_len if static else stop
-        q_offset = past if static else None
+        q_offset = start if static else None
         pad = None
         if padding is not None:
             pad = torch.zeros(B, kv_len, dtype=torch.bool)
@@ -183,6 +182,17 @@ def test_generate_absorbed_equals_plain(positional, cache):
     assert layer.keys.shape[-1] == cfg.kv_lora_rank + 3 * cfg.num_attention_heads
 
 
+@pytest.mark.parametrize("fields", [{"q_lora_rank": 9, "head_merge": "flatten"}, {"positional": "rope3d"},
+                                    {"positional": "learned"}, {"curvature": -0.5}])
+def test_generate_absorbed_equals_plain_with_other_settings(fields):
+    ids = torch.randint(3, 512, (2, 6), generator=torch.Generator().manual_seed(2))
+    runs = [_model(absorb, **fields).generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+                                              output_logits=True, return_dict_in_generate=True)
+            for absorb in (False, True)]
+    assert torch.equal(runs[1].sequences, runs[0].sequences)
+    assert_close(torch.stack(runs[1].logits), torch.stack(runs[0].logits), rtol=1e-5)
+
+
 def test_long_prompt_prefills_plainly_then_decodes_absorbed():
     model, plain = _model(True), _model(False)
     ids = torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(1))
@@ -193,3 +203,18 @@ def test_long_prompt_prefills_plainly_then_decodes_absorbed():
                           return_dict_in_generate=True)
     assert torch.equal(got.sequences, want.sequences)
     assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5)
+
+
+def test_training_mode_keeps_the_plain_path_and_its_gradients():
+    """A training forward with a cache (train.py leaves use_cache on) is bit for bit the plain layer's, gradients too."""
+    x = inputs()
+    grads = []
+    for absorb in (False, True):
+        layer = make_layer(absorb).train()
+        cache = DynamicCache()
+        out = decode(layer, x, prefill=24, cache=cache)
+        out.square().sum().backward()
+        assert cache.layers[0].keys.shape[-1] == LATENT
+        grads.append((out, [p.grad for p in layer.parameters()]))
+    (out0, g0), (out1, g1) = grads
+    assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

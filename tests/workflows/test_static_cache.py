@@ -58,7 +58,8 @@ def test_hmla_static_cache_holds_only_the_latent_and_the_rope_key():
     assert torch.equal(got.sequences, greedy(model).sequences)
     c = model.config
     layer = cache.layers[0]
-    assert tuple(layer.keys.shape) == (2, 1, 16, c.kv_lora_rank)  # c_KV [B, 1, T, 1+n_kv]
+    # c_KV [B, 1, T, 1+n_kv], then (absorbed decoding, hmla_absorb) three fp32 scalars per head
+    assert tuple(layer.keys.shape) == (2, 1, 16, c.kv_lora_rank + 3 * c.num_attention_heads * c.hmla_absorb)
     assert tuple(layer.values.shape) == (2, 1, 16, c.qk_rope_head_dim)  # k^R [B, 1, T, 1+d_r]
     written = 7 + NEW_TOKENS - 1
     assert int(cache.get_seq_length()) == written

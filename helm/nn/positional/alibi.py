@@ -58,7 +58,10 @@ class ALiBi(PositionalEncoding):
     def slopes_tensor(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         if key not in self._cache:
-            self._cache[key] = torch.tensor(self.slopes, dtype=dtype, device=device)
+            slopes = torch.tensor(self.slopes, dtype=dtype, device=device)
+            if torch.compiler.is_compiling():  # filling the cache in a compiled call would recompile the next one
+                return slopes
+            self._cache[key] = slopes
         return self._cache[key]
 
     def tables(self, position_ids, q_pos, k_pos, dtype) -> PositionalTables:

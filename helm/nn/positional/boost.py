@@ -152,6 +152,8 @@ class HoPEBoost(PositionalEncoding):
     def _freqs(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
         if key not in self._cache:
+            if torch.compiler.is_compiling():  # filling the cache in a compiled call would recompile the next one
+                return self._freqs64.to(device, dtype)
             self._cache[key] = self._freqs64.to(device, dtype)
         return self._cache[key]
 

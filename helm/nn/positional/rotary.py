@@ -58,7 +58,10 @@ class AngleTable:
             # reduce each place value's angle first so the digit product stays small and exact
             step = torch.remainder(place[:, None] * self.freqs[None, :], 2 * math.pi)  # [D, P]
             angle = torch.remainder(digit[None, :, None] * step[:, None, :], 2 * math.pi)  # [D, 256, P]
-            self._cache[key] = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
+            tables = (angle.cos().to(device, dtype), angle.sin().to(device, dtype))
+            if torch.compiler.is_compiling():  # built in the graph: filling the cache would recompile the next call
+                return tables
+            self._cache[key] = tables
         return self._cache[key]
 
     def __call__(self, positions: torch.Tensor, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
