@@ -126,10 +126,11 @@ class HMLA(LorentzAttentionBase):
 
         c_kv, k_rope = self.latent(x, pos)
         L = self.kv_lora_rank
-        # a wrapped kv_b_proj (PEFT's LoRA, a quantised linear) is not W c + b with the weight we could absorb
+        # a wrapped kv_b_proj (PEFT's LoRA, a quantised linear) is not W c + b with the weight we could absorb, and
+        # an offloaded one (accelerate) holds its weight only inside its own forward (meta outside it)
         # (not in training mode: a training forward with a cache stays the plain one, outputs and gradients)
         absorbed = (self.absorb and not self.training and past_key_values is not None
-                    and type(self.kv_b_proj) is nn.Linear
+                    and type(self.kv_b_proj) is nn.Linear and self.kv_b_proj.weight.device.type != "meta"
                     and extends_cache(past_key_values, self.layer_idx, values=False, plain_width=L))
         if absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
             first = first_cached(past_key_values, self.layer_idx, c_kv, values=False).detach()

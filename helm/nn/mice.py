@@ -127,9 +127,9 @@ class CurvatureExpert(nn.Module):
     def k_expert(self) -> torch.Tensor:
         return bounded_log_k(self.log_k.float().reshape(())).exp()
 
-    def forward(self, x: torch.Tensor, k_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``k_expert``: this expert's ``k_j`` when the caller computed it (:meth:`MiCE.expert_curvatures`)."""
-        kj = self.k_expert if k_expert is None else k_expert
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # k_j is read here, inside the expert's own forward, where accelerate's offload hooks have loaded log_k
+        kj = self.k_expert
         y = self.mlp(rescale(x, k_in=self.k, k_out=kj), k=kj)
         return rescale(y, k_in=kj, k_out=self.k)
 
@@ -255,11 +255,6 @@ class MiCE(nn.Module):
         """Sequence-wise balance loss (DeepSeek-V3), averaged over the batch; ``scores, selected [B, T, N_r]``."""
         return sequence_balance_loss(scores, selected, top_k=self.top_k, alpha=self.aux_loss_alpha)
 
-    def expert_curvatures(self) -> tuple:
-        """``k_j`` of every routed expert (0-dim fp32 tensors), from one :func:`bounded_log_k` over all of them
-        (the same values as each expert's ``k_expert``, in a few kernels instead of a dozen per expert)."""
-        return bounded_log_k(torch.cat([e.log_k for e in self.experts]).float()).exp().unbind()
-
     def update_bias(self) -> None:
         """Aux-loss-free balancing: ``b_j += γ · sign(mean load - load_j)`` from the last batch's load."""
         update_routing_bias_(self.e_score_correction_bias, self.last_expert_load, self.bias_update_speed)
@@ -273,8 +268,7 @@ class MiCE(nn.Module):
             return self.combine_lresnet_official(x, weights, selected)
         if self.sparse_dispatch(x):
             return self.combine_sparse(x, weights, selected)
-        outs = [e(x, kj) for e, kj in zip(self.experts, self.expert_curvatures())]
-        outs += [s(x) for s in self.shared_experts]
+        outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         # one centroid; with non-negative weights |<s,s>_L| >= k (Σw)^2, the bound used as the clamp
@@ -296,11 +290,11 @@ class MiCE(nn.Module):
         w, chosen = weights.reshape(-1, self.n_routed), selected.reshape(-1, self.n_routed)
         shared = [s(flat) for s in self.shared_experts]
         total = torch.stack(shared).sum(0) if shared else upcast(flat).new_zeros(flat.shape)
-        for j, (expert, kj) in enumerate(zip(self.experts, self.expert_curvatures())):
+        for j, expert in enumerate(self.experts):
             # an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as densely,
             # which DDP needs (a parameter without a gradient stops its reduction)
             rows = chosen[:, j].nonzero().squeeze(-1)
-            total = total.index_add(0, rows, w[rows, j:j + 1] * expert(flat[rows], kj))
+            total = total.index_add(0, rows, w[rows, j:j + 1] * expert(flat[rows]))
         weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)
         out = normalize(total, k=self.k, floor=self.k * weight_sum.pow(2))
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -314,9 +308,9 @@ class MiCE(nn.Module):
         """
         dtype = torch.promote_types(upcast(x).dtype, weights.dtype)
         y = origin(*x.shape, k=self.k, dtype=dtype, device=x.device)
-        for j, (expert, kj) in enumerate(zip(self.experts, self.expert_curvatures())):
+        for j, expert in enumerate(self.experts):
             g = weights[..., j:j + 1]
-            step = scaled_lresnet(y, expert(x, kj), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
+            step = scaled_lresnet(y, expert(x), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
             y = torch.where(selected[..., j:j + 1], step, y)
         w = upcast(self.add_experts_weight.reshape(()))
         scale = positive_exp(self.add_experts_log_scale.reshape(()))
