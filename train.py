@@ -321,8 +321,7 @@ def train(cfg, resume) -> dict:
         tokens = trained * tokens_per_step
         say(f"\n[train] trained {trained} steps, {tokens:,} tokens in {train_time:.0f} s "
             f"({tokens / max(train_time, 1e-9):,.0f} tokens/s)")
-        say(f"[train] saved to {final}  (reload: import helm; "
-            f"transformers.AutoModelForCausalLM.from_pretrained({str(final)!r}))")
+        say(f"[train] saved to {final}  (reload: import helm; AutoModelForCausalLM.from_pretrained({str(final)!r}))")
         if initial is not None:
             before_ppl, after_ppl = perplexity(initial), perplexity(after)
             say(f"[train] validation perplexity: {before_ppl:,.1f} before training -> {after_ppl:,.1f} after "

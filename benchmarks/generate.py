@@ -7,14 +7,15 @@ For each model and context length (random prompts of 256, 1k and 4k tokens, batc
 * decode step: one cached forward of one token after a prefill of the context, in ms: the cost of a step as
   the cache grows (it should stay nearly flat; attention over the cache is the only part that grows).
 
-Models: ``tiny-helm-d``, ``tiny-helm-mice`` with ``hmla_absorb=False`` (plain HMLA: the latent cache is
+Models (``--shapes tiny``, the default; ``--shapes paper``: ``helm-d-115m``, ``helm-mice-120m``, ``llama-115m``,
+``deepseek-v3-120m``): ``tiny-helm-d``, ``tiny-helm-mice`` with ``hmla_absorb=False`` (plain HMLA: the latent cache is
 re-expanded by ``kv_b_proj`` at every step), ``tiny-helm-mice`` with ``hmla_absorb=True`` (the absorbed decoding of
 issue 13, the default), ``tiny-llama`` and ``tiny-deepseek-v3``. Models alternate within each repeat so that a change in
 machine load hits all of them; the best of the repeats is reported. Ratios at the end: HELM-MiCE / HELM-D decode
 step (issue 13's target is <= 1.2 at 1k) and each HELM model / its Euclidean twin.
 
 Usage: ``python benchmarks/generate.py [--contexts 256 1024 4096] [--new-tokens 32] [--steps 16] [--repeats 3]
-[--threads N]``
+[--threads N] [--shapes tiny|paper]``
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
 
-MODELS = {"helm-d": ("tiny-helm-d", {}), "helm-mice": ("tiny-helm-mice", {"hmla_absorb": False}),
-          "helm-mice-absorbed": ("tiny-helm-mice", {"hmla_absorb": True}),
-          "llama": ("tiny-llama", {}), "deepseek-v3": ("tiny-deepseek-v3", {})}
+MODELS = {"helm-d": ("helm-d", {}), "helm-mice": ("helm-mice", {"hmla_absorb": False}),
+          "helm-mice-absorbed": ("helm-mice", {"hmla_absorb": True}),
+          "llama": ("llama", {}), "deepseek-v3": ("deepseek-v3", {})}
+PRESETS = {"tiny": {"helm-d": "tiny-helm-d", "helm-mice": "tiny-helm-mice", "llama": "tiny-llama",
+                    "deepseek-v3": "tiny-deepseek-v3"},
+           "paper": {"helm-d": "helm-d-115m", "helm-mice": "helm-mice-120m", "llama": "llama-115m",
+                     "deepseek-v3": "deepseek-v3-120m"}}
 
 
-def build(name: str, max_len: int):
-    preset, options = MODELS[name]
+def build(name: str, max_len: int, shapes: str = "tiny"):
+    family, options = MODELS[name]
+    preset = PRESETS[shapes][family]
     config = helm.load_config(preset, max_position_embeddings=max_len)
     if any(not hasattr(config, key) for key in options):
         return None  # this version of the zoo lacks the switch
@@ -74,17 +80,19 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--shapes", choices=sorted(PRESETS), default="tiny",
+                        help="tiny presets (default) or the paper's 115M/120M presets (128k vocabulary)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is steadier on a shared machine")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     max_len = max(args.contexts) + args.new_tokens + args.steps + 1
-    models = {name: build(name, max_len) for name in args.models}
+    models = {name: build(name, max_len, args.shapes) for name in args.models}
     for name in [n for n, m in models.items() if m is None]:
         print(f"  {name}: skipped, this version has no {', '.join(MODELS[name][1])} switch")
         del models[name]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, greedy, {args.new_tokens} new "
+    print(f"{args.shapes} presets; torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, greedy, {args.new_tokens} new "
           f"tokens per generate, {args.steps} decode steps per repeat, best of {args.repeats} repeats")
     step, rate = {}, {}
     for context in args.contexts:

@@ -21,15 +21,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (EvalError, add_loading_arguments, load_checkpoint, load_texts, perplexity,  # noqa: E402
-                             rows_nll, run_script, sliding_windows, token_stream, write_json)
+from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
+                             load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
+                             token_stream, with_rope_scaling, write_json)
+from helm.nn.validation import integer, optional  # noqa: E402
 
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
               "mean_nll", "perplexity", "note"]
 
 
-def extrapolation_rows(name: str, path: str, texts: list[str], args) -> list[dict]:
-    """One CSV row per factor for one checkpoint."""
+def extrapolation_rows(name: str, path: str, texts: list[str], args, scaling: str = "none") -> list[dict]:
+    """One CSV row per factor for one checkpoint, with the RoPE ``scaling`` applied at each factor > 1."""
     model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
     length = model.config.max_position_embeddings if args.train_length is None else args.train_length
@@ -39,15 +41,15 @@ def extrapolation_rows(name: str, path: str, texts: list[str], args) -> list[dic
         raise EvalError(f"{name}: the text has {ids.numel()} tokens, fewer than {max(args.factors)} x {length}; "
                         "use more text, a smaller --train-length or fewer --factors")
     ids = ids[:ids.numel() // span * span]
-    rows = []
+    rows, name = [], name if scaling == "none" else f"{name}+{scaling}"
     for factor in args.factors:
         windows = sliding_windows(ids, factor * length)
         row = dict.fromkeys(CSV_FIELDS, "")
         row.update(model=name, path=path, positional=getattr(model.config, "positional", model.config.model_type),
                    train_length=length, factor=factor, seq_len=factor * length, windows=len(windows["input_ids"]))
-        try:
-            nll, count = rows_nll(model, windows, batch_size=args.batch_size, progress=not args.no_progress,
-                                  desc=f"{name} {factor}x")
+        try:  # a scaling the model's encoding does not take is recorded as a note, like a length it cannot run
+            nll, count = rows_nll(with_rope_scaling(model, scaling, factor, length), windows,
+                                  batch_size=args.batch_size, progress=not args.no_progress, desc=f"{name} {factor}x")
         except ValueError as error:  # e.g. learned positions past their table: record it, keep going
             row["note"] = str(error).split("\n")[0]
             print(f"warning: {name} at {factor}x ({row['seq_len']} tokens) failed: {row['note']}", file=sys.stderr)
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="training sequence length (default: each model's max_position_embeddings)")
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="length factors (default 1 2 4 8)")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="use only the first N tokens of the text")
+    parser.add_argument("--rope-scaling", nargs="+", choices=ROPE_SCALINGS, default=["none"],
+                        help="RoPE scalings applied at evaluation to rotary models, each its own line (default none)")
     parser.add_argument("--batch-size", type=int, default=1)
     add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=Path, default=Path("length_extrapolation"),
@@ -104,19 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    if min(args.factors) < 1:
-        raise EvalError(f"--factors must be positive integers, got {args.factors}")
-    if args.train_length is not None and args.train_length < 1:  # None, not 0, means each model's own length
-        raise EvalError(f"--train-length must be at least 1, got {args.train_length}")
-    args.factors = sorted(set(args.factors))
+    args.factors = sorted({check_argument(factor, "--factors", integer(1)) for factor in args.factors})
+    check_argument(args.train_length, "--train-length", optional(integer(1)))  # None: each model's own length
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     rows = []
     for spec in tqdm(args.model, desc="checkpoints", disable=args.no_progress):
         name, _, path = spec.rpartition("=")
-        rows += extrapolation_rows(name or Path(path.rstrip("/")).name, path, texts, args)
-    out = args.output_dir
-    out.mkdir(parents=True, exist_ok=True)
+        for scaling in args.rope_scaling:
+            rows += extrapolation_rows(name or Path(path.rstrip("/")).name, path, texts, args, scaling)
+    (out := args.output_dir).mkdir(parents=True, exist_ok=True)
     with (out / "extrapolation.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()

@@ -56,7 +56,7 @@ def scores_by_distance(pe, q_s: torch.Tensor, k_s: torch.Tensor, *, max_distance
     k_pos = (max_distance - torch.arange(n_keys)).expand(S, n_keys)
     q = q_s.unsqueeze(2)  # [S, H, 1, d]
     kk = k_s.unsqueeze(2).expand(S, H, n_keys, d) if k_s.dim() == 3 else k_s
-    if pe.kind == "learned":
+    if pe.absolute:
         q = pe.embed(q.reshape(S * H, 1, d), q_pos.repeat_interleave(H, 0)).reshape(S, H, 1, d)
         kk = pe.embed(kk.reshape(S * H, n_keys, d), k_pos.repeat_interleave(H, 0)).reshape(S, H, n_keys, d)
     qp, kp = lift(pe.rotate(q, q_pos), k=k), lift(pe.rotate(kk, k_pos), k=k)
@@ -87,9 +87,10 @@ def decay_curves(args) -> dict:
     curves: dict = {"aligned": {}, "random": {}}
     for kind in tqdm(args.variants, desc="positional encodings", disable=args.no_progress):
         torch.manual_seed(args.seed)  # the learned table's init
-        options = {"rope3d": {"chunk_size": args.rope3d_chunk_size}, "learned": {"hidden_space_dim": dim}}
+        options = {"chunk_size": args.rope3d_chunk_size, "hidden_space_dim": dim}  # the options the kind takes
         pe = build_positional_encoding(kind, head_dim=dim, num_heads=heads, max_position_embeddings=distance + 1,
-                                       **options.get(kind, {})).double()
+                                       **{o: v for o, v in options.items() if o in POSITIONAL_ENCODINGS[kind].options}
+                                       ).double()
         for setting, k_s in (("aligned", q_s), ("random", k_random)):
             space, time = scores_by_distance(pe, q_s, k_s, max_distance=distance, k=k)
             if kind == "alibi":  # every head's content with one head's slope: the bias is content-free

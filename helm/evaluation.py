@@ -31,7 +31,7 @@ logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "load_checkpoint", "load_texts",
            "packed_inputs", "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity",
-           "token_stream", "write_json"]
+           "token_stream", "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
@@ -248,6 +248,55 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
         raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {error} (save one next to the "
                         "model with tokenizer.save_pretrained, or name its folder)") from error
     return model.to(device).eval(), tok
+
+
+ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "longrope", "resonance")
+
+
+def with_rope_scaling(model, scaling: str, factor: float, original_length: int):
+    """``model`` evaluated at ``factor`` x its training length ``original_length`` with a RoPE scaling applied at
+    inference: the same weights in a model rebuilt from its config with ``rope_parameters`` set as for Llama
+    (``transformers.modeling_rope_utils`` computes the frequencies, for HELM models too), or ``model`` itself for
+    ``none`` and for ``factor <= 1``.
+
+    ``scaling``: ``linear`` (position interpolation), ``dynamic`` (dynamic NTK), ``yarn``, ``longrope`` (no searched
+    factors here: short factors 1 and long factors ``factor`` for every frequency, i.e. position interpolation
+    past ``original_length``; searched ones go in a config by hand) or ``resonance`` (HELM only: integer
+    wavelengths on the unscaled frequencies). Raises :class:`EvalError` for an unknown scaling or a model whose
+    encoding takes none (the caller records it as a note).
+    """
+    if scaling not in ROPE_SCALINGS:
+        raise EvalError(f"rope scaling must be one of {ROPE_SCALINGS}, got {scaling!r}")
+    if scaling == "none" or factor <= 1:
+        return model
+    helm_model = hasattr(model.config, "positional_dims")
+    if scaling == "resonance" and not helm_model:
+        raise EvalError("resonance scaling is HELM's (transformers has no such rope_type)")
+    params = dict(getattr(model.config, "rope_parameters", None) or {})
+    params.update(rope_type=scaling, factor=float(factor))
+    # linear and dynamic take no original length, except 3D-RPE's interpolation (linear on rope3d)
+    rope3d_linear = scaling == "linear" and getattr(model.config, "positional", None) == "rope3d"
+    if scaling in ("yarn", "longrope", "resonance") or rope3d_linear:
+        params["original_max_position_embeddings"] = original_length
+    if scaling == "resonance":
+        params.update(rope_type="default", resonance=True)
+        del params["factor"]
+    elif scaling == "longrope":
+        # rotated space dims per head: HELM configs list them, Llama rotates its whole head_dim
+        dims = model.config.positional_dims() if helm_model else {"": model.config.head_dim}
+        pairs = min(dims.values()) // 2
+        params.update(short_factor=[1.0] * pairs, long_factor=[float(factor)] * pairs)
+    config = model.config.to_dict()
+    # dynamic NTK reads the training length from max_position_embeddings; YaRN checks factor against their ratio
+    config.update(rope_parameters=params, max_position_embeddings=original_length * (1 if scaling == "dynamic" else
+                                                                                      math.ceil(factor)))
+    try:
+        config = type(model.config).from_dict(config)
+        scaled = type(model)(config)
+    except (ValueError, KeyError, TypeError) as error:
+        raise EvalError(f"{scaling} scaling: {' '.join(str(error).split())}") from error
+    scaled.load_state_dict(model.state_dict())
+    return scaled.to(device=model.device, dtype=model.dtype).eval()
 
 
 def check_device(device: Optional[str]) -> torch.device:

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from helm.data import pack_documents
 from helm.evaluation import (
-    EvalError, check_checkpoint, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows, text_perplexity,
-    token_stream,
+    ROPE_SCALINGS, EvalError, check_checkpoint, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows,
+    text_perplexity, token_stream, with_rope_scaling,
 )
 from tests.helpers import assert_close, synthetic_text
 
@@ -187,3 +187,34 @@ def test_checkpoint_paths_may_be_path_objects(tmp_path):
         load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert check_checkpoint(tmp_path) == str(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice", "llama"])
+def test_with_rope_scaling_rebuilds_the_same_weights_with_each_scaling(tiny_config, tokenizer, family):
+    model = tiny_model(tiny_config, family, tokenizer)
+    ids = torch.randint(3, len(tokenizer), (1, 48), generator=torch.Generator().manual_seed(0))
+    assert with_rope_scaling(model, "yarn", 1, 16) is model and with_rope_scaling(model, "none", 4, 16) is model
+    with torch.no_grad():
+        plain = model(ids).logits
+        for scaling in [s for s in ROPE_SCALINGS if s != "none" and not (s == "resonance" and family == "llama")]:
+            scaled = with_rope_scaling(model, scaling, 3, 16)
+            params = scaled.config.rope_parameters
+            assert params["rope_type"] == ("default" if scaling == "resonance" else scaling)
+            assert params.get("resonance", False) == (scaling == "resonance")
+            # dynamic NTK reads the training length from max_position_embeddings, the others get factor x it
+            assert scaled.config.max_position_embeddings == (16 if scaling == "dynamic" else 48)
+            state = scaled.state_dict()
+            assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+            assert not torch.allclose(scaled(ids).logits, plain), scaling  # 48 > 16 positions: a different encoding
+    if family == "llama":
+        with pytest.raises(EvalError, match="resonance"):
+            with_rope_scaling(model, "resonance", 2, 16)
+    with pytest.raises(EvalError, match="rope scaling must be one of"):
+        with_rope_scaling(model, "ntk", 2, 16)
+
+
+def test_with_rope_scaling_refuses_an_encoding_without_rope_frequencies(tiny_config, tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("helm_d", vocab_size=len(tokenizer), positional="alibi"))
+    with pytest.raises(EvalError, match="linear scaling: rope_parameters"):
+        with_rope_scaling(model, "linear", 2, 16)

@@ -16,6 +16,8 @@ from transformers.utils import logging
 from ..manifold.math import curvature_to_k
 from ..nn.activation import ACTIVATIONS
 from ..nn.positional.registry import POSITIONAL_ENCODINGS, positional_encoding_class
+from ..nn.positional.rotary import interpolated_chunk_size
+from ..nn.positional.scaling import SCALABLE_KINDS, RopeScaling, check_rope_parameters
 from ..nn.validation import (
     EMBEDDING_MODES,
     HEAD_MERGES,
@@ -79,6 +81,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     ``residual_weight``             ``[1e-4, 1e4]``     both centroid terms above fp32 resolution
     ``residual_space_scale_factor`` ``[1e-2, 1e2]``     ``|x_s|²`` below ``k/ε₃₂``, above RMSNorm's eps
     ``rope_theta``, ``hope_boost_*``  ``> 0``, finite   (``rope3d_chunk_base > 1``)
+    ``sinusoidal_scale``            ``> 0``, finite
     ==============================  ==================  ==================================================
 
     HELM-specific fields:
@@ -86,11 +89,22 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         embedding_mode: ``space`` (Euclidean table of space parts, time computed on the fly) or ``lorentz``
             (a ``geoopt.ManifoldParameter`` table trained by Riemannian Adam).
         positional: a kind of :data:`helm.nn.positional.POSITIONAL_ENCODINGS` (``hope`` default, ``learned``,
-            ``none``, ``alibi``, ``rope3d``, ``hope_boost``).
+            ``none``, ``alibi``, ``rope3d``, ``hope_boost``, ``sinusoidal``, ``bipe_hope``, ``bipe_alibi``).
+        rope_parameters: RoPE scaling of the rotary encodings (``hope``, ``rope3d``, HMLA's decoupled HoPE), a dict
+            exactly as ``transformers``' ``LlamaConfig.rope_parameters`` (``rope_type`` in ``default``, ``linear``,
+            ``dynamic``, ``yarn``, ``longrope``, ``llama3``, with that type's keys: ``factor``,
+            ``original_max_position_embeddings``, ``attention_factor``, ``short_factor``/``long_factor``, ...), plus
+            HELM's ``"resonance": true`` (Resonance RoPE, combinable with any type). The legacy ``rope_scaling``
+            keyword is read into it, and ``rope_theta`` stays a field mirrored in ``rope_parameters["rope_theta"]``
+            (the dict's value wins when given; two different explicit values are an error). Frequencies and attention
+            factors come from ``transformers.modeling_rope_utils``; see ``helm/nn/positional/scaling.py``.
         rope3d_chunk_size, rope3d_chunk_base: 3D-RPE chunk length ``c`` and chunk-phase base (> 1; default
             ``rope_theta``).
         hope_boost_theta_prime, hope_boost_angle_scale, hope_boost_learnable_decay: seed 000's damping ``θ'``
             (> max θ_l = angle_scale; default ``1.1·angle_scale``), the angle scale, and a trainable ``θ'``.
+        sinusoidal_scale: factor ``α`` of the sinusoidal table added to the token space parts (1: the textbook).
+        bipe_segment_length: BiPE's segment length ``L`` (fixed-length segments: intra index ``p mod L``, segment
+            index ``⌊p/L⌋``).
         attn_impl: ``auto`` / ``sdpa`` / ``eager`` / ``triton``.
         tau_init: initial attention temperature (default ``sqrt(d)``, ``d`` the space dims a head scores).
         residual_weight: initial weight of the sublayer in the Lorentz residual centroid.
@@ -131,6 +145,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
     rope_theta: float = field(positive, 10000.0)
+    rope_parameters: dict | None = None
     attention_bias: bool = True
     mlp_bias: bool = True
     curvature: float = field(negative, -1.0)
@@ -141,6 +156,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     hope_boost_theta_prime: float | None = field(optional(positive), None)
     hope_boost_angle_scale: float = field(positive, 1.0)
     hope_boost_learnable_decay: bool = field(boolean, False)
+    sinusoidal_scale: float = field(positive, 1.0)
+    bipe_segment_length: int = field(integer(1), 32)
     attn_impl: str = field(one_of(available_attention_impls()), "auto")
     tau_init: float | None = field(optional(temperature), None)
     residual_weight: float = field(residual_weight, 1.0)
@@ -182,7 +199,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         return self.residual_space_scale_factor * math.sqrt(self.hidden_size - 1)
 
     def upgrade_old_fields(self, kwargs: dict) -> None:
-        """Read configs saved before the fields were renamed (``residual_space_scale``, ``pe_options``)."""
+        """Read configs saved before the fields were renamed (``residual_space_scale``, ``pe_options``), and the
+        legacy RoPE keywords (:meth:`standardize_rope_keywords`)."""
+        self.standardize_rope_keywords(kwargs)
         if "residual_space_scale" in kwargs:
             scale = kwargs.pop("residual_space_scale")
             logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "
@@ -194,6 +213,70 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
                 raise ValueError(f"pe_options: unknown option {key!r}; the options are now config fields "
                                  f"{tuple(_PE_OPTION_FIELDS.values())}")
             setattr(self, _PE_OPTION_FIELDS[key], value)
+
+    def standardize_rope_keywords(self, kwargs: dict) -> None:
+        """``rope_parameters`` as ``transformers`` builds it: the legacy ``rope_scaling`` (and
+        ``partial_rotary_factor``) keywords are read into it, ``rope_theta`` is mirrored, and ``transformers``'
+        :meth:`standardize_rope_params` fills ``rope_type`` and ``original_max_position_embeddings``
+        (``max_position_embeddings`` for ``yarn``, ``longrope``, ``llama3``). Saved configs without
+        ``rope_parameters`` load as ``{"rope_type": "default"}``."""
+        legacy = kwargs.pop("rope_scaling", None)
+        params = legacy if legacy is not None else self.rope_parameters
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            check_rope_parameters(params)  # raises, naming rope_parameters
+        params = dict(params)
+        if "partial_rotary_factor" in kwargs:
+            params.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor"))
+        default_theta = type(self).__dataclass_fields__["rope_theta"].default
+        if "rope_theta" in params and self.rope_theta != params["rope_theta"]:
+            if self.rope_theta != default_theta:
+                raise ValueError(f"rope_theta={self.rope_theta!r} disagrees with rope_parameters['rope_theta']="
+                                 f"{params['rope_theta']!r}; set one of them")
+            self.rope_theta = params["rope_theta"]
+        self.rope_parameters = params
+        if all(isinstance(v, (int, float)) for v in (self.rope_theta, self.max_position_embeddings)):
+            self.standardize_rope_params()
+
+    def validate(self) -> None:
+        """The strict validators ``save_pretrained`` runs, with :meth:`validate_rope_scaling` in place of
+        ``transformers``' ``validate_rope``: that one requires an even ``head_dim`` where HELM's counts the time
+        coordinate (33 = 1 + 32 rotated dims), and does not know HELM's keys (``resonance``, the pre-training length
+        of Resonance RoPE and of 3D-RPE's interpolation); HELM's check covers its key schema and raises instead of
+        warning."""
+        from huggingface_hub.errors import StrictDataclassClassValidationError
+
+        for validator in type(self).__class_validators__:
+            if validator.__name__ == "validate_rope":
+                validator = type(self).validate_rope_scaling
+            try:
+                validator(self)
+            except (ValueError, TypeError) as err:
+                raise StrictDataclassClassValidationError(validator=validator.__name__, cause=err) from err
+
+    def validate_rope_scaling(self) -> None:
+        """``rope_parameters`` against the positional encoding: only the rotary kinds with RoPE frequencies
+        (``hope``, ``rope3d``) scale; every rotated width (``positional_dims``) gets its frequencies and attention
+        factor computed once, so every error (naming the key) surfaces here rather than when the model is built."""
+        params = check_rope_parameters(self.rope_parameters, kind=self.positional)
+        if params["rope_type"] == "default" and not params.get("resonance", False):
+            return
+        if self.positional not in SCALABLE_KINDS:
+            raise ValueError(f"rope_parameters['rope_type']={params['rope_type']!r}"
+                             f"{' with resonance' if params.get('resonance') else ''} scales the RoPE frequencies of "
+                             f"positional={SCALABLE_KINDS}; positional={self.positional!r} has none (use "
+                             "rope_parameters={'rope_type': 'default'} or a rotary encoding)")
+        for name, dims in self.positional_dims().items():
+            try:
+                scaling = RopeScaling(params, head_dim=dims, base=self.rope_theta,
+                                      max_position_embeddings=self.max_position_embeddings, kind=self.positional)
+                scaling.frequencies()
+            except ValueError as err:
+                raise ValueError(f"{err} (for {name}={dims + 1}: {dims} rotated space dims)") from None
+        if self.positional == "rope3d" and params["rope_type"] == "linear":
+            interpolated_chunk_size(self.rope3d_chunk_size, params["factor"],
+                                    params.get("original_max_position_embeddings", self.max_position_embeddings))
 
     def default_head_dim(self) -> None:
         """``head_dim = 1 + ⌊(hidden_size - 1) / num_attention_heads⌋`` when not given (the paper's 115M model:
@@ -219,6 +302,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
                 if dims % 2:
                     raise ValueError(f"{name} must be 1 + an even number for positional={self.positional!r} (it acts "
                                      f"on pairs of space dims), got {dims + 1}")
+        self.validate_rope_scaling()
         if self.positional == "hope_boost":
             check_decay_above(self.hope_boost_theta_prime, self.hope_boost_angle_scale, "hope_boost_theta_prime")
         if self.tie_word_embeddings:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..manifest import MANIFEST, manifest_problem, read_manifest
 from ..manifold.lorentz import Lorentz
@@ -297,15 +298,31 @@ def check_loading_info(name: str, where, info: dict, *, ignore_mismatched_sizes:
 
 
 def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
-    """The model's positional encoding from ``config``: ``head_dim`` space dims per head get it (``absolute``
-    kinds act on the token stream, ``hidden_size - 1`` dims); kind-specific options come from the config
-    fields the kind names in its ``options``."""
+    """The model's positional encoding from ``config``: ``head_dim`` space dims per head get it in attention;
+    ``absolute`` kinds act on the token stream, whose ``hidden_size - 1`` space dims they receive as
+    ``hidden_space_dim`` (BiPE kinds do both). Other kind-specific options come from the config fields the kind
+    names in its ``options``."""
     kind = positional_encoding_class(config.positional)
     options = {name: getattr(config, field) for name, field in kind.options.items() if field is not None}
-    return build_positional_encoding(config.positional, head_dim=config.hidden_size - 1 if kind.absolute else head_dim,
+    if "hidden_space_dim" in kind.options:
+        options["hidden_space_dim"] = config.hidden_size - 1
+    return build_positional_encoding(config.positional, head_dim=head_dim,
                                      num_heads=config.num_attention_heads,
                                      max_position_embeddings=config.max_position_embeddings,
                                      rope_theta=config.rope_theta, **options)
+
+
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (generate passes
+# ``cache=``; output classes rename ``past_key_values=`` with a deprecation warning); earlier 5.x use the old name
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def resolve_cache(past_key_values, cache):
+    """The cache of a forward called as ``forward(past_key_values=...)`` (transformers < 5.24, users' code) or
+    ``forward(cache=...)`` (``generate`` from transformers 5.24 on); passing both is a ``ValueError``."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache as either cache= or past_key_values=, not both")
+    return past_key_values if cache is None else cache
 
 
 class CacheLayout(NamedTuple):
@@ -541,7 +558,7 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
     return logits, None if labels is None else causal_lm_loss(model, logits, labels, **kwargs)
 
 
-__all__ = ["CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_inputs",
+__all__ = ["CACHE_FIELD", "CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_inputs",
            "check_loading_info", "default_position_ids",
            "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "refuse_attention_weights",
-           "positional_encoding"]
+           "positional_encoding", "resolve_cache"]

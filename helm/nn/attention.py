@@ -51,6 +51,13 @@ class LorentzAttentionBase(nn.Module):
         """``τ = exp(log τ)``: positive under any optimiser step, kept in fp32 (:func:`positive_exp`)."""
         return positive_exp(self.log_tau.reshape(()))
 
+    def logit_tau(self, position_embeddings: PositionalTables) -> torch.Tensor:
+        """The temperature the logits see, ``τ / s`` with ``s = position_embeddings.logit_scale`` (YaRN's ``a²``):
+        ``softmax(-d²·s/τ) = softmax(s·(2/τ)·<q, k>_L)``, the constant ``-2k·s/τ`` cancelling. ``τ`` itself when
+        ``s = 1``."""
+        scale = position_embeddings.logit_scale
+        return self.tau if scale == 1.0 else self.tau / scale
+
     def merged_dim(self, value_head_dim: int) -> int:
         """Features of the merged heads for per-head values of ambient dim ``value_head_dim = 1 + d_v``."""
         dv = value_head_dim - 1
@@ -66,9 +73,11 @@ class LorentzAttentionBase(nn.Module):
                value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 3 on points ``q, key [B, H, T, 1+d]``, ``value [B, H, Tk, 1+dv]`` (with ``value_centre``: one more
         column, the values' centred norms, see :func:`helm.ops.lorentz_attention`); ``q_pe, k_pe`` are the space
-        coordinates the positional encoding acts on (its score bias reads them)."""
-        bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / self.tau)
-        return lorentz_attention(q, key, value, k=self.k, tau=self.tau, mask=attention_mask, position_bias=bias,
+        coordinates the positional encoding acts on (its score bias reads them). The logit scale is
+        ``position_embeddings.logit_scale · 2/τ`` (:meth:`logit_tau`)."""
+        tau = self.logit_tau(position_embeddings)
+        bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / tau)
+        return lorentz_attention(q, key, value, k=self.k, tau=tau, mask=attention_mask, position_bias=bias,
                                  alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_impl,
                                  value_centre=value_centre)
 

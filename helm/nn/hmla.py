@@ -192,7 +192,7 @@ class HMLA(LorentzAttentionBase):
         z = keys[:, 0, :, :L].to(acc)  # [B, Tk, 1+n_kv] and [B, Tk, 3H]: views of the cache in fp32 caches
         scalars = _unpack(keys[:, 0, :, L:], acc).to(acc)
         w = self.kv_b_proj.weight.to(acc).view(H, dn + self.dv, L)
-        scale = (2.0 / self.tau).to(acc)
+        scale = (2.0 / self.logit_tau(pos)).to(acc)  # s·2/τ, s = pos.logit_scale (YaRN's a²)
         q_s = q_s.to(acc)
         q_t = (q_s.square().sum(-1, keepdim=True) + self.k).sqrt() * scale  # [B, H, Tq, 1]
         q_sc = q_s * scale

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, rescale, sqdist, upcast
+from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist, upcast
 from .validation import (
     CURVATURE_RANGE,
     SCORING_FUNCS,
@@ -127,11 +127,30 @@ class CurvatureExpert(nn.Module):
     def k_expert(self) -> torch.Tensor:
         return bounded_log_k(self.log_k.float().reshape(())).exp()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # k_j is read here, inside the expert's own forward, where accelerate's offload hooks have loaded log_k
+    def curvature_scales(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``k_j`` (fp32), ``sqrt(k_j / k)`` and ``sqrt(k / k_j)`` (0-dim, in ``dtype``): the expert's curvature and
+        the factors of ``rescale`` onto its hyperboloid and back.
+
+        Without autograd (decoding) they are computed once per value of ``log_k`` (its storage and version
+        counter: an optimiser step, a load or an offload hook that swaps the tensor recomputes them), which
+        saves a dozen scalar kernels per expert call; with autograd, or under ``torch.compile``, every call."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._curvature_scales(dtype)
+        key = (self.log_k.data_ptr(), self.log_k._version, self.log_k.device, dtype)
+        if getattr(self, "_scales_key", None) != key:
+            self._scales, self._scales_key = self._curvature_scales(dtype), key
+        return self._scales
+
+    def _curvature_scales(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kj = self.k_expert
-        y = self.mlp(rescale(x, k_in=self.k, k_out=kj), k=kj)
-        return rescale(y, k_in=kj, k_out=self.k)
+        kd = kj.to(dtype)
+        return kj, (kd / self.k).sqrt(), (self.k / kd).sqrt()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # k_j is read here, inside the expert's own forward, where accelerate's offload hooks have loaded log_k;
+        # rescale(x, k -> k_j) = sqrt(k_j / k) x and back, with the factors of helm.manifold.rescale
+        kj, up, down = self.curvature_scales(upcast(x).dtype)
+        return self.mlp(x * up, k=kj) * down
 
 
 class MiCE(nn.Module):
@@ -277,11 +296,16 @@ class MiCE(nn.Module):
 
     def sparse_dispatch(self, x: torch.Tensor) -> bool:
         """Run each routed expert on its own tokens only (:meth:`combine_sparse`) on the CPU, outside
-        ``torch.compile``, from ``SPARSE_MIN_TOKENS`` tokens on (below, the dense path's few large matmuls win;
-        ``benchmarks/mice_dispatch.py`` measures both). On GPUs the dense path stays: slicing by expert needs
+        ``torch.compile``, from ``SPARSE_MIN_TOKENS`` tokens on (below, the dense path's few large matmuls win the
+        backward; ``benchmarks/mice_dispatch.py`` measures both), and at any size without autograd, where it runs
+        only the experts some token chose (a decoding step: ``K_r`` of ``N_r``). On GPUs the dense path stays: slicing by expert needs
         the per-expert token counts on the host, a synchronisation per layer."""
-        return (self.dispatch == "sparse" or self.dispatch == "auto" and x.device.type == "cpu"
-                and x.shape[:-1].numel() >= SPARSE_MIN_TOKENS) and not torch.compiler.is_compiling()
+        if torch.compiler.is_compiling() or self.dispatch == "dense":
+            return False
+        if self.dispatch == "sparse":
+            return True
+        # without autograd (decoding, evaluation) the sparse path also skips the experts no token chose
+        return x.device.type == "cpu" and (x.shape[:-1].numel() >= SPARSE_MIN_TOKENS or not torch.is_grad_enabled())
 
     def combine_sparse(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The same centroid as the dense path, with routed expert ``j`` evaluated only on the tokens that
@@ -290,9 +314,15 @@ class MiCE(nn.Module):
         w, chosen = weights.reshape(-1, self.n_routed), selected.reshape(-1, self.n_routed)
         shared = [s(flat) for s in self.shared_experts]
         total = torch.stack(shared).sum(0) if shared else upcast(flat).new_zeros(flat.shape)
+        # with autograd, an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as
+        # densely, which DDP needs (a parameter without a gradient stops its reduction); without, it is skipped
+        active = None if torch.is_grad_enabled() else chosen.any(0).tolist()
         for j, expert in enumerate(self.experts):
-            # an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as densely,
-            # which DDP needs (a parameter without a gradient stops its reduction)
+            if active is not None and not active[j]:
+                continue
+            if active is not None and flat.shape[0] == 1:  # a decoding step: no gather and scatter
+                total = total + w[:, j:j + 1] * expert(flat)
+                continue
             rows = chosen[:, j].nonzero().squeeze(-1)
             total = total.index_add(0, rows, w[rows, j:j + 1] * expert(flat[rows]))
         weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)

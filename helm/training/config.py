@@ -167,8 +167,7 @@ def validate(c: RunConfig) -> None:
     problems += [(k, "must be positive") for k in POSITIVE if value(k) is not None and not value(k) > 0]
     problems += [(k, f"must be one of {options}") for k, options in CHOICES.items() if value(k) not in options]
     problems += [(key, requirement) for key, ok, requirement in (
-        ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "must be "
-         "two numbers in [0, 1)"),
+        ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "must be two in [0, 1)"),
         ("train.output_dir", bool(c.train.output_dir), "must be set"),
         ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),

@@ -53,7 +53,7 @@ def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
     assert torch.allclose(aligned["rope3d"]["mean"][:9], aligned["hope"]["mean"][:9])
     assert not torch.allclose(aligned["rope3d"]["mean"][9:], aligned["hope"]["mean"][9:])
     rows = list(csv.DictReader((tmp_path / "d.csv").open()))
-    assert len(rows) == 2 * 6 * 201 and {"space_score_mean", "space_score_std", "time_term_mean"} <= set(rows[0])
+    assert len(rows) == 2 * len(aligned) * 201 and {"space_score_mean", "space_score_std", "time_term_mean"} <= set(rows[0])
     row = next(r for r in rows if (r["setting"], r["variant"], r["distance"]) == ("random", "alibi", "7"))
     assert float(row["space_score_std"]) == pytest.approx(float(random["alibi"]["std"][7]), rel=1e-5)
 
@@ -142,3 +142,22 @@ def test_curvature_runs_on_helm_and_llama(make_checkpoint, text_file, tmp_path):
     assert_png(tmp_path / "curvature.png")
     fig = curvature.plot({"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}, tmp_path / "c.png", title="t")
     assert_labelled(fig, n_lines_at_least=2)
+
+
+def test_length_extrapolation_applies_each_rope_scaling_at_evaluation(make_checkpoint, text_file, tmp_path):
+    """``--rope-scaling``: one line per (model, scaling); factor 1 is the unscaled model, longer windows run the
+    scaled one (different perplexities), and a scaling an encoding does not take (learned) is a note, not a crash."""
+    extrapolation = load_script("length_extrapolation")
+    models = {"hope": make_checkpoint("helm_d"), "learned": make_checkpoint("helm_d:learned"),
+              "llama": make_checkpoint("llama")}
+    argv = [a for name, folder in models.items() for a in ("--model", f"{name}={folder}")]
+    rows = extrapolation.main([*argv, "--files", str(text_file), "--train-length", "16", "--factors", "1", "2",
+                               "--max-tokens", "256", "--rope-scaling", "none", "linear", "yarn", "--output-dir",
+                               str(tmp_path), "--no-progress"])
+    cell = {(r["model"], r["factor"]): r for r in rows}
+    assert set(cell) == {(f"{m}{s}", f) for m in models for s in ("", "+linear", "+yarn") for f in (1, 2)}
+    for name in ("hope", "llama"):
+        for scaling in ("+linear", "+yarn"):
+            assert cell[name + scaling, 1]["perplexity"] == cell[name, 1]["perplexity"]
+            assert cell[name + scaling, 2]["perplexity"] != cell[name, 2]["perplexity"] != ""
+    assert cell["learned+linear", 2]["perplexity"] == "" and "rope_parameters" in cell["learned+linear", 2]["note"]

@@ -50,5 +50,29 @@ def test_auto_dispatch_is_sparse_on_the_cpu_from_the_threshold():
     assert mice.dispatch == "auto"
     small = torch.zeros(1, SPARSE_MIN_TOKENS - 1, 17)
     assert not mice.sparse_dispatch(small) and mice.sparse_dispatch(torch.zeros(1, SPARSE_MIN_TOKENS, 17))
+    with torch.no_grad():
+        assert mice.sparse_dispatch(torch.zeros(1, 1, 17))
     with pytest.raises(ValueError, match="dispatch"):
         layer(1, dispatch="grouped")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3)], ids=["decode-1-token", "2x3-tokens"])
+def test_no_grad_dispatch_runs_only_the_chosen_experts_and_equals_dense(shape):
+    """A decoding step without autograd runs the top-k experts some token chose (and the shared one), not all."""
+    mice = layer(1).eval()
+    x = lift(torch.randn(*shape, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)), k=0.7)
+    calls = []
+    hooks = [e.register_forward_hook(lambda m, i, o, j=j: calls.append(j)) for j, e in enumerate(mice.experts)]
+    with torch.no_grad():
+        mice.dispatch = "dense"
+        dense = mice(x)
+        dense_calls, calls[:] = list(calls), []
+        mice.dispatch = "auto"
+        auto = mice(x)
+    for h in hooks:
+        h.remove()
+    chosen = set(mice.route(x)[2].reshape(-1, 5).any(0).nonzero().flatten().tolist())
+    assert dense_calls == list(range(5)) and set(calls) == chosen and 4 not in calls
+    if shape == (1, 1):
+        assert len(calls) == 2
+    torch.testing.assert_close(auto, dense, rtol=1e-12, atol=1e-12)

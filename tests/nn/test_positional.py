@@ -58,7 +58,10 @@ def test_registry_attributes():
     assert relative == {"hope", "none", "alibi", "hope_boost"}
     assert build("learned").max_positions == MAX_POS
     assert all(build(name).max_positions is None for name in POSITIONAL_ENCODINGS if name != "learned")
-    assert {name for name in POSITIONAL_ENCODINGS if build(name).has_score_bias} == {"alibi", "hope_boost"}
+    assert {name for name in POSITIONAL_ENCODINGS if build(name).has_score_bias} == {"alibi", "hope_boost",
+                                                                                      "bipe_alibi"}
+    assert {name for name in POSITIONAL_ENCODINGS if build(name).absolute} == {"learned", "sinusoidal", "bipe_hope",
+                                                                                "bipe_alibi"}
     assert all(build(name).kind == name for name in POSITIONAL_ENCODINGS)
 
 
@@ -107,7 +110,7 @@ def test_position_ids_must_be_integer_and_match_tokens():
 
 
 
-@pytest.mark.parametrize("name", [n for n in POSITIONAL_ENCODINGS if n not in ("learned", "rope3d")])
+@pytest.mark.parametrize("name", [n for n, cls in POSITIONAL_ENCODINGS.items() if cls.relative])
 @pytest.mark.parametrize("d", [16, 64])
 @pytest.mark.parametrize("shift", [1, 997, 65_000])
 def test_prop_4_1_relative_scores_are_shift_invariant(name, d, shift):
@@ -463,7 +466,9 @@ def test_registry_properties_describe_each_kind():
              POSITIONAL_ENCODINGS.items()}
     assert props == {"hope": (True, True, False, False), "learned": (False, False, False, True),
                      "none": (False, False, False, False), "alibi": (False, False, True, False),
-                     "rope3d": (True, True, False, False), "hope_boost": (False, True, True, False)}
+                     "rope3d": (True, True, False, False), "hope_boost": (False, True, True, False),
+                     "sinusoidal": (False, False, False, True), "bipe_hope": (True, True, False, True),
+                     "bipe_alibi": (False, False, True, True)}
 
 
 @pytest.mark.parametrize("name", ["hope", "rope3d", "alibi", "hope_boost", "none"])
@@ -501,5 +506,5 @@ def test_tables_follow_the_model_dtype():
 
 
 def test_unknown_options_list_what_the_kind_accepts():
-    with pytest.raises(ValueError, match=r"accepted options: \('chunk_size', 'chunk_base'\)"):
+    with pytest.raises(ValueError, match=r"accepted options: \('chunk_size', 'chunk_base', 'rope_parameters'\)"):
         build("rope3d", theta_prime=2.0)

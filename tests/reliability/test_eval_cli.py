@@ -73,7 +73,7 @@ CASES = [
     ("length_extrapolation", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
     ("length_extrapolation", ["--model", "{bare}", "--files", "{text}", "--factors", "0"], 2, "--factors"),
     ("length_extrapolation", ["--model", "{model}", "--files", "{text}", "--train-length", "0"], 2,
-     "--train-length must be at least 1, got 0"),
+     "--train-length must be an integer >= 1, got 0"),
     ("curvature", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
     ("curvature", ["--model", "{bare}", "--files", "{text}", "--max-points", "2"], 2, "--max-points"),
     ("harness", ["--model", "{custom}", "--suite", "local"], 2, REMOTE),

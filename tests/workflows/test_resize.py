@@ -43,8 +43,8 @@ def test_growing_the_vocabulary_keeps_old_tokens_and_adds_valid_rows(family, opt
             assert manifold_error(table[V:].detach(), model.config.k).max() <= MANIFOLD_TOL[torch.float32]
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, after)
+    with torch.no_grad():  # to rounding: loaded weights sit at other addresses, where BLAS may round differently
+        torch.testing.assert_close(reloaded(ids).logits, after, rtol=1e-6, atol=1e-6)
     assert model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (2, 7)
 
 

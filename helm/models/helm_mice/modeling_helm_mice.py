@@ -25,6 +25,7 @@ from ...nn.positional import PositionalTables
 from ...nn.residual import LorentzResidual
 from ...ops.attention import AttentionMask
 from ..modeling_common import (
+    CACHE_FIELD,
     HelmPreTrainedModel,
     attention_mask_for,
     check_inputs,
@@ -32,6 +33,7 @@ from ..modeling_common import (
     lift_inputs_embeds,
     lm_logits_and_loss,
     refuse_attention_weights,
+    resolve_cache,
     positional_encoding,
 )
 from .configuration_helm_mice import HelmMiCEConfig
@@ -76,10 +78,11 @@ class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
                                             space_scale=config.residual_space_scale)
 
     def forward(self, hidden_states: torch.Tensor, *, position_embeddings: PositionalTables,
-                attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None) -> torch.Tensor:
+                attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None,
+                cache: Optional[Cache] = None) -> torch.Tensor:
         """Points ``[B, T, 1+n] -> [B, T, 1+n]``; a MiCE layer keeps its balance loss in ``mlp.aux_loss``."""
         attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=past_key_values)
+                              attention_mask=attention_mask, past_key_values=resolve_cache(past_key_values, cache))
         hidden_states = self.attn_residual(hidden_states, attn)
         return self.mlp_residual(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
 
@@ -130,10 +133,12 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None,
+                cache: Optional[Cache] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                use_cache: Optional[bool] = None,
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, **kwargs) -> MoeModelOutputWithPast:
         refuse_attention_weights(self.config, output_attentions)
+        past_key_values = resolve_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if use_cache and past_key_values is None:
@@ -157,14 +162,15 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         # transformers' convention: the embeddings, every layer's output, the last one after the final norm
         all_hidden_states = [hidden_states]
         for layer in self.layers:
+            # under the name transformers' GradientCheckpointingLayer clears in training
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
-                                  past_key_values=past_key_values)
+                                  **{CACHE_FIELD: past_key_values})
             all_hidden_states.append(hidden_states)
         if self.final_proj is not None:
             hidden_states = self.final_proj(hidden_states)
         all_hidden_states[-1] = hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states,
-                                      past_key_values=past_key_values if use_cache else None,
+                                      **{CACHE_FIELD: past_key_values if use_cache else None},
                                       hidden_states=tuple(all_hidden_states) if output_hidden_states else None)
 
 
@@ -187,12 +193,14 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                cache: Optional[Cache] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 logits_to_keep: int = 0, skip_logits: Optional[bool] = None, **kwargs) -> MoeCausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             past_key_values=resolve_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
+                             use_cache=use_cache,
                              segment_ids=segment_ids, output_hidden_states=output_hidden_states,
                              output_attentions=output_attentions)
         hidden_states = outputs.last_hidden_state
@@ -205,7 +213,8 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
         if loss is not None and aux_loss is not None:
             loss = loss + aux_loss
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states)
+                                         **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+                                         hidden_states=outputs.hidden_states)
 
 
 __all__ = ["HelmMiCEPreTrainedModel", "HelmMiCEModel", "HelmMiCEForCausalLM", "HelmMiCEDecoderLayer"]

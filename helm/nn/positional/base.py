@@ -20,13 +20,17 @@ class PositionalTables:
     * ``cos, sin`` ``[B, T, P]``: rotation of the new tokens' space parts (rotary kinds), ``P = d/2`` pairs;
     * ``alibi_slopes`` ``[H]``: per-head linear distance penalty (every attention impl takes slopes);
     * ``bias``: ``bias(q_s, k_s, scale) -> [B, H, Tq, Tk]``, an additive term on the logits ``scale·<q, k>_L``
-      that depends on the content (``hope_boost``); its positions are bound when the tables are built.
+      that depends on the content (``hope_boost``); its positions are bound when the tables are built;
+    * ``logit_scale``: a float ``s`` multiplying the logit scale, ``scale = s·2/τ`` (every attention path applies
+      it, as the temperature ``τ/s``): YaRN's / LongRoPE's attention factor ``a`` enters as ``s = a²``, what
+      ``transformers``' ``cos·a, sin·a`` does to ``q·k`` (``POSITIONAL.md``). 1.0 for every unscaled encoding.
     """
 
     cos: Optional[torch.Tensor] = None
     sin: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
     bias: Optional[ScoreBias] = None
+    logit_scale: float = 1.0
 
     def rotate(self, x_s: torch.Tensor) -> torch.Tensor:
         """Space parts ``[B, H, T, d]`` (``H`` may be 1) -> ``[B, H, T, d]``; identity without rotary tables."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from .alibi import ALiBi
 from .base import NoPositionalEncoding, PositionalEncoding
+from .bipe import BiPEALiBi, BiPEHoPE
 from .boost import HoPEBoost
 from .learned import LearnedPositionalEncoding
 from .rotary import HoPE, RoPE3D
+from .sinusoidal import SinusoidalPositionalEncoding
 
 POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {
     "hope": HoPE,
@@ -16,6 +18,9 @@ POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {
     "alibi": ALiBi,
     "rope3d": RoPE3D,
     "hope_boost": HoPEBoost,
+    "sinusoidal": SinusoidalPositionalEncoding,
+    "bipe_hope": BiPEHoPE,
+    "bipe_alibi": BiPEALiBi,
 }
 
 
@@ -39,7 +44,7 @@ def build_positional_encoding(name: str, *, head_dim: int, num_heads: int, max_p
 
     Args:
         head_dim: number of *space* dims per head that get the encoding (even for kinds that act on pairs);
-            for ``absolute`` kinds (``learned``) the model's space dim ``n``.
+            ``absolute`` kinds take the model's space dim ``n`` as ``hidden_space_dim`` (default ``head_dim``).
         num_heads: heads of the attention (ALiBi slopes).
         max_position_embeddings: table size of ``learned``.
         rope_theta: base of the rotary angles (``hope``, ``rope3d``, ``hope_boost``).
@@ -47,7 +52,10 @@ def build_positional_encoding(name: str, *, head_dim: int, num_heads: int, max_p
             ``rope3d``: ``chunk_size`` (512), ``chunk_base`` (> 1, default ``rope_theta``);
             ``hope_boost``: ``theta_prime`` (> max θ_l = angle_scale, default ``1.1·angle_scale``),
             ``angle_scale`` (1.0), ``learnable_decay`` (False);
-            ``learned``: ``hidden_space_dim`` (default ``head_dim``), ``init_std`` (0.02).
+            ``learned``: ``hidden_space_dim`` (default ``head_dim``), ``init_std`` (0.02);
+            ``sinusoidal``: ``hidden_space_dim`` (default ``head_dim``), ``scale`` (1.0);
+            ``bipe_hope``, ``bipe_alibi``: ``segment_length`` (32), ``hidden_space_dim`` (default ``head_dim``),
+            ``init_std`` (0.02).
 
     Raises:
         ValueError: unknown ``name`` or option, or an invalid value; the message names the argument.

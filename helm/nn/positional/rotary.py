@@ -9,11 +9,13 @@ position ``|p| < 2^32`` (derivation in ``POSITIONAL.md``).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
 from ..validation import check, check_dim, greater_than, integer, positive
 from .base import PositionalEncoding, PositionalTables, rotate_pairs
+from .scaling import RopeScaling
 
 _DIGIT_BITS = 8
 _NUM_DIGITS = 4  # positions are exact for |p| < 256**4 = 2**32
@@ -85,30 +87,63 @@ class HoPE(PositionalEncoding):
 
     ``θ_l = base^(-2l/d)``. ``R`` is orthogonal, so the time coordinate is unchanged and
     ``<HoPE(q_m), HoPE(k_n)>_L = -q_t k_t + q_sᵀ R((n - m)Θ) k_s`` depends on ``m - n`` only (Prop. 4.1).
+
+    ``rope_parameters`` (a Llama rope dict, :mod:`helm.nn.positional.scaling`) replaces ``θ_l`` by the scaled
+    ``θ'_l`` of ``transformers``' ``rope_type`` (and Resonance RoPE's integer wavelengths) and sets the tables'
+    ``logit_scale`` to the squared attention factor; positions stay integers, so the angles stay exact. ``dynamic``
+    and ``longrope`` pick the frequency set from the forward's length ``max(position_ids) + 1`` (one device read).
     """
 
     kind = "hope"
     rotary = True
     pairs = True
+    options = {"rope_parameters": "rope_parameters"}
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0):
+    def __init__(self, head_dim: int, *, base: float = 10000.0, rope_parameters: dict | None = None,
+                 max_position_embeddings: int = 2048):
         super().__init__()
         self.head_dim, self.base = check_pairs(head_dim, self.kind), float(check(base, "rope_theta", positive))
-        self.angles = AngleTable(rope_frequencies(head_dim, base))
+        self.scaling = RopeScaling(rope_parameters, head_dim=head_dim, base=base,
+                                   max_position_embeddings=max_position_embeddings, kind=self.kind)
+        self.angles = AngleTable(self.scaling.frequencies())
+        self._length_angles: OrderedDict[int, AngleTable] = OrderedDict()
 
     @classmethod
-    def build(cls, *, head_dim: int, rope_theta: float = 10000.0, **_):
-        return cls(head_dim, base=rope_theta)
+    def build(cls, *, head_dim: int, rope_theta: float = 10000.0, max_position_embeddings: int = 2048,
+              rope_parameters: dict | None = None, **_):
+        return cls(head_dim, base=rope_theta, rope_parameters=rope_parameters,
+                   max_position_embeddings=max_position_embeddings)
+
+    @property
+    def logit_scale(self) -> float:
+        """Factor on the attention logits, ``attention_factor²`` of ``yarn`` / ``longrope`` (else 1)."""
+        return self.scaling.logit_scale
+
+    def angle_table(self, position_ids: torch.Tensor) -> AngleTable:
+        """The exact-angle table of this forward: one per frequency set. Length-dependent types read the length
+        ``max(position_ids) + 1`` from the device, as ``transformers``' ``dynamic_rope_update`` does."""
+        if not self.scaling.length_dependent:
+            return self.angles
+        key = self.scaling.length_key(int(position_ids.max()) + 1)
+        if key == self.scaling.length_key(None):
+            return self.angles
+        if key not in self._length_angles:
+            self._length_angles[key] = AngleTable(self.scaling.frequencies(key))
+            while len(self._length_angles) > 8:
+                self._length_angles.popitem(last=False)
+        return self._length_angles[key]
 
     def angle_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.angles(position_ids, dtype=dtype)
+        return self.angle_table(position_ids)(position_ids, dtype=dtype)
 
     def tables(self, position_ids, q_pos, k_pos, dtype) -> PositionalTables:
         cos, sin = self.angle_cos_sin(position_ids, dtype)
-        return PositionalTables(cos=cos, sin=sin)
+        return PositionalTables(cos=cos, sin=sin, logit_scale=self.logit_scale)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}"
+        scaled = "" if self.scaling.rope_type == "default" and not self.scaling.resonance else \
+            f", rope_parameters={self.scaling.params}"
+        return f"head_dim={self.head_dim}, base={self.base:g}{scaled}"
 
 
 class RoPE3D(HoPE):
@@ -125,28 +160,44 @@ class RoPE3D(HoPE):
     ``m`` against a key in chunk ``j`` at index ``n`` scores ``Re Σ_l z_q,l z̄_k,l e^{i((m-n)θ_l + ψ_i - ψ_j)}``
     — the paper's Eq. 5 (``ψ_i - ψ_j = φ_j - φ_i``). Norm-preserving, but not relative across chunk
     boundaries (``relative = False``).
+
+    ``rope_parameters`` with ``rope_type="linear"`` is seed 002's linear interpolation of 3D-RPE (App. C, proof
+    of Theorem 1/2): the ``n = ⌊L_p/c⌋`` chunks of the pre-training length ``L_p``
+    (``original_max_position_embeddings``, default ``max_position_embeddings``) share the ``L - L_p`` extra tokens
+    of the extended length ``L = ⌊factor·L_p⌋`` evenly, so the chunk size becomes ``c' = c + ⌊(L - L_p)/n⌋`` (the
+    seed's ``⌊L/n⌋`` when ``c`` divides ``L_p``) and in-chunk indices run over ``0 … c'-1`` with the *unscaled*
+    ``θ_l`` (resolution 1 between neighbours, the theorem's point); chunk phases are unchanged. Every other
+    ``rope_type`` scales the in-chunk frequencies as for ``hope``.
     """
 
     kind = "rope3d"
     relative = False
-    options = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base"}
+    options = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base", **HoPE.options}
 
     def __init__(self, head_dim: int, *, base: float = 10000.0, chunk_size: int = 512,
-                 chunk_base: float | None = None):
-        super().__init__(head_dim, base=base)
+                 chunk_base: float | None = None, rope_parameters: dict | None = None,
+                 max_position_embeddings: int = 2048):
+        super().__init__(head_dim, base=base, rope_parameters=rope_parameters,
+                         max_position_embeddings=max_position_embeddings)
         self.chunk_size = check(chunk_size, "chunk_size", integer(1))
         self.chunk_base = float(check(base if chunk_base is None else chunk_base, "chunk_base", greater_than(1)))
         self._log_chunk_base = math.log(self.chunk_base)
+        if self.scaling.interpolates_chunks:
+            self.chunk_size = interpolated_chunk_size(self.chunk_size, self.scaling.params["factor"],
+                                                      self.scaling.original_max_position_embeddings)
 
     @classmethod
     def build(cls, *, head_dim: int, rope_theta: float = 10000.0, chunk_size: int = 512,
-              chunk_base: float | None = None, **_):
-        return cls(head_dim, base=rope_theta, chunk_size=chunk_size, chunk_base=chunk_base)
+              chunk_base: float | None = None, max_position_embeddings: int = 2048,
+              rope_parameters: dict | None = None, **_):
+        return cls(head_dim, base=rope_theta, chunk_size=chunk_size, chunk_base=chunk_base,
+                   rope_parameters=rope_parameters, max_position_embeddings=max_position_embeddings)
 
     def angle_cos_sin(self, position_ids, dtype):
         in_chunk = position_ids.abs() % self.chunk_size
         chunk = position_ids.abs() // self.chunk_size
-        cos, sin = self.angles(torch.where(position_ids < 0, -in_chunk, in_chunk), dtype=dtype)
+        table = self.angle_table(position_ids)
+        cos, sin = table(torch.where(position_ids < 0, -in_chunk, in_chunk), dtype=dtype)
         # ψ_j = 1 - base^{-j} = -expm1(-j ln base): accurate near j = 0 and exactly 0 in chunk 0
         psi = -torch.expm1(-chunk.to(dtype) * self._log_chunk_base)
         psi = torch.where(position_ids < 0, -psi, psi).unsqueeze(-1)
@@ -157,4 +208,21 @@ class RoPE3D(HoPE):
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}, chunk_base={self.chunk_base:g}"
 
 
-__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "rope_frequencies", "rotate_pairs"]
+def interpolated_chunk_size(chunk_size: int, factor: float, original_max_position_embeddings: int) -> int:
+    """3D-RPE's chunk size after linear interpolation by ``factor`` (seed 002, App. C).
+
+    ``n = ⌊L_p/c⌋`` chunks cover the pre-training length ``L_p``; the extended length ``L = ⌊factor·L_p⌋`` adds
+    ``L - L_p`` tokens, spread evenly over the ``n`` chunks: ``c' = c + ⌊(L - L_p)/n⌋``. With ``factor = 1``,
+    ``c' = c``. Needs ``c <= L_p`` (at least one chunk in the pre-training length)."""
+    if chunk_size > original_max_position_embeddings:
+        raise ValueError(f"rope3d_chunk_size (chunk_size) = {chunk_size} must be <= rope_parameters"
+                         f"['original_max_position_embeddings'] = {original_max_position_embeddings} for 3D-RPE's "
+                         "linear interpolation (it spreads the extra tokens over the ⌊L_p/c⌋ chunks of the "
+                         "pre-training length L_p)")
+    n = original_max_position_embeddings // chunk_size
+    extended = math.floor(factor * original_max_position_embeddings)
+    return chunk_size + (extended - original_max_position_embeddings) // n
+
+
+__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "interpolated_chunk_size", "rope_frequencies",
+           "rotate_pairs"]
