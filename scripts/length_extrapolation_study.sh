@@ -54,3 +54,4 @@ for name in dict.fromkeys(r["model"] for r in rows):
     if len(cells) > 1 or "+" not in name:  # a scaling only changes lengths past 256
         print(f"| {name} | " + " | ".join(f"{cells[n]:,.1f}" if n in cells else "—" for n in lengths) + " |")
 EOF
+echo "[study] done in $((SECONDS / 60)) min $((SECONDS % 60)) s"
