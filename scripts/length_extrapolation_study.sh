@@ -7,7 +7,8 @@
 # recipe, budget and seed (configs/train/tiny-helm-d.yaml, STEPS optimiser steps of 8 x 256 tokens), then evaluates
 # every checkpoint at 256 ... 4096 tokens with eval/length_extrapolation.py; the rotary models (hope, rope3d,
 # tiny-llama) also with each RoPE scaling applied at evaluation (factor = evaluation length / 256). Writes
-# $OUT/extrapolation.{csv,png,json} and prints the README's table (perplexity, encoding x length).
+# $OUT/extrapolation.{csv,png,json} and the README's figure $OUT/study.png, and prints the README's table
+# (perplexity, encoding x length).
 # Environment: STEPS (default 300), OUT (results/length_extrapolation), RUNS (runs/pe-study),
 # ENCODINGS (the tiny-helm-d presets' encodings), SCALINGS, MAX_TOKENS (evaluation tokens, default 32768).
 set -euo pipefail
@@ -43,15 +44,48 @@ python eval/length_extrapolation.py "${models[@]}" --files data/default --split 
   --factors 1 2 4 8 16 --max-tokens "$MAX_TOKENS" --rope-scaling $SCALINGS --output-dir "$OUT" --no-progress \
   | tail -n 1
 
-python - "$OUT/extrapolation.csv" <<'EOF'
+# the README's table and figure: unscaled encodings (left), the rotary models with each scaling (right)
+python - "$OUT" <<'EOF'
 import csv, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["perplexity"]]
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+out = sys.argv[1]
+rows = [r for r in csv.DictReader(open(f"{out}/extrapolation.csv")) if r["perplexity"]]
 lengths = sorted({int(r["seq_len"]) for r in rows})
+curves = {}
+for r in rows:
+    curves.setdefault(r["model"], {})[int(r["seq_len"])] = float(r["perplexity"])
+# a scaling changes nothing at the training length: keep the scaled rows that were measured past it
+curves = {name: c for name, c in curves.items() if len(c) > 1 or "+" not in name}
 print("| model | " + " | ".join(str(n) for n in lengths) + " |")
 print("| --- " * (len(lengths) + 1) + "|")
-for name in dict.fromkeys(r["model"] for r in rows):
-    cells = {int(r["seq_len"]): float(r["perplexity"]) for r in rows if r["model"] == name}
-    if len(cells) > 1 or "+" not in name:  # a scaling only changes lengths past 256
-        print(f"| {name} | " + " | ".join(f"{cells[n]:,.1f}" if n in cells else "—" for n in lengths) + " |")
+for name, c in curves.items():
+    print(f"| {name} | " + " | ".join(f"{c[n]:,.1f}" if n in c else "—" for n in lengths) + " |")
+
+scaled = {name.split("+")[0] for name in curves if "+" in name}
+fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+panels = [(axes[0], [n for n in curves if "+" not in n], "each encoding, no scaling"),
+          (axes[1], [n for n in curves if n.split("+")[0] in scaled], "rotary encodings with RoPE scalings at evaluation")]
+for ax, names, title in panels:
+    bases = list(dict.fromkeys(n.split("+")[0] for n in names))
+    for name in names:
+        base, _, scaling = name.partition("+")
+        # right panel: one colour per model, one line style and marker per scaling
+        i = [m.partition("+")[2] for m in names if m.split("+")[0] == base].index(scaling) if ax is axes[1] else 0
+        xs = sorted(curves[name])
+        ax.plot(xs, [curves[name][x] for x in xs], marker="osv^Dx"[i % 6], ms=4, label=name,
+                linestyle=["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))][i % 6], color=f"C{bases.index(base) % 10}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("evaluation length (trained at 256)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+axes[0].set_ylabel("validation perplexity")
+fig.tight_layout()
+fig.savefig(f"{out}/study.png", dpi=110)
+print(f"[study] figure: {out}/study.png")
 EOF
 echo "[study] done in $((SECONDS / 60)) min $((SECONDS % 60)) s"
