@@ -161,3 +161,32 @@ def test_length_extrapolation_applies_each_rope_scaling_at_evaluation(make_check
             assert cell[name + scaling, 1]["perplexity"] == cell[name, 1]["perplexity"]
             assert cell[name + scaling, 2]["perplexity"] != cell[name, 2]["perplexity"] != ""
     assert cell["learned+linear", 2]["perplexity"] == "" and "rope_parameters" in cell["learned+linear", 2]["note"]
+
+
+def test_length_extrapolation_study_script_runs_end_to_end(tmp_path):
+    """``scripts/length_extrapolation_study.sh`` as a fresh clone runs it (README), shrunk: 2 training steps, one
+    HELM encoding and the tiny-llama baseline, two scalings, 4,096 evaluation tokens. Every (model, scaling, length)
+    gets a row, the refused scaling of a non-rotary encoding is a note, and the README's table and figure come out."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "STEPS": "2", "ENCODINGS": "alibi", "SCALINGS": "none yarn", "MAX_TOKENS": "4096",
+           "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(root / "scripts" / "length_extrapolation_study.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "out" / "extrapolation.csv")))
+    lengths = {256, 512, 1024, 2048, 4096}
+    for model in ("alibi", "alibi+yarn", "llama-rope", "llama-rope+yarn"):
+        assert {int(r["seq_len"]) for r in rows if r["model"] == model} == lengths, model
+    assert all(r["perplexity"] and math.isfinite(float(r["perplexity"])) for r in rows
+               if r["model"] in ("alibi", "llama-rope", "llama-rope+yarn"))
+    refused = [r for r in rows if r["model"] == "alibi+yarn" and int(r["seq_len"]) > 256]
+    assert refused and all(not r["perplexity"] and "has none" in r["note"] for r in refused)
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| model | 256 | 512 | 1024 | 2048 | 4096 |"
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| alibi", "| llama-rope", "| llama-rope+yarn"]
+    assert_png(tmp_path / "out" / "study.png")
+    assert "[study] done in" in done.stdout
