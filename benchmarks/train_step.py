@@ -95,12 +95,7 @@ class Trainer:
         torch.manual_seed(0)
         self.name = preset
         config = helm.load_config(preset)
-        # transformers' default MoE experts (torch._grouped_mm) need 16-byte-aligned rows, which the paper's hidden
-        # size 390 is not (a RuntimeError): its per-expert loop then, which also runs only the chosen experts (and
-        # breaks the compiled graph at the loop: compiled without fullgraph)
-        options = {"experts_implementation": "eager"} if config.model_type == "deepseek_v3" and config.hidden_size % 4 \
-            else {}
-        self.model = AutoModelForCausalLM.from_config(config, **options)
+        self.model = AutoModelForCausalLM.from_config(config)
         self.model.train()
         self.params = sum(p.numel() for p in self.model.parameters())
         self.active = active_parameters(self.model)
@@ -108,8 +103,11 @@ class Trainer:
         self.inputs = {**packed_inputs(self.model, batch), "labels": batch["labels"], "use_cache": False}
         self.routing = hasattr(self.model, "update_routing_bias")
         self.tokens = batch["input_ids"].numel()
+        # transformers' per-expert loop (the deepseek-v3-120m preset's experts_implementation: its 390-wide rows are
+        # not 16-byte aligned for torch._grouped_mm) breaks the compiled graph: compiled without fullgraph
+        expert_loop = getattr(config, "_experts_implementation", None) == "eager"
         self.forward = self.model if backend is None else torch.compile(
-            self.model, backend=backend, fullgraph=self.model._can_compile_fullgraph and not options)
+            self.model, backend=backend, fullgraph=self.model._can_compile_fullgraph and not expert_loop)
         self.loss = float("nan")
 
     def step(self) -> None:
