@@ -65,6 +65,7 @@ for name, c in curves.items():
     print(f"| {name} | " + " | ".join(f"{c[n]:,.1f}" if n in c else "—" for n in lengths) + " |")
 
 scaled = {name.split("+")[0] for name in curves if "+" in name}
+style = {s: i % 6 for i, s in enumerate(dict.fromkeys(name.partition("+")[2] for name in curves))}  # "" first
 fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
 panels = [(axes[0], [n for n in curves if "+" not in n], "each encoding, no scaling"),
           (axes[1], [n for n in curves if n.split("+")[0] in scaled], "rotary encodings with RoPE scalings at evaluation")]
@@ -72,11 +73,10 @@ for ax, names, title in panels:
     bases = list(dict.fromkeys(n.split("+")[0] for n in names))
     for name in names:
         base, _, scaling = name.partition("+")
-        # right panel: one colour per model, one line style and marker per scaling
-        i = [m.partition("+")[2] for m in names if m.split("+")[0] == base].index(scaling) if ax is axes[1] else 0
+        i = style[scaling]  # one colour per model, one line style and marker per scaling
         xs = sorted(curves[name])
-        ax.plot(xs, [curves[name][x] for x in xs], marker="osv^Dx"[i % 6], ms=4, label=name,
-                linestyle=["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))][i % 6], color=f"C{bases.index(base) % 10}")
+        ax.plot(xs, [curves[name][x] for x in xs], marker="osv^Dx"[i], ms=4, label=name,
+                linestyle=["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))][i], color=f"C{bases.index(base) % 10}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("evaluation length (trained at 256)")
