@@ -1,6 +1,6 @@
 """Functional Lorentz-model math.
 
-Conventions (shared/DESIGN.md §2):
+Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
 
 * A point of the hyperboloid ``H^n_k`` is a tensor ``[..., 1+n]`` with the *time* coordinate first and
   ``<x, x>_L = -k``, ``x_t > 0``. ``k > 0`` is geoopt's parameter; the paper's signed curvature is
@@ -48,7 +48,7 @@ __all__ = [
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """The accumulation dtype: half-precision tensors become fp32, fp32/fp64 are left alone.
 
-    Every norm, time coordinate and normalisation in the project goes through it (DESIGN §2, precision)."""
+    Every norm, time coordinate and normalisation in the project goes through it (README.md, Conventions: precision)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 

@@ -24,7 +24,7 @@ from huggingface_hub.dataclasses import validated_field
 Rule = Callable[[Any], None]
 
 # Documented ranges (inclusive unless the lower bound is 0, which is excluded). Each is justified by the maths in
-# fp32, the precision every norm, time coordinate and curvature is computed in (DESIGN §2):
+# fp32, the precision every norm, time coordinate and curvature is computed in (README.md, Conventions: precision):
 #
 # * CURVATURE_RANGE bounds |K| of the paper's curvature, hence also geoopt's k = -1/K: k in [1e-4, 1e4] keeps
 #   k, 1/k, sqrt(k) and the centroid floor k·(Σw)² far from fp32 overflow and underflow, keeps the curvature

@@ -1,4 +1,4 @@
-"""Positional encodings for Lorentz attention (shared/DESIGN.md §5; derivations in ``POSITIONAL.md`` here).
+"""Positional encodings for Lorentz attention (derivations and the property each keeps in ``POSITIONAL.md`` here).
 
 A model owns one :class:`PositionalEncoding` and calls it once per forward; the returned
 :class:`PositionalTables` go to every attention layer, which applies them:
