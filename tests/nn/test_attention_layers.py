@@ -1,5 +1,7 @@
 """Attention layers (Eq. 3 self-attention and HMLA): impls agree, incremental decoding, packed rows, the HMLA cache."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -8,6 +10,7 @@ import helm.nn.attention as attention_module
 from helm.manifold import lift, manifold_error
 from helm.nn import HMLA, POSITIONAL_ENCODINGS, LorentzSelfAttention, build_positional_encoding
 from helm.ops import AttentionMask
+from tests import references
 from tests.helpers import MANIFOLD_TOL, assert_close
 
 HIDDEN = 1 + 47
@@ -38,7 +41,7 @@ def run(layer, pe, x, pos, *, padding=None, segment_ids=None, cache=None):
     """One model-style call: tables and mask built once, as the models do, then the layer."""
     past = cache.get_seq_length() if cache is not None else 0
     B, T, _ = x.shape
-    tables = pe(pos, kv_len=past + T)
+    tables = pe(pos, kv_len=past + T, dtype=x.dtype)
     mask = AttentionMask(B, T, past + T, padding=padding, segment_ids=segment_ids)
     return layer(x, position_embeddings=tables, attention_mask=mask, past_key_values=cache)
 
@@ -131,14 +134,26 @@ def test_without_tables_or_mask_the_layer_is_plain_causal_attention():
     assert not torch.equal(plain, run(layer, encoding("mha", "hope"), x, pos))
 
 
-def test_temperature_gradient_and_positivity():
-    layer = make_layer("mha")
-    out = run(layer, encoding("mha", "hope"), inputs(), torch.arange(40).expand(2, 40))
-    out.sum().backward()
-    assert layer.log_tau.grad is not None and torch.isfinite(layer.log_tau.grad)
+@pytest.mark.parametrize("kind", ["mha", "hmla"])
+def test_temperature_init_gradient_and_range(kind):
+    """``τ = exp(log τ)`` starts at its documented value, ``sqrt(d)`` (MHA, head dim ``1+16``) or ``sqrt(d_n + d_r)``
+    (HMLA, ``8 + 8``; paper Eq. 18), or at ``tau_init`` when given; it gets a non-zero finite gradient; and far
+    below 1 it is still ``exp(log τ)`` (no clamp, no underflow to 0) with finite outputs."""
+    layer = make_layer(kind)
+    assert layer.tau.dtype == torch.float32 and layer.tau.item() == pytest.approx(4.0, rel=1e-6)
+    dims = dict(kv_lora_rank=21, qk_nope_head_dim=1 + 10, qk_rope_head_dim=1 + 6, v_head_dim=13)
+    assert HMLA(HIDDEN, 3, **dims).tau.item() == pytest.approx(4.0, rel=1e-6)  # sqrt(10 + 6), not sqrt(10)
+    other = LorentzSelfAttention(HIDDEN, 3, 17, tau_init=2.5) if kind == "mha" else \
+        HMLA(HIDDEN, 3, tau_init=2.5, **dims)
+    assert other.tau.item() == pytest.approx(2.5, rel=1e-6)
+    x, pos = inputs(), torch.arange(40).expand(2, 40)
+    out = run(layer, encoding(kind, "hope"), x, pos)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    assert torch.isfinite(layer.log_tau.grad).all() and layer.log_tau.grad.abs().max() > 0
     with torch.no_grad():
         layer.log_tau.fill_(-50.0)
-    assert layer.tau > 0
+        assert layer.tau.item() == pytest.approx(math.exp(-50.0), rel=1e-6)
+        assert torch.isfinite(run(layer, encoding(kind, "hope"), x, pos)).all()
 
 
 BAD = [
@@ -165,7 +180,69 @@ def test_bad_layer_arguments(make, match):
         make()
 
 
-def test_hmla_with_query_compression_runs():
-    layer = HMLA(HIDDEN, 3, kv_lora_rank=21, q_lora_rank=25, qk_nope_head_dim=9, qk_rope_head_dim=9, v_head_dim=13)
-    out = run(layer, encoding("hmla", "hope"), inputs(), torch.arange(40).expand(2, 40))
-    assert manifold_error(out, 1.0).max() <= MANIFOLD_TOL[torch.float32]
+def rms_norm_reference(norm, u, k):
+    """RMSNorm_L (paper Eq. 7) of the point ``lift(u)``: ``lift(g ⊙ u / sqrt(mean(u²) + eps))``."""
+    return references.to_hyperboloid(norm.weight * u / (u.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt(), k)
+
+
+def rotate_reference(x_s, tables):
+    """HoPE (paper Eq. 4) from the encoding's angle tables ``cos, sin [B, T, d/2]``: each interleaved pair
+    ``(x_2l, x_2l+1)`` of the space part ``[B, h, T, d]`` rotated by its angle, ``(x cos - y sin, x sin + y cos)``."""
+    if tables.cos is None:
+        return x_s
+    cos, sin = tables.cos.double().unsqueeze(1), tables.sin.double().unsqueeze(1)
+    x, y = x_s[..., 0::2], x_s[..., 1::2]
+    return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2)
+
+
+def hmla_reference(layer, x, tables):
+    """HMLA (paper App. B.2, Eq. 13-19) from the layer's weights, causal, in fp64; an HLT is ``lift(W x + b)`` on the
+    full vector, HCat concatenates space parts under one time coordinate.
+
+    ``c^Q = RMSNorm_L(HLT_qa(x))`` when ``q_lora_rank > 0`` (else ``c^Q = x``); ``[q^C_h, q^R_h] = HLT_qb(c^Q)_s`` per
+    head, ``q^R`` rotated by HoPE; ``c^KV = RMSNorm_L(HLT_kva(x))``; ``k^R = HoPE(HLT_kr(x))``, shared by the heads;
+    ``[k^C_h, v^C_h] = HLT_kvb(c^KV)_s``; ``q_h = HCat(q^C_h, q^R_h)``, ``k_h = HCat(k^C_h, k^R)``; Eq. 3 with τ;
+    ``out = HLT_o(HCat_h(o_h))``."""
+    k, H, dn, dr, dv = layer.k, layer.num_heads, layer.dn, layer.dr, layer.dv
+    B, T, _ = x.shape
+    hlt = lambda lin, z: z @ lin.weight.T + lin.bias  # the space part of HLT(z)
+    if layer.q_lora_rank:
+        c_q = rms_norm_reference(layer.q_a_layernorm, hlt(layer.q_a_proj, x), k)
+        q_all = hlt(layer.q_b_proj, c_q)
+    else:
+        q_all = hlt(layer.q_proj, x)
+    q_all = q_all.view(B, T, H, dn + dr).transpose(1, 2)
+    q = references.to_hyperboloid(torch.cat([q_all[..., :dn], rotate_reference(q_all[..., dn:], tables)], -1), k)
+    c_kv = rms_norm_reference(layer.kv_a_layernorm, hlt(layer.kv_a_proj, x), k)
+    k_rope = rotate_reference(hlt(layer.k_rope_proj, x).unsqueeze(1), tables).expand(B, H, T, dr)
+    kv = hlt(layer.kv_b_proj, c_kv).view(B, T, H, dn + dv).transpose(1, 2)
+    key = references.to_hyperboloid(torch.cat([kv[..., :dn], k_rope], -1), k)
+    value = references.to_hyperboloid(kv[..., dn:], k)
+    causal = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    o = references.lorentz_attention(q, key, value, k, layer.tau.double(), causal)
+    merged = references.to_hyperboloid(o[..., 1:].transpose(1, 2).reshape(B, T, H * dv), k)
+    return references.to_hyperboloid(hlt(layer.o_proj, merged), k)
+
+
+@pytest.mark.parametrize("positional", ["none", "hope"])
+@pytest.mark.parametrize("q_lora_rank", [0, 25], ids=["no-query-latent", "query-latent"])
+def test_hmla_matches_reference_from_its_weights(q_lora_rank, positional):
+    """HMLA, with and without the query latent ``c^Q`` (``q_lora_rank > 0``), equals :func:`hmla_reference` in fp64,
+    at k = 0.6 with non-trivial RMSNorm gains and biases."""
+    torch.manual_seed(0)
+    layer = HMLA(HIDDEN, 3, kv_lora_rank=1 + 20, q_lora_rank=q_lora_rank, qk_nope_head_dim=1 + 8,
+                 qk_rope_head_dim=1 + 8, v_head_dim=1 + 12, k=0.6, attn_impl="eager").double()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name != "log_tau":
+                p.normal_(1.0 if name.endswith("layernorm.weight") else 0.0, 0.2)
+        layer.log_tau.fill_(math.log(2.3))
+    x = references.to_hyperboloid(torch.randn(2, 23, HIDDEN - 1, generator=torch.Generator().manual_seed(1),
+                                              dtype=torch.float64), 0.6)
+    pos = torch.arange(23).expand(2, 23)
+    tables = encoding("hmla", positional)(pos, kv_len=23, dtype=torch.float64)
+    assert tables.bias is None and tables.alibi_slopes is None and tables.logit_scale == 1.0
+    assert (tables.cos is None) == (positional == "none")
+    with torch.no_grad():
+        out = run(layer, encoding("hmla", positional), x, pos)
+        assert_close(out, hmla_reference(layer, x, tables), rtol=1e-10)

@@ -1,4 +1,5 @@
-"""MiCE ``expert_combine="lresnet_official"``: the official HELM code's chain of LResNets, against a per-token loop."""
+"""MiCE combinations against per-token references: the official chain of LResNets (`expert_combine="lresnet_official"`)
+and the default centroid of paper Eq. 6 (`expert_combine="centroid"`)."""
 
 import math
 
@@ -7,6 +8,7 @@ import torch
 
 from helm.manifold import lift, manifold_error
 from helm.nn.mice import EXPERT_COMBINES, MiCE
+from tests import references
 from tests.helpers import assert_close
 
 K = 0.7  # a layer curvature other than 1, so the origin sqrt(k) and k in the norms are exercised
@@ -162,3 +164,107 @@ def test_validation():
     MiCE(D, 1 + 7, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2)  # fine for the centroid
     with pytest.raises(ValueError, match="expert_combine"):
         MiCE(D, 1 + 7, n_routed_experts=4, num_experts_per_tok=2, expert_combine="lresnet")
+
+
+# The default combination, expert_combine="centroid" (paper Eq. 5-6), against a reference written from the equations.
+ROUTED = [-0.1, -0.6, -1.0, -1.5, -2.0]  # routed curvatures K_j (k_j = -1/K_j), none equal to the layer's K = -1/0.7
+ROUTER_RTOL = 1e-5  # fp32 routing and curvatures in an fp64 layer (see the test's docstring): observed <= 3e-6
+CENTROID_CASES = {  # scoring_func, norm_topk_prob, top_k, n_shared
+    "sigmoid-norm-k2-s1": ("sigmoid", True, 2, 1),
+    "sigmoid-norm-k3-s2": ("sigmoid", True, 3, 2),
+    "sigmoid-raw-k2-s1": ("sigmoid", False, 2, 1),
+    "softmax-raw-k1-s1": ("softmax", False, 1, 1),
+    "softmax-norm-k2-s0": ("softmax", True, 2, 0),
+}
+
+
+def make_centroid_mice(scoring_func, norm_topk_prob, top_k, n_shared, dispatch):
+    torch.manual_seed(0)
+    mice = MiCE(D, 1 + 7, n_routed_experts=len(ROUTED), num_experts_per_tok=top_k, n_shared_experts=n_shared, k=K,
+                routed_curvatures=ROUTED, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
+                dispatch=dispatch).double()
+    with torch.no_grad():  # a routing bias large enough to change the selection, non-zero HLT biases
+        mice.e_score_correction_bias.copy_(0.15 * torch.randn(len(ROUTED)))
+        for name, p in mice.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.3)
+    return mice
+
+
+def swiglu_reference(mlp, x, k):
+    """SwiGLU_L (App. B.3) from its weights: ``y = SiLU(HLT_1(x)_s) ⊙ HLT_3(x)_s``, ``out = HLT_2(lift(y))``, an HLT
+    being ``lift(W x + b)`` with ``W`` on the full vector ``x = [x_t, x_s]``; all on ``H_k``."""
+    gate = x @ mlp.gate_proj.weight.T + mlp.gate_proj.bias
+    up = x @ mlp.up_proj.weight.T + mlp.up_proj.bias
+    inner = references.to_hyperboloid(torch.nn.functional.silu(gate) * up, k)
+    return references.to_hyperboloid(inner @ mlp.down_proj.weight.T + mlp.down_proj.bias, k)
+
+
+def mice_centroid_reference(mice, x):
+    """Paper Eq. 5-6 token by token (without the residual, which the decoder layer applies):
+    ``s_j = act(x_s · y_j)``; the top-``K_r`` of ``s_j + b_j`` selected (DeepSeek-V3's aux-loss-free bias moves the
+    selection only); ``g_j = s_j`` over the selected, divided by their sum when ``norm_topk_prob``; routed expert
+    ``j`` is SwiGLU_L on ``H_{k_j}`` fed ``sqrt(k_j/k) x`` and scaled back by ``sqrt(k/k_j)``, each shared expert
+    SwiGLU_L on ``H_k``; the output is one centroid of all of them, routed weights ``g_j``, shared weights 1.
+
+    Also returns, per token, the selected experts and the plain top-``K_r`` of ``s`` (to check the bias mattered)."""
+    k, n_routed = mice.k, len(mice.experts)
+    outs, chosen_all, unbiased_all = [], [], []
+    for xt in x.reshape(-1, x.shape[-1]):
+        logits = mice.gate.weight @ xt[1:]
+        s = logits.sigmoid() if mice.scoring_func == "sigmoid" else logits.softmax(-1)
+        bias = mice.e_score_correction_bias.double()
+        chosen = sorted(range(n_routed), key=lambda j: float(s[j].detach() + bias[j]), reverse=True)[:mice.top_k]
+        g = s[chosen]
+        if mice.norm_topk_prob:
+            g = g / g.sum()
+        points, weights = [], []
+        for j, gj in zip(chosen, g):
+            kj = mice.experts[j].log_k[0].double().exp()  # a tensor: the curvature's gradient flows through it
+            y = swiglu_reference(mice.experts[j].mlp, (kj / k).sqrt() * xt, kj)
+            points.append((k / kj).sqrt() * y)
+            weights.append(gj)
+        for shared in mice.shared_experts:
+            points.append(swiglu_reference(shared, xt, k))
+            weights.append(torch.ones((), dtype=torch.float64))
+        outs.append(references.weighted_centroid(torch.stack(points), torch.stack(weights), k))
+        chosen_all.append(sorted(chosen))
+        unbiased_all.append(sorted(s.topk(mice.top_k).indices.tolist()))
+    return torch.stack(outs).view(x.shape), chosen_all, unbiased_all
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "sparse"])
+@pytest.mark.parametrize("case", list(CENTROID_CASES))
+def test_centroid_matches_per_token_reference_on_outputs_and_gradients(case, dispatch):
+    """``expert_combine="centroid"`` equals :func:`mice_centroid_reference` (fp64) on the output of every token and
+    on the gradients of the input and of every parameter (experts' curvatures included), densely and sparsely.
+
+    To fp32 rounding, not fp64: even an fp64 layer routes in fp32 (gate logits, scores, weights) and computes the
+    expert curvatures ``k_j`` in fp32 (a wrong expert, weight or curvature moves the output by far more)."""
+    scoring_func, norm_topk_prob, top_k, n_shared = CENTROID_CASES[case]
+    mice = make_centroid_mice(scoring_func, norm_topk_prob, top_k, n_shared, dispatch)
+    assert mice.expert_combine == "centroid" and mice.sparse_dispatch(torch.zeros(1, 1, D)) == (dispatch == "sparse")
+    for expert, K_j in zip(mice.experts, ROUTED):  # the reference reads k_j = exp(log k_j): the config's -1/K_j
+        assert expert.log_k.item() == pytest.approx(math.log(-1 / K_j), rel=1e-6)
+    x = points((3, 7)).requires_grad_()
+    out_weights = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    params = dict(mice.named_parameters())
+
+    out = mice(x)
+    grads = torch.autograd.grad((out * out_weights).sum(), [x, *params.values()], allow_unused=True)
+    expected, chosen, unbiased = mice_centroid_reference(mice, x)
+    ref_grads = torch.autograd.grad((expected * out_weights).sum(), [x, *params.values()], allow_unused=True)
+    assert_close(out, expected, rtol=ROUTER_RTOL)
+    for name, a, b in zip(["input", *params], grads, ref_grads):
+        a = torch.zeros_like(params.get(name, x)) if a is None else a
+        b = torch.zeros_like(params.get(name, x)) if b is None else b
+        assert_close(a, b, rtol=ROUTER_RTOL, msg=f"grad {name}")
+    # the inputs exercise what the equations say: the bias changes some token's selection, the tokens use several
+    # routed experts (the last included), and the layer routes exactly as the reference
+    assert any(c != u for c, u in zip(chosen, unbiased))
+    used = {j for c in chosen for j in c}
+    assert len(ROUTED) - 1 in used and len(used) >= 4
+    assert mice.last_expert_load.tolist() == [float(sum(j in c for c in chosen)) for j in range(len(ROUTED))]
+    with torch.no_grad():  # without autograd the sparse path skips unchosen experts, and one token skips the gather
+        assert_close(mice(x), expected, rtol=ROUTER_RTOL)
+        assert_close(mice(x[:1, 2:3]), expected[:1, 2:3], rtol=ROUTER_RTOL)

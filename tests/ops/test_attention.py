@@ -4,6 +4,7 @@ import torch
 import helm.ops.attention as ops_attention
 from helm.manifold import lift, manifold_error
 from helm.ops import AttentionMask, alibi_bias, build_attention_mask, lorentz_attention
+from tests import references
 from tests.helpers import MANIFOLD_TOL, assert_close, relative_error
 
 
@@ -62,18 +63,116 @@ def test_eager_and_sdpa_agree_on_outputs_and_gradients(case, dtype):
         assert_close(a, b, msg=f"grad {name}")
 
 
-def test_matches_explicit_paper_formula():
-    """Eq. 3 written out with the geodesic machinery: softmax(-d²/τ), then the centroid of the values."""
-    from helm.manifold import centroid, sqdist
+# Reference cases: (B, H, Tq, Tk, 1+d, causal, padding, segments, alibi, score bias, far). The masks and ALiBi are
+# built by the test from their definitions; the odd sizes (63 keys, 5 decode queries) stress the block edges.
+# ``far``: each document's (and the padding's) values cluster at its own point |v_s| ~ 100, where the op centres
+# them per document (near the origin its centres are 0 and the centring is not exercised); the fp64
+# reference's naive ``|<S, S>_L|`` then cancels ~4 digits, hence the looser bounds there.
+REFERENCE_CASES = {
+    "plain-causal": (2, 3, 63, 63, 1 + 16, True, None, None, False, False, False),
+    "pad-seg-alibi-bias": (2, 3, 63, 63, 1 + 16, True, "left", "docs", True, True, False),
+    "far-pad-seg-alibi-bias": (2, 3, 63, 63, 1 + 16, True, "left", "docs", True, True, True),
+    "far-noncausal-rightpad-seg": (2, 3, 63, 63, 1 + 16, False, "right", "docs", False, True, True),
+    "far-decode-pad-seg-alibi": (2, 3, 5, 63, 1 + 16, True, "left", "docs", True, True, True),
+    "head-dim-64": (1, 2, 63, 63, 1 + 64, True, "left", "docs", True, True, False),
+}
 
-    q, k, v = qkv(1, 2, 9, 9, d=5, dv=4)
-    tau = 1.7
-    d2 = sqdist(q.unsqueeze(-2), k.unsqueeze(-3), k=0.5)  # [B, H, Tq, Tk]
-    mask = torch.ones(9, 9, dtype=torch.bool).tril()
-    w = (-d2 / tau).masked_fill(~mask, float("-inf")).softmax(-1)
-    ref = centroid(v.unsqueeze(-3).expand(1, 2, 9, 9, 5), w, k=0.5, dim=-2)
-    for impl in ("eager", "sdpa"):
-        assert_close(lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl), ref, rtol=1e-12)
+
+def reference_inputs(B, H, Tq, Tk, causal, padding, segments, alibi, bias, seed=5):
+    """``(allowed [B, Tq, Tk], score bias or None, kwargs for lorentz_attention, real-query rows [B, Tq], group of
+    each key [B, Tk] (document, and 1000 for padding))``.
+
+    ``allowed``: causal (key index <= the query's, queries being the last ``Tq`` keys), same document, key not
+    padding, spelled out per (query, key); ALiBi adds ``-m_h (i - j)`` with ``i`` the query's key index."""
+    g = torch.Generator().manual_seed(seed)
+    real = torch.ones(B, Tk, dtype=torch.bool)
+    if padding == "left":
+        real[-1, :7] = False
+    elif padding == "right":
+        real[0, -9:] = False
+    seg = torch.zeros(B, Tk, dtype=torch.long)
+    if segments:  # documents of uneven lengths, ids not contiguous, a different split in each row
+        seg[0, 20:], seg[0, 45:] = 4, 9
+        seg[-1, 31:] = 2
+    start = Tk - Tq
+    allowed = torch.zeros(B, Tq, Tk, dtype=torch.bool)
+    alibi_bias_ref = torch.zeros(1, H, Tq, Tk, dtype=torch.float64)
+    slopes = [0.5 / 2 ** h for h in range(H)]
+    for b in range(B):
+        for i in range(Tq):
+            for j in range(Tk):
+                allowed[b, i, j] = (not causal or j <= start + i) and seg[b, start + i] == seg[b, j] and real[b, j]
+    for h in range(H):
+        for i in range(Tq):
+            for j in range(Tk):
+                alibi_bias_ref[0, h, i, j] = -slopes[h] * (start + i - j)
+    kw = {"causal": causal}
+    ref_bias = None
+    if padding:
+        kw["attention_mask"] = real.long()
+    if segments:
+        kw["segment_ids"] = seg
+    if alibi:
+        kw["alibi_slopes"] = torch.tensor(slopes, dtype=torch.float64)
+        ref_bias = alibi_bias_ref
+    if bias:
+        kw["position_bias"] = torch.randn(B, H, Tq, Tk, generator=g, dtype=torch.float64)
+        ref_bias = kw["position_bias"] if ref_bias is None else ref_bias + kw["position_bias"]
+    rows = real[:, start:] & allowed.any(-1)  # padding queries' outputs are ignored by every caller
+    return allowed, ref_bias, kw, rows, torch.where(real, seg, 1000)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_matches_loop_reference_on_outputs_and_gradients(case, impl):
+    """Eq. 3 with padding, packed documents, ALiBi and a score bias, against ``references.lorentz_attention``
+    (per query row: allowed keys, ``softmax(-d²/τ + b)``, centroid of the values), on the outputs of real
+    queries and on the gradients of q, k, v and τ; fp64, so the two agree to rounding."""
+    B, H, Tq, Tk, D, causal, padding, segments, alibi, bias, far = REFERENCE_CASES[case]
+    allowed, ref_bias, kw, rows, groups = reference_inputs(B, H, Tq, Tk, causal, padding, segments, alibi, bias)
+    g = torch.Generator().manual_seed(2)
+    # leaves are the space parts: the op and the reference extend the centroid differently off the manifold, so
+    # their gradients agree along it (through lift), not in the ambient time coordinate
+    spaces = [(1.5 * torch.randn(B, H, T, n, generator=g, dtype=torch.float64)).requires_grad_()
+              for T, n in ((Tq, D - 1), (Tk, D - 1), (Tk, 11))]
+    offset = torch.zeros(B, 1, Tk, 11, dtype=torch.float64)
+    if far:  # one random point of norm ~100 per group, the same for every head
+        point = lambda gid: torch.randn(11, generator=torch.Generator().manual_seed(gid), dtype=torch.float64)
+        offset = torch.stack([100 / 11 ** 0.5 * point(gid) for gid in groups.flatten().tolist()]).view(B, 1, Tk, 11)
+    shifts = (0.0, 0.0, offset)
+    points = lambda: [references.to_hyperboloid(s + o, 0.5) for s, o in zip(spaces, shifts)]  # a graph per backward
+    q, k, v = points()
+    tau = torch.tensor([0.7, 1.3, 2.9][:H], dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(B, H, Tq, v.shape[-1], generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = weights * rows.view(B, 1, Tq, 1)
+    out = lorentz_attention(q, k, v, k=0.5, tau=tau, impl=impl, **kw)
+    grads = torch.autograd.grad((out * weights).sum(), [*spaces, tau])
+    ref = references.lorentz_attention(*points(), 0.5, tau, allowed, ref_bias)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [*spaces, tau])
+    sel = rows.view(B, 1, Tq).expand(B, H, Tq)
+    rtol = 1e-9 if far else 1e-11
+    assert_close(out[sel], ref[sel], rtol=rtol)
+    for name, a, b in zip("qkvτ", grads, ref_grads):
+        assert_close(a, b, rtol=10 * rtol, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_fp32_matches_loop_reference_far_from_the_origin(impl):
+    """fp32 inputs whose values cluster at ``|v_s| ~ 1e3`` with packed documents and padding: the output is the
+    fp64 reference's to fp32 rounding of the inputs (the centred normalisation keeps it so)."""
+    B, H, T = 2, 2, 63
+    q, k, v = qkv(B, H, T, T, d=16, dv=11, k=0.5, seed=4)
+    shift = torch.zeros(11)
+    shift[0] = 1e3
+    v = lift(v.detach()[..., 1:] + shift, k=0.5)
+    allowed, ref_bias, kw, rows, _ = reference_inputs(B, H, T, T, True, "left", "docs", True, False)
+    q32, k32, v32 = (lift(t.detach()[..., 1:].float(), k=0.5) for t in (q, k, v))
+    out = lorentz_attention(q32, k32, v32, k=0.5, tau=1.3, impl=impl, **kw)
+    # the reference gets the exact points of the fp32 space parts: an fp32 time coordinate is itself ~1e-4 off
+    ref = references.lorentz_attention(*(references.to_hyperboloid(t[..., 1:], 0.5) for t in (q32, k32, v32)),
+                                       0.5, 1.3, allowed, ref_bias)
+    sel = rows.view(B, 1, T).expand(B, H, T)
+    assert_close(out[sel], ref[sel].float(), factor=10)
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
