@@ -10,7 +10,7 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import positive_exp, upcast
-from ..ops.lm_loss import linear_cross_entropy
+from ..ops.lm_loss import autocast_dtype, linear_cross_entropy
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
 
@@ -23,8 +23,14 @@ class LorentzLMHead(nn.Module):
         ``distance`` (fully hyperbolic): class prototypes ``p_c`` on ``H^n_k`` (a ``ManifoldParameter``),
             ``logits_c = -d²(x, p_c) / τ + b_c = (2k + 2<x, p_c>_L) / τ + b_c`` with learnable ``τ > 0``.
 
-    Shapes: ``[..., 1+n] -> [..., V]``; logits in at least fp32. ``head(x, targets=t)`` returns the summed
-    cross-entropy instead, fused and chunked (no ``[..., V]`` logits; the training path of ``…ForCausalLM``).
+    Shapes: ``[..., 1+n] -> [..., V]``; logits in at least fp32, except ``linear`` under autocast: there the
+    autocast dtype, as ``nn.Linear`` (Llama's ``lm_head``) gives, and the loss upcasts them (transformers'
+    ``ForCausalLMLoss``). ``head(x, targets=t)`` returns the summed cross-entropy instead, fused and chunked (no
+    ``[..., V]`` logits; the training path of ``…ForCausalLM``).
+
+    Precision: the GEMM over the (space) coordinates runs in the compute dtype (bf16 under bf16 autocast); in
+    ``distance`` mode the time coordinates stay out of it: ``<x, p>_L = x_s·p_s - x_t p_t`` adds the fp32 product
+    ``x_t p_t`` to the upcast GEMM, and ``2k + 2<x, p>_L`` and the division by ``τ`` are fp32.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, k: float = 1.0, mode: str = "linear",
@@ -77,23 +83,25 @@ class LorentzLMHead(nn.Module):
         if targets is not None:
             return self._cross_entropy(x, targets, ignore_index=ignore_index, chunk_size=chunk_size)
         if self.mode == "linear":
-            logits = nn.functional.linear(x.to(self.weight.dtype), self.weight)
+            x = x.to(self.weight.dtype)
+            if autocast_dtype(x.device.type) is not None:
+                return nn.functional.linear(x, self.weight, self.bias)  # the autocast dtype, as nn.Linear
+            logits = upcast(nn.functional.linear(x, self.weight))
         else:
-            w = self.weight
-            jw = torch.cat([-w[:, :1], w[:, 1:]], dim=-1).to(x.dtype)
-            logits = (2 * self.k + 2 * (x @ jw.T)) / positive_exp(self.log_tau.reshape(()))
-        logits = upcast(logits)
+            w = self.weight.to(x.dtype)
+            inner = upcast(x[..., 1:] @ w[:, 1:].T) - upcast(x[..., :1]) * upcast(w[:, 0])  # <x, p_c>_L
+            logits = (2 * self.k + 2 * inner) / positive_exp(self.log_tau.reshape(()))
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)
 
     def _cross_entropy(self, x: torch.Tensor, targets: torch.Tensor, *, ignore_index: int,
                        chunk_size: Optional[int]) -> torch.Tensor:
-        """The head as the affine map ``s·(x' Wᵀ) + b`` of :func:`helm.ops.linear_cross_entropy`: ``linear`` is
-        ``x' = x``, ``s = 1``; ``distance`` is ``x' = Jx`` (time coordinate negated), ``s = 2/τ``."""
+        """The head as the affine map ``s·(x Wᵀ) + b`` of :func:`helm.ops.linear_cross_entropy`: ``linear`` is
+        ``s = 1``; ``distance`` is the Minkowski product ``<x, p_c>_L`` (``minkowski=True``: time coordinates in
+        fp32) with ``s = 2/τ``."""
         x = x.reshape(-1, x.shape[-1])
         if self.mode == "linear":
             return linear_cross_entropy(x.to(self.weight.dtype), self.weight, targets.reshape(-1), bias=self.bias,
                                         ignore_index=ignore_index, chunk_size=chunk_size)
-        jx = torch.cat([-x[:, :1], x[:, 1:]], dim=-1)
-        return linear_cross_entropy(jx, self.weight.to(x.dtype), targets.reshape(-1),
+        return linear_cross_entropy(x, self.weight.to(x.dtype), targets.reshape(-1),
                                     scale=2 / positive_exp(self.log_tau.reshape(())), bias=self.bias,
-                                    ignore_index=ignore_index, chunk_size=chunk_size)
+                                    ignore_index=ignore_index, chunk_size=chunk_size, minkowski=True)

@@ -1,27 +1,33 @@
 """Fused, chunked LM head + cross-entropy: the loss of ``logits = s·(x Wᵀ) + b`` without the ``[N, V]`` logits.
 
 Both modes of :class:`helm.nn.LorentzLMHead` are this affine map: ``linear`` is ``x Wᵀ (+ b)``; ``distance`` is
-``(2k + 2<x, p_c>_L)/τ + b_c = (2/τ)·((Jx) Pᵀ) + b_c + 2k/τ`` with ``J = diag(-1, 1, ..., 1)``, and the constant
-``2k/τ`` cancels in the softmax, so its cross-entropy is that of ``s = 2/τ`` on ``Jx``.
+``(2k + 2<x, p_c>_L)/τ + b_c`` with the Minkowski product ``<x, p>_L = -x_0 p_0 + x_{1:}·p_{1:}`` in place of
+``x Wᵀ`` (``minkowski=True``) and ``s = 2/τ``; the constant ``2k/τ`` cancels in the softmax.
 
 The plain path materialises ``[N, V]`` fp32 logits, their log-softmax and, in backward, the gradient of each:
 at ``N = 2048`` tokens and the 128k Llama-3 vocabulary that is ~1 GB per tensor, more than the 115M model's
 activations. :func:`linear_cross_entropy` walks the rows in chunks of ``chunk_size`` tokens (default: about
-:data:`CHUNK_ELEMENTS` logits per chunk) in one ``[chunk, V]`` buffer. Per chunk it computes the logits, their fp32
-``logsumexp`` (fp64 stays fp64, also under bf16 autocast or bf16 weights) and the NLL of the targets; when
-gradients are needed it turns the same buffer into ``dL/dlogits = softmax - onehot`` (zero on ignored rows) and accumulates
+:data:`CHUNK_ELEMENTS` logits per chunk) in one ``[chunk, V]`` buffer. Per chunk it computes the logits, their
+``logsumexp`` and the NLL of the targets; when gradients are needed it turns the same buffer into
+``dL/dlogits = softmax - onehot`` (zero on ignored rows) and accumulates
 
-    dL/dx = s · dl W,   dL/dW = s · Σ_chunks dlᵀ x,   dL/ds = Σ <dl W, x>,   dL/db = Σ_rows dl
+    dL/dx = s · dl W,   dL/dW = s · Σ_chunks dlᵀ x,   dL/ds = Σ_rows <dl W, x>,   dL/db = Σ_rows dl
 
-so the chunk's logits are never needed again: nothing is recomputed in backward and nothing of size ``N·V`` is
-kept. Forward therefore does the work of forward + backward (three matmuls, like the plain path's forward and
-backward; recomputing the logits in backward would cost a fourth), holds the gradients of ``x``, ``W``, ``s``,
-``b`` until backward and there only multiplies them by the incoming scalar gradient. The gradients are
-first-order only (no double backward), and one ``backward`` per forward (``retain_graph`` for a second pass is
-refused). Under ``torch.no_grad()`` or with no input requiring a gradient only the loss is computed.
+(with ``minkowski``, ``W`` and ``<·,·>`` carry the time coordinate's sign), so the chunk's logits are never
+needed again: nothing is recomputed in backward and nothing of size ``N·V`` is kept. Forward therefore does the
+work of forward + backward (three matmuls, like the plain path's forward and backward; recomputing the logits in
+backward would cost a fourth), holds the gradients of ``x``, ``W``, ``s``, ``b`` until backward and there only
+multiplies them by the incoming scalar gradient. The gradients are first-order only (no double backward), and one
+``backward`` per forward (``retain_graph`` for a second pass is refused). Under ``torch.no_grad()`` or with no
+input requiring a gradient only the loss is computed.
 
-Matmuls run in the dtype the plain path uses (the autocast dtype under autocast, else the inputs' common dtype);
-the logits, ``logsumexp`` and the accumulated ``dL/dW`` are fp32 (fp64 for fp64 inputs).
+Precision (README, Conventions): the three chunk GEMMs (``x Wᵀ``, ``dl W``, ``dlᵀ x``) run in the compute dtype
+(:func:`compute_dtype`: the autocast dtype under autocast, else the inputs' common dtype), accumulating in fp32
+inside the GEMM; the logits, ``logsumexp``, softmax and the ``dL/dW`` summed over chunks are fp32 (fp64 for fp64
+inputs; nothing is widened to fp64 otherwise). With ``minkowski`` the time coordinates never enter a half-precision
+GEMM: ``-x_0 p_0`` and its gradients (rank-1 products and matrix-vector products with the fp32 ``dl``) are fp32.
+The compute dtype is decided by the public wrapper and handed to the ``autograd.Function``, which queries no
+autocast state, so ``torch.compile(fullgraph=True)`` traces it under autocast.
 
 :func:`linear_cross_entropy_reference` is the same loss written out on the full logits (the oracle of
 ``tests/ops/test_lm_loss.py``).
@@ -41,24 +47,40 @@ from ..manifold.math import upcast
 # faster but the chunk buffer bigger; see benchmarks/lm_head_loss.py
 CHUNK_ELEMENTS = 1 << 25
 
+# device types with an autocast state: torch.is_autocast_enabled raises for the others (meta, lazy, ...)
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu"})
+
 
 def default_chunk_size(vocab_size: int) -> int:
     """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits, at least one token."""
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
 
 
-def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype ``x @ weight.T`` computes in: autocast's for autocast-eligible inputs, else their common dtype."""
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype when autocast is on for ``device_type``, else None.
+
+    Only ``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` and the privateuse1 name, which dynamo
+    constant-folds (``torch.amp.is_autocast_available`` is not traceable on every supported torch)."""
+    known = device_type in _AUTOCAST_DEVICES or device_type == torch._C._get_privateuse1_backend_name()
+    if known and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``x @ weight.T`` computes in, as the plain path would: the autocast dtype under autocast (fp64
+    stays fp64, as autocast leaves it alone), else the common dtype of ``x`` and ``weight``."""
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    device = x.device.type
-    if dtype != torch.float64 and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return dtype
+    if dtype == torch.float64:
+        return dtype
+    return autocast_dtype(x.device.type) or dtype
 
 
-def _check(x, weight, targets, scale, bias) -> None:
+def _check(x, weight, targets, scale, bias, minkowski) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [N, D] and weight [V, D], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if minkowski and x.shape[1] < 2:
+        raise ValueError(f"minkowski needs a time coordinate and a space part (D >= 2), got D = {x.shape[1]}")
     if targets.shape != x.shape[:1] or targets.is_floating_point() or targets.is_complex():
         raise ValueError(f"targets must be integer [N] = [{x.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
     if scale is not None and scale.dim() != 0:
@@ -69,10 +91,14 @@ def _check(x, weight, targets, scale, bias) -> None:
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                    scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                                   ignore_index: int = -100) -> torch.Tensor:
+                                   ignore_index: int = -100, minkowski: bool = False) -> torch.Tensor:
     """``Σ_{i: t_i != ignore_index} -log softmax(s·(x_i Wᵀ) + b)[t_i]`` on the full ``[N, V]`` logits (fp32 at
-    least). Differentiable by autograd; the readable spec of :func:`linear_cross_entropy`."""
-    logits = upcast(x @ weight.T)
+    least), with ``x_i Wᵀ`` the Minkowski products ``<x_i, w_c>_L`` when ``minkowski``. Differentiable by
+    autograd; the readable spec of :func:`linear_cross_entropy`."""
+    if minkowski:
+        logits = upcast(x[:, 1:] @ weight[:, 1:].T) - upcast(x[:, :1]) * upcast(weight[:, 0])
+    else:
+        logits = upcast(x @ weight.T)
     if scale is not None:
         logits = logits * upcast(scale)
     if bias is not None:
@@ -82,28 +108,36 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
     return torch.where(keep, torch.logsumexp(logits, dim=-1) - picked, 0).sum()
 
 
-def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, need: tuple):
-    """The summed NLL and, where ``need`` (for x, weight, scale, bias) says so, its gradients."""
+def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, need: tuple, mm: torch.dtype,
+             autocast: bool, minkowski: bool):
+    """The summed NLL and, where ``need`` (for x, weight, scale, bias) says so, its gradients (fp32, fp64 for fp64
+    inputs). ``mm``: the GEMM dtype; ``autocast``: whether autocast is on (switched off here: every operand is
+    cast explicitly)."""
     need_x, need_w, need_s, need_b = need
-    mm = _matmul_dtype(x, weight)
     acc = torch.float64 if torch.promote_types(x.dtype, weight.dtype) == torch.float64 else torch.float32
-    device = x.device.type
-    no_autocast = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
-                   else contextlib.nullcontext())
+    lo = 1 if minkowski else 0  # first column of the half-precision GEMMs
+    no_autocast = torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext()
     with no_autocast, torch.no_grad():
-        xm, wm = x.to(mm), weight.to(mm)
+        xm, wm = x[:, lo:].to(mm), weight[:, lo:].to(mm)
+        xa = x[:, lo:].to(acc) if need_s else None  # for dL/ds: x itself, not its half-precision rounding
+        xt, wt = (x[:, 0].to(acc), weight[:, 0].to(acc)) if minkowski else (None, None)
         s = None if scale is None else scale.to(acc)
         b = None if bias is None else bias.to(acc)
         keep = targets != ignore_index
         safe = torch.where(keep, targets, 0)
         total = torch.zeros((), dtype=acc, device=x.device)
-        grad_x = torch.empty_like(x) if need_x else None
+        grad_x = torch.empty(x.shape, dtype=acc, device=x.device) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_w else None
         grad_s = torch.zeros((), dtype=acc, device=x.device) if need_s else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
+        # views taken once: `grad_w[:, lo:] += ...` would also copy the [V, D] result onto itself (setitem)
+        gw, gwt = (grad_w[:, lo:], grad_w[:, 0]) if need_w else (None, None)
         for start in range(0, x.shape[0], chunk):
-            xc, kc, tc = xm[start:start + chunk], keep[start:start + chunk], safe[start:start + chunk, None]
+            rows = slice(start, start + chunk)
+            xc, kc, tc = xm[rows], keep[rows], safe[rows, None]
             logits = (xc @ wm.T).to(acc)  # a fresh buffer: everything below is in place
+            if minkowski:
+                logits.addcmul_(xt[rows, None], wt, value=-1)  # -x_0 p_0, in fp32
             if s is not None:
                 logits.mul_(s)
             if b is not None:
@@ -115,33 +149,45 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
             total += torch.where(kc, (peak + sumexp.log())[:, 0] - picked, 0).sum()
             if not any(need):
                 continue
-            dl.div_(sumexp)  # softmax
-            dl.scatter_add_(1, tc, torch.full_like(tc, -1, dtype=acc))  # - onehot
-            dl.mul_(kc[:, None])  # ignored rows contribute nothing
+            # softmax - onehot, zero on ignored rows: one pass scales by 1/Σexp (by 0 where ignored)
+            dl.mul_(torch.where(kc[:, None], sumexp.reciprocal(), 0))
+            dl.scatter_add_(1, tc, -kc[:, None].to(acc))
             if need_b:
                 grad_b += dl.sum(0)
+            dlm = dl.to(mm) if need_x or need_s or need_w else None  # once for both GEMMs (dl itself for fp32)
+            ut = dl @ wt if minkowski and (need_x or need_s) else None  # dL/dx_0 = -s·ut, fp32
             if need_x or need_s:
-                u = dl.to(mm) @ wm  # dL/dx for s = 1
+                u = (dlm @ wm).to(acc)  # dL/dx_{lo:} for s = 1
                 if need_x:
-                    grad_x[start:start + chunk] = u if s is None else u * s
-                if need_s:
-                    grad_s += (u.to(acc) * xc.to(acc)).sum()
+                    grad_x[rows, lo:] = u
+                    if minkowski:
+                        grad_x[rows, 0] = -ut
+                if need_s:  # dL/ds = Σ dl ⊙ (logits - b)/s
+                    grad_s += (u * xa[rows]).sum()
+                    if minkowski:
+                        grad_s -= (ut * xt[rows]).sum()
             if need_w:
                 if mm == acc:
-                    grad_w.addmm_(dl.T, xc)
+                    gw.addmm_(dl.T, xc)
                 else:
-                    grad_w += dl.to(mm).T @ xc
-        if need_w and s is not None:
-            grad_w.mul_(s)
+                    gw += dlm.T @ xc  # fp32 accumulation inside the GEMM, rounded to mm once per chunk
+                if minkowski:
+                    gwt -= dl.T @ xt[rows]
+        if s is not None:
+            for g in (grad_x, grad_w):
+                if g is not None:
+                    g.mul_(s)
     return total, (grad_x, grad_w, grad_s, grad_b)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss in forward together with its gradients (see the module docstring); backward scales them."""
+    """Loss in forward together with its gradients (see the module docstring); backward scales them. ``mm`` and
+    ``autocast`` come from the caller: nothing here reads the autocast state (dynamo traces this under autocast)."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale, bias, targets, ignore_index, chunk):
-        total, grads = _chunked(x, weight, scale, bias, targets, ignore_index, chunk, tuple(ctx.needs_input_grad[:4]))
+    def forward(ctx, x, weight, scale, bias, targets, ignore_index, chunk, mm, autocast, minkowski):
+        total, grads = _chunked(x, weight, scale, bias, targets, ignore_index, chunk, tuple(ctx.needs_input_grad[:4]),
+                                mm, autocast, minkowski)
         ctx.grads = grads
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (x, weight, scale, bias))
         return total
@@ -155,12 +201,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         out = tuple(None if g is None else g.mul_(grad_total.to(g.dtype)).to(dtype)
                     for g, dtype in zip(grads, ctx.dtypes))
-        return (*out, None, None, None)
+        return (*out, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                         ignore_index: int = -100, chunk_size: Optional[int] = None) -> torch.Tensor:
+                         ignore_index: int = -100, chunk_size: Optional[int] = None,
+                         minkowski: bool = False) -> torch.Tensor:
     """Summed cross-entropy of ``logits = s·(x Wᵀ) + b`` over the rows whose target is not ``ignore_index``,
     computed ``chunk_size`` rows at a time without the ``[N, V]`` logits (see the module docstring).
 
@@ -168,20 +215,26 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         x: ``[N, D]`` features. weight: ``[V, D]``. targets: ``[N]`` integer class ids or ``ignore_index``.
         scale: optional 0-dim logit scale ``s`` (differentiable). bias: optional ``[V]`` logit bias.
         chunk_size: rows per chunk (default :func:`default_chunk_size` of ``V``).
+        minkowski: ``x Wᵀ`` is the Minkowski product ``<x_i, w_c>_L = -x_i0 w_c0 + x_i,1: · w_c,1:`` (column 0
+            the time coordinate, kept out of half-precision GEMMs).
 
-    Returns a 0-dim tensor, fp32 (fp64 for fp64 inputs); divide by the number of labelled tokens for the mean.
-    Equal to :func:`linear_cross_entropy_reference` in loss and in the gradients of ``x``, ``weight``,
-    ``scale`` and ``bias``.
+    The GEMMs run in :func:`compute_dtype` (the autocast dtype under autocast). Returns a 0-dim tensor, fp32 (fp64
+    for fp64 inputs); divide by the number of labelled tokens for the mean. Equal to
+    :func:`linear_cross_entropy_reference` in loss and in the gradients of ``x``, ``weight``, ``scale`` and
+    ``bias`` (gradients in the dtypes of those inputs).
     """
-    _check(x, weight, targets, scale, bias)
+    _check(x, weight, targets, scale, bias, minkowski)
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     targets = targets.to(x.device)
+    mm = compute_dtype(x, weight)
+    autocast = autocast_dtype(x.device.type) is not None
     inputs = (x, weight, scale, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return _LinearCrossEntropy.apply(x, weight, scale, bias, targets, ignore_index, chunk)
-    return _chunked(x, weight, scale, bias, targets, ignore_index, chunk, (False,) * 4)[0]
+        return _LinearCrossEntropy.apply(x, weight, scale, bias, targets, ignore_index, chunk, mm, autocast, minkowski)
+    return _chunked(x, weight, scale, bias, targets, ignore_index, chunk, (False,) * 4, mm, autocast, minkowski)[0]
 
 
-__all__ = ["CHUNK_ELEMENTS", "default_chunk_size", "linear_cross_entropy", "linear_cross_entropy_reference"]
+__all__ = ["CHUNK_ELEMENTS", "autocast_dtype", "compute_dtype", "default_chunk_size", "linear_cross_entropy",
+           "linear_cross_entropy_reference"]
