@@ -9,9 +9,12 @@ Top to bottom: read the recipe; find the checkpoint to resume from; lock output_
 corpus if it is missing; check the tokenizer, the sequence length and a two-token forward of the model; tokenise,
 pack (documents never attend to each other) and hold out validation rows; build the model and its optimiser
 (geoopt RiemannianAdam for manifold points, AdamW for the rest: ``helm/optim.py``) and the warmup + cosine schedule;
-restore the checkpoint (``accelerator.load_state``); train with gradient accumulation and clipping, metrics,
-periodic validation and atomic checkpoints; save with ``save_pretrained``, reload with ``AutoModelForCausalLM``,
-print the validation perplexity before and after and a sample. Recipe keys: ``configs/train/*.yaml``.
+restore the checkpoint (``accelerator.load_state``); then loop: the DataLoader hands this process its micro-batches
+(``helm.training.training_batches``), ``helm.training.train_step`` takes the optimiser step (gradient
+accumulation, clipping, MiCE routing-bias balancing), and the loop logs metrics, validates and writes atomic
+checkpoints; save with ``save_pretrained``, reload with ``AutoModelForCausalLM``, print the validation perplexity
+before and after and a sample. ``python train.py --help`` lists every recipe key with its default;
+``--print-config`` prints the recipe a command line resolves to.
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_l
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
 from helm.data import MissingSourceError, build_default_data
-from helm.distributed import clip_grad_norm, use_fsdp_on_cpu
-from helm.evaluation import packed_inputs, perplexity, rows_nll
+from helm.distributed import use_fsdp_on_cpu
+from helm.evaluation import perplexity, rows_nll
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
-from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StreamRows, TrainerState,
-                           cli_overrides, find_checkpoint, load_run_config, load_splits, load_tokenizer, output_lock,
-                           pack_split, read_trainer_state, recipe_differences, refused_pickles, save_checkpoint,
-                           save_final)
+from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
+                           TrainerState, cli_overrides, describe, find_checkpoint, load_run_config, load_splits,
+                           load_tokenizer, output_lock, pack_split, read_trainer_state, recipe_differences,
+                           refused_pickles, save_checkpoint, save_final, train_step, training_batches)
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -123,7 +126,7 @@ def check_inputs(cfg, config, tokenizer) -> None:
                           f"({source}); lower data.seq_len or set model.overrides.max_position_embeddings")
 
 
-def load_data(cfg, tokenizer, accelerator, skip_rows: int):
+def load_data(cfg, tokenizer, accelerator):
     """Training rows (PackedRows, or StreamRows for streamed data) and the fixed validation rows."""
     train_set, validation_set, streaming = load_splits(cfg.data, rank=accelerator.process_index,
                                                        world_size=accelerator.num_processes)
@@ -132,7 +135,7 @@ def load_data(cfg, tokenizer, accelerator, skip_rows: int):
         raise ConfigError(f"the validation data holds fewer than data.seq_len={cfg.data.seq_len} tokens; use a "
                           "larger validation split or data.holdout_documents")
     if streaming:
-        return StreamRows(train_set, tokenizer, cfg.data, skip_rows=skip_rows), validation, True
+        return StreamRows(train_set, tokenizer, cfg.data), validation, True
     rows = pack_split(train_set, tokenizer, cfg.data)
     if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
@@ -158,22 +161,91 @@ def build_model(cfg, config):
     return model.train()
 
 
+def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None:
+    differences = recipe_differences(saved["config"], cfg.to_dict())
+    if saved["world_size"] != world_size:
+        differences.append(f"number of processes: {saved['world_size']} in the checkpoint, {world_size} now")
+    if differences:
+        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with a different setup, because the run "
+                              "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
+
+
+def validation_loss(model, validation, accelerator, batch_size: int, distributed: bool = True) -> float:
+    """Mean NLL of the validation rows. Processes split the rows, except under FSDP, whose forwards are
+    collective: there every process runs every row."""
+    split = distributed and not accelerator.is_fsdp2
+    rank, world = (accelerator.process_index, accelerator.num_processes) if split else (0, 1)
+    nll, count = rows_nll(model, validation, batch_size=batch_size, rank=rank, world_size=world,
+                          autocast=accelerator.autocast)
+    if split:
+        nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
+    return float(nll / count.clamp_min(1))
+
+
+class Progress:
+    """Training metrics since the last log line, summed on the device and read (a sync) only when logged; a live
+    progress bar on a terminal, or, in a log file (CI, nohup), one line per log_every steps, which reads better."""
+
+    def __init__(self, cfg, accelerator, start_step: int, tokens_per_step: int, say):
+        self.accelerator, self.say, self.start_step, self.max_steps = accelerator, say, start_step, cfg.train.max_steps
+        self.tokens_per_step, self.run_start = tokens_per_step, time.perf_counter()
+        self.live = accelerator.is_main_process and cfg.train.progress_bar and sys.stderr.isatty()
+        self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not self.live, mininterval=1.0)
+        self.loss, self.aux_loss = (torch.zeros((), device=accelerator.device) for _ in range(2))
+        self.steps, self.window_start = 0, time.perf_counter()
+
+    def add(self, metrics: StepMetrics) -> None:
+        self.loss += metrics.loss
+        self.aux_loss += metrics.aux_loss
+        self.steps += 1
+        self.bar.update(1)
+
+    def log(self, done: int, metrics: StepMetrics, routed: bool) -> None:
+        """Log the means since the last log and the last step's learning rate and gradient norm; start over."""
+        loss = self.accelerator.reduce(self.loss, "mean").item() / self.steps
+        now = time.perf_counter()
+        speed = self.steps * self.tokens_per_step / max(now - self.window_start, 1e-9)
+        values = {"loss": loss, "lr": metrics.lr, "grad_norm": float(metrics.grad_norm), "tokens_per_s": speed,
+                  "tokens": done * self.tokens_per_step, "elapsed_s": now - self.run_start}
+        if routed:
+            values["aux_loss"] = self.accelerator.reduce(self.aux_loss, "mean").item() / self.steps
+        self.accelerator.log(values, step=done)
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics.lr:.2e}", tok_s=f"{speed:,.0f}", refresh=False)
+        if not self.live:
+            eta = (now - self.run_start) / (done - self.start_step) * (self.max_steps - done)
+            self.say(f"[train] step {done}/{self.max_steps} loss {loss:.4f} lr {metrics.lr:.3e} {speed:,.0f} tok/s "
+                     f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        self.loss.zero_(), self.aux_loss.zero_()
+        self.steps, self.window_start = 0, time.perf_counter()
+
+    def close(self) -> float:
+        """Close the bar; returns the seconds since training started."""
+        self.bar.close()
+        return time.perf_counter() - self.run_start
+
+
+def demo_sample(cfg, model, tokenizer) -> str:
+    """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
+    torch.manual_seed(cfg.train.seed)
+    prompt = tokenizer(cfg.demo.prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    options = dict(temperature=cfg.demo.temperature, top_k=cfg.demo.top_k) if cfg.demo.do_sample else {}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = model.eval().generate(**prompt, max_new_tokens=cfg.demo.max_new_tokens, pad_token_id=pad,
+                                eos_token_id=tokenizer.eos_token_id, do_sample=cfg.demo.do_sample, **options)
+    return tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
 def train(cfg, resume) -> dict:
     out = Path(cfg.train.output_dir)
     checkpoint = find_checkpoint(resume, out)
     state = TrainerState(cfg.to_dict())
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
     accelerator = make_accelerator(cfg, out, saved["step"] if saved else None)
-    main = accelerator.is_main_process
-    say = (lambda *a: tqdm.write(" ".join(str(x) for x in a))) if main else (lambda *a: None)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    say = (lambda *a: tqdm.write(" ".join(str(x) for x in a))) if accelerator.is_main_process else (lambda *a: None)
+    world = accelerator.num_processes
     if saved is not None:
-        differences = recipe_differences(saved["config"], cfg.to_dict())
-        if saved["world_size"] != world:
-            differences.append(f"number of processes: {saved['world_size']} in the checkpoint, {world} now")
-        if differences:
-            raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with a different setup, because the run "
-                                  "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
+        check_resumable(cfg, checkpoint, saved, world)
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
@@ -190,7 +262,7 @@ def train(cfg, resume) -> dict:
     B, accum, L = cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len
     rows_per_step, start_step = B * world * accum, state.step
     clock = time.perf_counter()
-    train_rows, validation, streaming = load_data(cfg, tokenizer, accelerator, skip_rows=start_step * accum * B)
+    train_rows, validation, streaming = load_data(cfg, tokenizer, accelerator)
     say(f"[train] data: {'streamed' if streaming else f'{len(train_rows):,} packed rows'} of {L} tokens, "
         f"{validation['input_ids'].shape[0]} validation rows ({time.perf_counter() - clock:.1f} s)")
     optimizer = build_optimizer(model, lr=cfg.optim.lr, manifold_lr=cfg.optim.manifold_lr,
@@ -202,7 +274,9 @@ def train(cfg, resume) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
-    routed = attach_balancing(unwrapped)  # MiCE layers, or hooks on DeepSeek-V3's routers (same balancing)
+    # MiCE layers, or DeepSeek-V3's routers with balancing hooks added now, before compiling, so they are traced;
+    # train_step balances them and the loop logs their balance loss
+    routed = bool(attach_balancing(unwrapped))
     # only the training forward is compiled (one graph where the model allows); the rest uses the plain module
     forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
         if cfg.train.compile else model
@@ -213,6 +287,10 @@ def train(cfg, resume) -> dict:
         say(f"[train] resumed from {checkpoint} at step {start_step}")
     accelerator.init_trackers("tensorboard", init_kwargs={
         "tensorboard": {"purge_step": start_step + 1} if checkpoint is not None else {}})
+    # every run and resume reads the same rows in the same order from start_step on: the data position is the step
+    batches = iter(training_batches(train_rows, start_step=start_step, max_steps=cfg.train.max_steps, batch_size=B,
+                                    grad_accum=accum, rank=accelerator.process_index, world_size=world,
+                                    num_workers=cfg.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
 
     say(f"[train] {type(unwrapped).__name__} ({cfg.model.preset or cfg.model.pretrained}): "
         f"{sum(p.numel() for p in unwrapped.parameters()):,} parameters; "
@@ -221,60 +299,23 @@ def train(cfg, resume) -> dict:
         f"{accelerator.mixed_precision}; {rows_per_step} rows x {L} tokens = {rows_per_step * L:,} tokens per step, "
         f"{cfg.train.max_steps} steps")
 
-    def validation_loss(m, distributed=True) -> float:
-        # Processes split the rows, except under FSDP, whose forwards are collective: every process runs every row.
-        split = distributed and not accelerator.is_fsdp2
-        nll, count = rows_nll(m, validation, batch_size=B, rank=rank if split else 0, world_size=world if split else 1,
-                              autocast=accelerator.autocast)
-        if split:
-            nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
-        return float(nll / count.clamp_min(1))
-
-    initial = validation_loss(unwrapped) if start_step == 0 and cfg.train.eval_at_start else None
-    if initial is not None:
+    initial = None
+    if start_step == 0 and cfg.train.eval_at_start:
+        initial = validation_loss(unwrapped, validation, accelerator, B)
         accelerator.log({"val_loss": initial, "val_ppl": perplexity(initial)}, step=0)
         say(f"[train] step 0: validation loss {initial:.4f}, perplexity {perplexity(initial):,.1f}")
 
-    # A live bar on a terminal; in a log file (CI, nohup) one line per log_every steps reads better.
-    live = main and cfg.train.progress_bar and sys.stderr.isatty()
-    bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-               disable=not live, mininterval=1.0)
-    zero = torch.zeros((), device=accelerator.device)
-    window_loss, window_aux, window_steps, window_start = zero.clone(), zero.clone(), 0, time.perf_counter()
+    progress = Progress(cfg, accelerator, start_step, rows_per_step * L, say)
     first_bad = torch.zeros(1, dtype=torch.long, device=accelerator.device)  # first non-finite step, read when synced
-    run_start, tokens_per_step = time.perf_counter(), rows_per_step * L
     for step in range(start_step, cfg.train.max_steps):
-        load = 0  # tokens per routed expert, summed over the micro-batches
-        for micro in range(accum):
-            start = step * rows_per_step + (micro * world + rank) * B
-            batch = train_rows.next(B) if streaming else train_rows.take(start, B)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                output = forward(**packed_inputs(unwrapped, batch), labels=batch["labels"], use_cache=False)
-                accelerator.backward(output.loss)
-                aux = output.aux_loss.detach() if getattr(output, "aux_loss", None) is not None else zero
-                window_loss += (output.loss.detach() - aux) / accum
-                window_aux += aux / accum
-                if routed:
-                    load = load + torch.stack([layer.last_expert_load for layer in routed])
-                if accelerator.sync_gradients:
-                    grad_norm = clip_grad_norm(accelerator, model.parameters(), cfg.optim.grad_clip or float("inf"))
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-        # Aux-loss-free balancing from the load of the whole step, summed over the processes, so that every
-        # process moves its routing biases identically.
-        for layer, layer_load in zip(routed, accelerator.reduce(load, "sum") if routed else []):
-            layer.last_expert_load.copy_(layer_load)
-            layer.update_bias()
+        metrics = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accum)],
+                             grad_clip=cfg.optim.grad_clip, forward=forward)
         done = state.step = step + 1
-        window_steps += 1
-        bar.update(1)
+        progress.add(metrics)
         # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read when
         # logging or saving (which sync anyway), so that no checkpoint is ever written after it.
-        first_bad.masked_fill_(first_bad.eq(0) & ~(window_loss + (0 if accelerator.scaler else grad_norm)).isfinite(),
-                               done)
+        finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
+        first_bad.masked_fill_(first_bad.eq(0) & ~finite, done)
         last = done == cfg.train.max_steps
         log = last or done % cfg.train.log_every == 0
         save = last or bool(cfg.train.save_every and done % cfg.train.save_every == 0)
@@ -283,42 +324,25 @@ def train(cfg, resume) -> dict:
                                      f"after it was saved. Likely causes: too high a learning rate (optim.lr="
                                      f"{cfg.optim.lr}, warmup, grad_clip) or precision (train.mixed_precision="
                                      f"{cfg.train.mixed_precision})")
-
         if log:
-            loss = accelerator.reduce(window_loss, "mean").item() / window_steps
-            speed = window_steps * tokens_per_step / max(time.perf_counter() - window_start, 1e-9)
-            values = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed,
-                      "tokens": done * tokens_per_step, "elapsed_s": time.perf_counter() - run_start}
-            if routed:
-                values["aux_loss"] = accelerator.reduce(window_aux, "mean").item() / window_steps
-            accelerator.log(values, step=done)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{speed:,.0f}", refresh=False)
-            if not live:
-                eta = (time.perf_counter() - run_start) / (done - start_step) * (cfg.train.max_steps - done)
-                say(f"[train] step {done}/{cfg.train.max_steps} loss {loss:.4f} lr {lr:.3e} {speed:,.0f} tok/s "
-                    f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
-            window_loss.zero_(), window_aux.zero_()
-            window_steps, window_start = 0, time.perf_counter()
-
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.max_steps:
-            val = validation_loss(unwrapped)
+            progress.log(done, metrics, routed)
+        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
+            val = validation_loss(unwrapped, validation, accelerator, B)
             accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
             say(f"[train] step {done}: validation loss {val:.4f}, perplexity {perplexity(val):,.1f}")
-
         if save:
             save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
-    bar.close()
-    train_time, trained = time.perf_counter() - run_start, cfg.train.max_steps - start_step
+    train_time, trained = progress.close(), cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
-    final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}
-    if main:
+    final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP
+    if accelerator.is_main_process:
         save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps)
         reloaded = AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
-        after = validation_loss(reloaded, distributed=False)
+        after = validation_loss(reloaded, validation, accelerator, B, distributed=False)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)
         result = {"val_loss_before": initial, "val_loss_after": after, "final_dir": str(final)}
-        tokens = trained * tokens_per_step
+        tokens = trained * rows_per_step * L
         say(f"\n[train] trained {trained} steps, {tokens:,} tokens in {train_time:.0f} s "
             f"({tokens / max(train_time, 1e-9):,.0f} tokens/s)")
         say(f"[train] saved to {final}  (reload: import helm; AutoModelForCausalLM.from_pretrained({str(final)!r}))")
@@ -328,14 +352,8 @@ def train(cfg, resume) -> dict:
                 f"({before_ppl / after_ppl:,.1f}x lower; measured on the reloaded model)")
         else:
             say(f"[train] validation perplexity after training (reloaded model): {perplexity(after):,.1f}")
-        if cfg.demo.prompt:  # seeded, and starting a document like the packed training rows
-            torch.manual_seed(cfg.train.seed)
-            prompt = tokenizer(cfg.demo.prompt, return_tensors="pt", add_special_tokens=False).to(reloaded.device)
-            options = dict(temperature=cfg.demo.temperature, top_k=cfg.demo.top_k) if cfg.demo.do_sample else {}
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            ids = reloaded.eval().generate(**prompt, max_new_tokens=cfg.demo.max_new_tokens, pad_token_id=pad,
-                                           eos_token_id=tokenizer.eos_token_id, do_sample=cfg.demo.do_sample, **options)
-            result["sample"] = tokenizer.decode(ids[0], skip_special_tokens=True)
+        if cfg.demo.prompt:
+            result["sample"] = demo_sample(cfg, reloaded, tokenizer)
             say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{result['sample']}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -343,18 +361,25 @@ def train(cfg, resume) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Override any recipe key as --section.key=value (a YAML value), e.g. "
-                                            "--train.max_steps=50 --optim.lr=1e-3 --model.overrides.hidden_size=65")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="A recipe sets the keys that differ from the defaults below; override any key as --section.key=value "
+               "(a YAML value), e.g.\n--train.max_steps=50 --optim.lr=1e-3 --model.overrides.hidden_size=65\n\n"
+               "Recipe keys and their defaults ('???': required):\n\n" + describe())
     parser.add_argument("--config", required=True, help="training recipe (YAML), e.g. configs/train/tiny-helm-d.yaml")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                         help="continue from CHECKPOINT, or (no value) from the newest one in train.output_dir")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the recipe with the overrides applied, every key documented, and exit")
     # The progress lines of this script are the output; the libraries' per-file bars are noise.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
         args, rest = parser.parse_known_args(argv)
         cfg = load_run_config(args.config, cli_overrides(rest))
+        if args.print_config:
+            print(describe(cfg))
+            return 0
         with output_lock(Path(cfg.train.output_dir), enabled=os.environ.get("RANK", "0") == "0"):
             train(cfg, args.resume)
     except (ConfigError, CheckpointError, FloatingPointError, OSError) as error:

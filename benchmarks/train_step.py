@@ -10,12 +10,13 @@ Pairs (``--pairs``) at two sets of shapes (``--shapes``):
 ``tiny`` runs 8 rows x 256 tokens by default; ``paper`` (opt-in: minutes per pair on 2 CPU cores, 128k vocabulary)
 1 row x 256 and x 1024 tokens (``--batch-size``, ``--seq-len`` override both).
 
-Each step is what ``train.py`` does per optimiser step: forward on packed rows (document ids / restarting
-positions, so attention stays within documents), backward, gradient clipping, the optimiser step of
-``helm.optim.build_optimizer`` (AdamW, plus RiemannianAdam for manifold points) and, for MiCE, the routing
-bias update. Measurements of the two models alternate, so a change in machine load hits both; the
-reported time is the best of the repeats (other processes only ever add time; the median is printed too).
-The ratio is HELM time / Euclidean time per token (the paper reports 1.5–1.8x for its implementation).
+Each step is ``helm.training.train_step``, the step ``train.py`` takes: forward on packed rows (segment ids /
+restarting positions, so attention stays within documents), backward, gradient clipping, the optimiser step of
+``helm.optim.build_optimizer`` (AdamW, plus RiemannianAdam for manifold points) and, for HELM-MiCE and DeepSeek-V3
+alike, the balance loss and the routing-bias update. Measurements of the two models alternate, so a change in
+machine load hits both; the reported time is the best of the repeats (other processes only ever add time; the
+median is printed too). The ratio is HELM time / Euclidean time per token (the paper reports 1.5–1.8x for its
+implementation).
 
 ``--compile`` also times both models under ``torch.compile`` (``--backend``, default inductor; one graph where
 the model says it can: ``_can_compile_fullgraph``), after warm-up steps that include the compilation (its time is
@@ -39,12 +40,14 @@ import warnings
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
 from helm.data import pack_documents  # noqa: E402
+from helm.models.routing import attach_balancing  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
-from helm.evaluation import packed_inputs  # noqa: E402
+from helm.training import train_step  # noqa: E402
 
 
 def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -95,13 +98,16 @@ class Trainer:
         torch.manual_seed(0)
         self.name = preset
         config = helm.load_config(preset)
-        self.model = AutoModelForCausalLM.from_config(config)
-        self.model.train()
-        self.params = sum(p.numel() for p in self.model.parameters())
-        self.active = active_parameters(self.model)
-        self.optimizer = build_optimizer(self.model, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-        self.inputs = {**packed_inputs(self.model, batch), "labels": batch["labels"], "use_cache": False}
-        self.routing = hasattr(self.model, "update_routing_bias")
+        model = AutoModelForCausalLM.from_config(config)
+        model.train()
+        self.params = sum(p.numel() for p in model.parameters())
+        self.active = active_parameters(model)
+        attach_balancing(model)  # before compiling, as train.py does: DeepSeek-V3's balancing hooks are traced too
+        # an accelerator of its own, so that its models are freed with the Trainer; one CPU process as measured
+        self.accelerator = Accelerator(cpu=True)
+        self.model, self.optimizer = self.accelerator.prepare(
+            model, build_optimizer(model, lr=lr, weight_decay=0.01, betas=(0.9, 0.95)))
+        self.batch = batch
         self.tokens = batch["input_ids"].numel()
         # transformers' per-expert loop (the deepseek-v3-120m preset's experts_implementation: its 390-wide rows are
         # not 16-byte aligned for torch._grouped_mm) breaks the compiled graph: compiled without fullgraph
@@ -110,20 +116,12 @@ class Trainer:
             self.model, backend=backend, fullgraph=self.model._can_compile_fullgraph and not expert_loop)
         self.loss = float("nan")
 
-    def step(self) -> None:
-        out = self.forward(**self.inputs)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.routing:
-            self.model.update_routing_bias()
-        self.loss = out.loss.item()
-
     def run(self, steps: int) -> float:
         start = time.perf_counter()
         for _ in range(steps):
-            self.step()
+            metrics = train_step(self.accelerator, self.model, self.optimizer, None, [self.batch], grad_clip=1.0,
+                                 forward=self.forward)
+        self.loss = float(metrics.loss)  # waits for the last step to finish
         return (time.perf_counter() - start) / steps
 
 

@@ -6,7 +6,7 @@ scripts build on the same functions, so a number printed during training and one
 
 Conventions: targets are ``labels`` shifted by one (``-100`` is never scored); log-softmax in fp32, sums in
 fp64. Packed rows (``helm.data.pack_documents`` output: ``input_ids``, ``labels``, ``position_ids``,
-``document_ids``, all ``[N, L]``) are scored with document-causal attention, so no token sees another
+``segment_ids``, all ``[N, L]``) are scored with document-causal attention, so no token sees another
 document. :func:`sliding_windows` builds rows of the same layout (``input_ids``, ``labels``) from one token
 stream, so every way of cutting text is scored by :func:`rows_nll`.
 """
@@ -72,14 +72,15 @@ def perplexity(mean_nll: float) -> float:
 def packed_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Forward kwargs of a packed batch with document-causal attention.
 
-    HELM models take ``segment_ids`` (document ids); ``transformers``' own models detect packed rows from
-    ``position_ids`` restarting at 0 with no attention mask, which gives the same attention pattern.
+    HELM models take the rows' ``segment_ids`` (document index within the row); ``transformers``' own models,
+    whose forward has no ``segment_ids``, detect packed rows from ``position_ids`` restarting at 0 with no
+    attention mask, which gives the same attention pattern.
     """
     inputs = {"input_ids": batch["input_ids"]}
     if "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
-    if "document_ids" in batch and "segment_ids" in inspect.signature(model.forward).parameters:
-        inputs["segment_ids"] = batch["document_ids"]
+    if "segment_ids" in batch and "segment_ids" in inspect.signature(model.forward).parameters:
+        inputs["segment_ids"] = batch["segment_ids"]
     return inputs
 
 

@@ -34,7 +34,7 @@ def reference_pack(docs, seq_len, eos_id, pad_id=None, mask_document_starts=Fals
     """Plain-loop statement of the packing rules, to compare the vectorised version against."""
     stream = [(token, d) for d, doc in enumerate(docs) for token in [*doc, eos_id]]
     n_rows = len(stream) // seq_len if pad_id is None else -(-len(stream) // seq_len)
-    out = {key: [] for key in ("input_ids", "labels", "document_ids", "position_ids", "attention_mask")}
+    out = {key: [] for key in ("input_ids", "labels", "segment_ids", "position_ids", "attention_mask")}
     for r in range(n_rows):
         chunk = stream[r * seq_len : (r + 1) * seq_len]
         chunk += [(pad_id, None)] * (seq_len - len(chunk))
@@ -103,7 +103,7 @@ def test_pack_documents_boundaries_positions_and_labels():
     packed = data.pack_documents(docs, 5, eos_id=EOS)
     # stream: 10 11 12 E 20 | 21 22 23 24 25 | 26 E 30 E  (the 4-token tail is dropped)
     assert packed["input_ids"].tolist() == [[10, 11, 12, EOS, 20], [21, 22, 23, 24, 25]]
-    assert packed["document_ids"].tolist() == [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
+    assert packed["segment_ids"].tolist() == [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
     # The second document spans the row boundary: it starts over at position 0 with id 0 in row 1.
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]
     assert torch.equal(packed["labels"], packed["input_ids"])
@@ -113,7 +113,7 @@ def test_pack_documents_boundaries_positions_and_labels():
 
     padded = data.pack_documents(docs, 5, eos_id=EOS, pad_id=PAD)
     assert padded["input_ids"][2].tolist() == [26, EOS, 30, EOS, PAD]
-    assert padded["document_ids"][2].tolist() == [0, 0, 1, 1, -1]
+    assert padded["segment_ids"][2].tolist() == [0, 0, 1, 1, -1]
     assert padded["position_ids"][2].tolist() == [0, 1, 0, 1, 0]
     assert padded["labels"][2].tolist() == [26, EOS, 30, EOS, -100]
     assert padded["attention_mask"][2].tolist() == [1, 1, 1, 1, 0]
@@ -122,7 +122,7 @@ def test_pack_documents_boundaries_positions_and_labels():
 def test_pack_documents_ids_change_exactly_at_document_starts():
     docs = random_documents(seed=2)
     packed = data.pack_documents(docs, 63, eos_id=EOS, pad_id=PAD)
-    ids, doc_ids, pos = packed["input_ids"], packed["document_ids"], packed["position_ids"]
+    ids, doc_ids, pos = packed["input_ids"], packed["segment_ids"], packed["position_ids"]
     real = packed["attention_mask"].bool()
     # A token after an EOS (within a row) is always the start of a new document, and only there.
     after_eos = torch.zeros_like(real)
@@ -171,7 +171,7 @@ WORDS = (
 
 
 @pytest.fixture(scope="module")
-def synthetic_text(tmp_path_factory) -> Path:
+def synthetic_text_file(tmp_path_factory) -> Path:
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("text") / "train.txt"
     lines = [
@@ -183,9 +183,9 @@ def synthetic_text(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_tokenizer_dir(synthetic_text, tmp_path_factory) -> Path:
+def small_tokenizer_dir(synthetic_text_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok")
-    data.train_tokenizer([synthetic_text], out, vocab_size=400)
+    data.train_tokenizer([synthetic_text_file], out, vocab_size=400)
     return out
 
 
@@ -215,8 +215,8 @@ def test_tokenizer_round_trip_offline(small_tokenizer_dir):
     )
 
 
-def test_tokenizer_training_is_deterministic(synthetic_text, small_tokenizer_dir, tmp_path):
-    data.train_tokenizer([synthetic_text], tmp_path, vocab_size=400)
+def test_tokenizer_training_is_deterministic(synthetic_text_file, small_tokenizer_dir, tmp_path):
+    data.train_tokenizer([synthetic_text_file], tmp_path, vocab_size=400)
     assert (tmp_path / "tokenizer.json").read_bytes() == (small_tokenizer_dir / "tokenizer.json").read_bytes()
 
 
@@ -230,11 +230,11 @@ def test_tokenizer_reads_jsonl_text_field(tmp_path):
     assert not any("zz" in token for token in vocab)
 
 
-def test_tokenizer_rejects_missing_files_and_tiny_vocab(tmp_path, synthetic_text):
+def test_tokenizer_rejects_missing_files_and_tiny_vocab(tmp_path, synthetic_text_file):
     with pytest.raises(FileNotFoundError):
         data.train_tokenizer([tmp_path / "absent.txt"], tmp_path / "tok")
     with pytest.raises(ValueError, match="vocab_size"):
-        data.train_tokenizer([synthetic_text], tmp_path / "tok", vocab_size=100)
+        data.train_tokenizer([synthetic_text_file], tmp_path / "tok", vocab_size=100)
 
 
 # -------------------------------------------------------------------------------------------- corpus

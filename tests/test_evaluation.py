@@ -79,8 +79,8 @@ def test_rows_nll_equals_the_models_loss_over_packed_rows(tiny_config, tokenizer
     texts = [text[:20 + 23 * i] for i, text in enumerate(synthetic_text(3, 12))]
     rows = pack_documents(tokenizer(texts, add_special_tokens=False)["input_ids"], 24, eos_id=tokenizer.eos_token_id,
                           mask_document_starts=True)
-    assert int(rows["document_ids"].max()) >= 1  # several documents share a row
-    segments = {"segment_ids": rows["document_ids"]} if family != "llama" else {}
+    assert int(rows["segment_ids"].max()) >= 1  # several documents share a row
+    segments = {"segment_ids": rows["segment_ids"]} if family != "llama" else {}
     expected, n_expected = 0.0, 0
     with torch.no_grad():
         for i in range(rows["input_ids"].shape[0]):

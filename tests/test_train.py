@@ -9,6 +9,7 @@ data-parallel tests start real processes.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -21,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
-from helm.training import (CheckpointError, ConfigError, all_keys, cli_overrides, list_checkpoints, load_run_config,
-                           verify_checkpoint)
+from helm.training import (CheckpointError, ConfigError, RunConfig, all_keys, cli_overrides, key_docs,
+                           list_checkpoints, load_run_config, verify_checkpoint)
 from helm.training.checkpoint import MANIFEST
 from tests.helpers import TINY_SHAPES, synthetic_text
 
@@ -66,13 +68,13 @@ def write_recipe(folder: Path, run_data: Path, name: str = "recipe.yaml", *, bas
                  **sections) -> Path:
     """The shipped tiny recipe pointed at the synthetic run_data and a micro model, with ``sections`` merged in."""
     recipe = yaml.safe_load((REPO / "configs" / "train" / f"{base}.yaml").read_text())
-    recipe["model"]["overrides"] = dict(MICRO.get(base, MICRO_D))
-    recipe["data"].update(dataset=str(run_data), tokenizer=str(run_data / "tokenizer"), build_default=False, seq_len=32)
-    recipe["train"].update(output_dir=str(folder / "run"), max_steps=12, batch_size=4, log_every=1, eval_every=0,
-                           eval_rows=8, save_every=4, progress_bar=False)
-    recipe["optim"].update(lr=1e-2)
-    recipe["demo"].update(max_new_tokens=8)
-    for section, values in sections.items():
+    for section, values in (
+            ("model", {"overrides": dict(MICRO.get(base, MICRO_D))}),
+            ("data", {"dataset": str(run_data), "tokenizer": str(run_data / "tokenizer"), "build_default": False,
+                      "seq_len": 32}),
+            ("train", {"output_dir": str(folder / "run"), "max_steps": 12, "batch_size": 4, "log_every": 1,
+                       "eval_every": 0, "eval_rows": 8, "save_every": 4, "progress_bar": False}),
+            ("optim", {"lr": 1e-2}), ("demo", {"max_new_tokens": 8}), *sections.items()):
         recipe.setdefault(section, {}).update(values)
     path = folder / name
     path.write_text(yaml.safe_dump(recipe))
@@ -107,28 +109,43 @@ def subprocess_env() -> dict:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_shipped_recipes_load_and_document_every_key(recipe):
+def test_shipped_recipes_load_and_set_only_what_differs_from_the_defaults(recipe):
+    """A recipe holds the keys that differ from the defaults (the documentation lives once, in the dataclasses),
+    under a header saying what it is and how to run it."""
     config = load_run_config(recipe)
     assert config.train.output_dir.startswith("runs/")
-    lines = recipe.read_text().splitlines()
+    assert recipe.read_text().startswith("# ") and f"--config configs/train/{recipe.name}" in recipe.read_text()
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
     body = yaml.safe_load(recipe.read_text())
-    for dotted in all_keys():
+    for section, keys in body.items():
+        for key, value in keys.items():
+            assert value != defaults[section][key], f"{recipe.name} sets {section}.{key} to its default {value!r}"
+
+
+def test_every_recipe_key_is_documented_and_help_prints_them(capsys):
+    docs = key_docs()
+    assert list(docs) == all_keys()
+    assert all(len(doc) > 10 for doc in docs.values()), docs
+    with pytest.raises(SystemExit) as exit_:
+        train_script.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for dotted, doc in docs.items():
         section, key = dotted.split(".")
-        assert key in (body.get(section) or {}), f"{recipe.name} does not set {dotted}"
-        # a comment sits right above the key, or above the run of keys it belongs to (betas + eps share one)
-        index = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:")
-                     and _section_of(lines, i) == section)
-        j = index - 1
-        while j > 0 and re.match(r"^  \w+:", lines[j]):
-            j -= 1
-        assert lines[j].strip().startswith("#"), f"{recipe.name}: {dotted} has no comment"
+        assert f"\n  {key}: " in text and doc.split()[0] in text, dotted
+    assert "max_steps: '???'" in text and "betas: [0.9, 0.95]" in text
 
 
-def _section_of(lines: list[str], index: int) -> str:
-    for line in reversed(lines[:index]):
-        if line and not line.startswith((" ", "#")):
-            return line.split(":")[0]
-    return ""
+def test_print_config_shows_the_resolved_recipe_and_loads_back(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = REPO / "configs" / "train" / "tiny-helm-mice.yaml"
+    code, output = run_main(["--config", recipe, "--optim.lr=1e-3", "--print-config"], capsys)
+    assert code == 0, output
+    assert not (tmp_path / "runs").exists(), "--print-config started a run"
+    assert "# Peak learning rate of the Euclidean parameters" in output and "  lr: 0.001\n" in output
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(output)
+    assert load_run_config(printed) == load_run_config(recipe, ["optim.lr=1e-3"])
 
 
 def test_paper_recipes_follow_the_paper():
@@ -332,6 +349,148 @@ def test_tensorboard_and_jsonl_metrics_resume_without_duplicate_steps(tmp_path, 
     again = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in again] == [1, 2, 3, 4]
     assert again[:2] == first[:2] and [r["loss"] for r in again[2:]] == pytest.approx([r["loss"] for r in first[2:]])
+
+
+def _micro_model(preset: str):
+    """The micro model of a tiny preset, built as train.py builds it (seeded)."""
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(helm.load_config(preset, **MICRO.get(preset, MICRO_D))).train()
+
+
+def _packed_micro_batches(count: int, seed: int) -> list[dict]:
+    from helm.data import pack_documents
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(2, 320, (int(torch.randint(3, 30, (), generator=g)),), generator=g).tolist()
+            for _ in range(40)]
+    rows = pack_documents(docs, 32, eos_id=0)
+    assert int(rows["segment_ids"].max()) >= 1, "no row holds several documents"
+    return [{key: value[2 * i:2 * i + 2] for key, value in rows.items()} for i in range(count)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-helm-d", "tiny-helm-mice", "tiny-deepseek-v3"])
+def test_train_step_is_forward_backward_clip_step_and_routing_bias_update(preset):
+    """helm.training.train_step (what train.py and benchmarks/train_step.py run) against the same step written out:
+    two micro-batches of packed rows (document ids as segment_ids for HELM, restarting positions for
+    transformers' DeepSeek-V3), each loss halved, clipping, AdamW/RiemannianAdam, the scheduler, and for routed
+    models the bias update from the load of both micro-batches."""
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    from helm.models.routing import attach_balancing
+    from helm.optim import build_optimizer
+    from helm.training import train_step
+
+    def optimisation(model):
+        optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.01)
+        return optimizer, get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=4)
+
+    model, reference = _micro_model(preset), _micro_model(preset)
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer, scheduler = accelerator.prepare(model, *optimisation(model))
+    ref_optimizer, ref_scheduler = optimisation(reference)
+    routed = attach_balancing(reference)
+    helm_model = preset != "tiny-deepseek-v3"
+    assert bool(routed) == (preset != "tiny-helm-d")
+    biases = [name for name, _ in reference.named_buffers() if name.endswith("e_score_correction_bias")]
+    assert bool(biases) == bool(routed)
+
+    for step in range(3):
+        micro_batches = _packed_micro_batches(2, seed=step)
+        metrics = train_step(accelerator, model, optimizer, scheduler, micro_batches, grad_clip=0.5)
+
+        lr = ref_optimizer.param_groups[0]["lr"]
+        losses, aux_losses, load = [], [], 0
+        for batch in micro_batches:
+            segments = {"segment_ids": batch["segment_ids"]} if helm_model else {}
+            output = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               labels=batch["labels"], use_cache=False, **segments)
+            (output.loss / 2).backward()
+            aux = output.aux_loss.detach() if routed else torch.zeros(())
+            losses.append(output.loss.detach() - aux)
+            aux_losses.append(aux)
+            if routed:
+                load = load + torch.stack([layer.last_expert_load for layer in routed])
+        grad_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_optimizer.step()
+        ref_scheduler.step()
+        ref_optimizer.zero_grad(set_to_none=True)
+        for layer, layer_load in zip(routed, load if routed else []):
+            layer.last_expert_load.copy_(layer_load)
+            layer.update_bias()
+
+        assert metrics.lr == lr and float(metrics.grad_norm) == pytest.approx(float(grad_norm), rel=1e-6)
+        assert float(metrics.loss) == pytest.approx(float(sum(losses) / 2), rel=1e-6)
+        assert float(metrics.aux_loss) == pytest.approx(float(sum(aux_losses) / 2), rel=1e-6)
+        assert (float(metrics.aux_loss) > 0) == bool(routed)
+        assert all(p.grad is None for p in model.parameters())
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
+    for name in biases:
+        assert dict(model.named_buffers())[name].abs().sum() > 0, f"{name} never moved"
+    with pytest.raises(ValueError, match="3 micro-batches for a step, but the accelerator accumulates .* over 2"):
+        train_step(accelerator, model, optimizer, scheduler, _packed_micro_batches(3, seed=9))
+
+
+def test_packed_rows_reach_helm_models_by_their_forward_names():
+    """A packed batch's keys are the HELM forward's own: model(**rows) keeps attention within documents."""
+    from helm.evaluation import packed_inputs
+
+    model = _micro_model("tiny-helm-d").eval()
+    [batch] = _packed_micro_batches(1, seed=0)
+    with torch.no_grad():
+        direct = model(**batch).logits
+        explicit = model(**packed_inputs(model, batch)).logits
+        plain = model(input_ids=batch["input_ids"]).logits
+    torch.testing.assert_close(direct, explicit)
+    assert not torch.allclose(direct, plain), "the segment ids changed nothing"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_batches_hand_each_process_its_rows_in_order_from_any_step(workers):
+    """The DataLoader of train.py: step s, micro-batch m of process r reads the batch_size rows from
+    s·G + (m·world + r)·batch_size of the endless stream (G rows per step), each epoch a fresh seeded
+    permutation; with workers too, and from a resumed step on."""
+    from helm.training import PackedRows, training_batches
+
+    n, B, accum, world = 10, 2, 2, 2
+    rows = {"input_ids": torch.arange(n * 4).view(n, 4), "labels": torch.arange(n * 4).view(n, 4)}
+    packed = PackedRows(rows, seed=3, shuffle=True)
+    stream = [packed[i]["input_ids"] for i in range(4 * n)]
+    assert torch.equal(torch.stack(stream[:n]).sort(0).values, rows["input_ids"])  # an epoch is a permutation
+    assert not torch.equal(torch.stack(stream[:n]), torch.stack(stream[n:2 * n]))  # reshuffled each epoch
+    G = B * accum * world
+    for rank in range(world):
+        for start_step in (0, 2):
+            loader = training_batches(packed, start_step=start_step, max_steps=4, batch_size=B, grad_accum=accum,
+                                      rank=rank, world_size=world, num_workers=workers)
+            batches = [batch["input_ids"] for batch in loader]
+            assert len(batches) == (4 - start_step) * accum
+            for i, batch in enumerate(batches):
+                step, micro = start_step + i // accum, i % accum
+                first = step * G + (micro * world + rank) * B
+                assert torch.equal(batch, torch.stack(stream[first:first + B])), (rank, start_step, i)
+
+
+def test_streamed_rows_restart_and_resume_at_the_step(run_data, tokenizer):
+    """A stream is read in order, endlessly (epoch after epoch), and a resumed DataLoader starts at the step's
+    row: step 3 of 2 rows x 2 micro-batches is row 12 (in a worker process here)."""
+    from helm.training import StreamRows, load_splits, training_batches
+    from helm.training.config import DataConfig
+
+    data = DataConfig(dataset=str(run_data / "validation.jsonl"), streaming=True, validation_split=None,
+                      holdout_documents=1, seq_len=32)
+    train_set, _, streaming = load_splits(data)
+    assert streaming
+    rows = [row["input_ids"] for row in itertools.islice(StreamRows(train_set, tokenizer, data), 400)]
+    per_epoch = next(i for i in range(1, len(rows)) if torch.equal(rows[i], rows[0]))
+    assert per_epoch < 200 and torch.equal(torch.stack(rows[:per_epoch]), torch.stack(rows[per_epoch:2 * per_epoch]))
+    resumed = training_batches(StreamRows(train_set, tokenizer, data), start_step=3, max_steps=5, batch_size=2,
+                               grad_accum=2, num_workers=1)
+    assert torch.equal(next(iter(resumed))["input_ids"], torch.stack(rows[12:14]))
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints

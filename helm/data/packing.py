@@ -3,11 +3,11 @@
 Not the paper's recipe (App. C: 2048-token samples with the tails dropped, packed at ratio 3, right-padded, BOS
 first): no tail is dropped, a document crossing a row boundary continues in the next row; eos (what ``generate``
 stops on) ends each document. Only the last partial row is dropped, or padded when ``pad_id`` is given
-(``labels = -100``, ``document_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
+(``labels = -100``, ``segment_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
 
-Every row comes with, all ``[N, L]`` int64:
+Every row comes with, all ``[N, L]`` int64, named as the HELM models' forward takes them (``model(**rows)``):
 
-* ``document_ids``: 0, 1, 2, ... per document *segment* of the row (a document crossing a row boundary starts
+* ``segment_ids``: 0, 1, 2, ... per document *segment* of the row (a document crossing a row boundary starts
   again at 0 in the next row); attention restricted to equal ids, and causal, never crosses documents.
 * ``position_ids``: restart at 0 at every segment start, so they never exceed ``L - 1``.
 * ``labels``: equal to ``input_ids`` (the model shifts them): the eos is a target, and the eos position predicts
@@ -48,7 +48,7 @@ def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *, pad_i
         labels[starts & (columns > 0)] = -100
     labels[~real] = -100
     return {"input_ids": input_ids.clone(), "labels": labels,
-            "document_ids": (torch.cumsum(starts.long(), dim=1) - 1).masked_fill(~real, -1),
+            "segment_ids": (torch.cumsum(starts.long(), dim=1) - 1).masked_fill(~real, -1),
             "position_ids": (columns - begin).masked_fill(~real, 0), "attention_mask": real.long()}
 
 
@@ -65,7 +65,7 @@ def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos
                    mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
     """Pack tokenised documents (without eos; empty ones allowed) into rows (see the module docstring).
 
-    Returns ``input_ids, labels, document_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
+    Returns ``input_ids, labels, segment_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
     ``N = floor(T / seq_len)`` (``ceil`` with ``pad_id``) for ``T`` tokens including the eos tokens.
     """
     _check(seq_len, eos_id, pad_id)

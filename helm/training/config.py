@@ -1,11 +1,16 @@
-"""The training recipe: OmegaConf structured configs, one dataclass per YAML section (``configs/train/*.yaml``
-explain every key). Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming the key."""
+"""The training recipe: OmegaConf structured configs, one dataclass per YAML section, each key documented where it
+is declared (``python train.py --help`` prints them all). A recipe (``configs/train/*.yaml``) sets only the keys
+that differ from these defaults. Unknown keys, wrong types and out-of-range values raise :class:`ConfigError`
+naming the key."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,74 +27,152 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     preset: Optional[str] = None
+    """Model to train from scratch: a preset name from ``helm/presets/`` (without ``.json``) or a path to a JSON
+    config. Set exactly one of preset and pretrained."""
     pretrained: Optional[str] = None
+    """Or continue from trained weights: a ``save_pretrained`` folder or a hub name."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields set on top of the preset / pretrained config, e.g. ``{attn_impl: sdpa, num_hidden_layers: 2}``.
+    On the command line one field at a time: ``--model.overrides.num_hidden_layers=2``."""
     trust_remote_code: bool = False
+    """Run the code saved with a pretrained folder or hub model whose type neither helm nor transformers knows (its
+    config.json has an auto_map). HELM folders never need it."""
 
 
 @dataclass
 class DataConfig:
     dataset: str = "data/default"
+    """Training text: a folder with ``{train,validation}.{jsonl,txt}``, a .jsonl or .txt file (a .jsonl holds one
+    document per record, a .txt file is one document), or a hub dataset name (streamed). ``data/default`` is
+    helm's offline corpus (Bible translations, Shakespeare, Python docs; see build_default)."""
     dataset_config: Optional[str] = None
+    """Hub dataset configuration (e.g. 20231101.en for wikimedia/wikipedia); null for local data."""
     build_default: bool = False
+    """Build the offline default corpus and its tokenizer into dataset if it is not there yet
+    (``helm.data.build_default_data``, as ``python scripts/build_data.py --out data/default``)."""
     tokenizer: str = "data/default/tokenizer"
+    """Tokenizer: a local folder or a hub name. Its vocabulary must fit the model's vocab_size."""
     text_column: str = "text"
+    """Field (JSONL) or column (hub) holding the text of each document."""
     train_split: str = "train"
+    """Split to train on."""
     validation_split: Optional[str] = "validation"
+    """Split to validate on; null to hold out the first holdout_documents training documents instead."""
     holdout_documents: int = 0
+    """Documents held out of the training split for validation when validation_split is null (ignored
+    otherwise)."""
     streaming: Optional[bool] = None
+    """Read the dataset as a stream (null: stream hub datasets, load local files into memory)."""
     seq_len: int = 256
+    """Tokens per packed row; documents are packed back to back, each followed by eos, and never attend to each
+    other."""
     mask_document_starts: bool = False
+    """Do not train the prediction of a document's first token from the end of the previous one."""
     shuffle: bool = True
+    """Reshuffle the packed rows every epoch (in-memory data only; streams are read in order)."""
+    num_workers: int = 0
+    """DataLoader worker processes preparing the next batches while the model trains. 0: the training process
+    fetches them, best for in-memory rows (an indexing away) and on a CPU, where workers take cores from the
+    model. A stream, tokenised and packed as it is read, uses one worker at most (its rows come in sequence).
+    Does not change the batches: a run may resume with another value."""
 
 
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
+    """Peak learning rate of the Euclidean parameters (AdamW); the paper used 2e-4 dense and 4e-4 MoE at ~100M
+    parameters, tiny models take a higher one."""
     manifold_lr: Optional[float] = None
+    """Peak learning rate of manifold parameters (geoopt RiemannianAdam); null = lr."""
     weight_decay: float = 0.01
+    """Decoupled weight decay of weight matrices only (never manifold points, curvatures, temperatures, norm
+    gains, residual weights or biases)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas, shared by AdamW and RiemannianAdam."""
     eps: float = 1e-8
+    """Adam epsilon, shared by AdamW and RiemannianAdam."""
     warmup_ratio: float = 0.03
+    """Share of the steps spent on linear warmup (paper: 3%)."""
     final_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of the peak (paper: 0.1)."""
     grad_clip: Optional[float] = 1.0
+    """Clip the global gradient norm to this value; null = no clipping."""
     stabilize: Optional[int] = 1
+    """Every this many steps RiemannianAdam re-projects manifold points onto the hyperboloid and their momenta
+    onto its tangent spaces (null = never). Every step (1) is cheap and keeps geoopt's fp32 transport finite for
+    points far from the origin."""
 
 
 @dataclass
 class TrainConfig:
     output_dir: str = MISSING
+    """Where checkpoints, metrics.jsonl, config.yaml (the resolved recipe) and the final model (final/) go.
+    Required."""
     overwrite: bool = False
+    """false: refuse to start when output_dir already holds a run (or other files) and --resume is not given;
+    true: delete its checkpoints, metrics and final model and start over (e.g. --train.overwrite=true once)."""
     max_steps: int = MISSING
+    """Optimiser steps. Required."""
     batch_size: int = 8
+    """Packed rows per process per micro-batch."""
     grad_accum: int = 1
+    """Micro-batches per optimiser step (rows per step = batch_size x processes x grad_accum)."""
     mixed_precision: str = "no"
+    """Autocast precision: no, bf16, fp16 (GPUs only, with loss scaling), or auto (bf16 on GPUs that support it,
+    else no)."""
     distributed: str = "ddp"
+    """Multi-process strategy when launched with several processes: ddp, or fsdp (FSDP2: parameters, gradients
+    and optimiser state sharded over the processes; on GPUs, or on CPU processes with gloo)."""
     seed: int = 0
+    """Seed of the initialisation, the data order and the demo sample."""
     log_every: int = 10
+    """Log the mean training loss, learning rate, gradient norm and tokens/s every this many steps."""
     eval_every: int = 0
+    """Validate every this many steps (0 = only before and after training)."""
     eval_rows: int = 64
+    """Validation rows (of seq_len tokens) used for the validation loss and perplexity."""
     eval_at_start: bool = True
+    """Measure the validation perplexity before the first step."""
     save_every: int = 0
+    """Checkpoint every this many steps (0 = only at the end); written atomically."""
     keep_last: int = 2
+    """Checkpoints kept (older ones are deleted)."""
     logger: str = "jsonl"
+    """accelerate trackers: jsonl (output_dir/metrics.jsonl), tensorboard (output_dir/tensorboard; needs
+    ``pip install tensorboard``), or both."""
     progress_bar: bool = True
+    """Show a tqdm progress bar (loss, tokens/s, ETA) when writing to a terminal; otherwise (or when false, or
+    when the output goes to a file) print a line with loss, tokens/s and ETA every log_every steps."""
     gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them: less activation memory
+    for about one more forward pass of compute (``model.gradient_checkpointing_enable()``)."""
     compile: bool = False
+    """Compile the training forward and backward with torch.compile, as one graph (fullgraph) where the model
+    allows; validation, checkpoints and the saved model use the plain module. The first step then takes longer
+    (inductor generates its kernels: a minute or two on a CPU)."""
     compile_backend: str = "inductor"
+    """torch.compile backend: inductor (fused kernels) or aot_eager (no code generation: quick to start, no
+    faster; for testing)."""
 
 
 @dataclass
 class DemoConfig:
     prompt: Optional[str] = None
+    """Text generated from this prompt by the reloaded model at the end; null = no sample."""
     max_new_tokens: int = 48
+    """Tokens to generate."""
     do_sample: bool = True
+    """Sample (true) or greedy decoding (false)."""
     temperature: float = 0.8
+    """Sampling temperature."""
     top_k: int = 40
+    """Sample among the top_k most likely tokens (0 = no top-k filter)."""
 
 
 @dataclass
 class RunConfig:
+    """A training recipe: ``configs/train/*.yaml`` set the keys that differ from these defaults."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -103,6 +186,35 @@ class RunConfig:
 def all_keys() -> list[str]:
     """Every ``section.key`` a recipe may set, in declaration order."""
     return [f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig) for f in dataclasses.fields(s.default_factory)]
+
+
+def key_docs() -> dict[str, str]:
+    """``{"section.key": documentation}``: the docstring under each field of the section dataclasses, on one line
+    (rst ``code`` written as `code`)."""
+    docs = {}
+    for section in dataclasses.fields(RunConfig):
+        body = ast.parse(textwrap.dedent(inspect.getsource(section.default_factory))).body[0].body
+        for node, after in zip(body, body[1:]):
+            documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and documented:
+                text = " ".join(inspect.cleandoc(after.value.value).split())
+                docs[f"{section.name}.{node.target.id}"] = text.replace("``", "`")
+    return docs
+
+
+def describe(config: Optional[RunConfig] = None, width: int = 116) -> str:
+    """A recipe as YAML with every key's documentation above it: ``config``'s values, or the defaults (required
+    keys shown as ``'???'``). Loading the text back gives the same recipe."""
+    values = OmegaConf.to_container(OmegaConf.structured(RunConfig if config is None else config))
+    docs, lines = key_docs(), []
+    for section, body in values.items():
+        lines.append(f"{section}:")
+        for key, value in body.items():
+            lines += textwrap.wrap(docs[f"{section}.{key}"], width, initial_indent="  # ", subsequent_indent="  # ")
+            flow = yaml.safe_dump([value], default_flow_style=True, width=float("inf")).strip()[1:-1]
+            lines.append(f"  {key}: {flow}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def cli_overrides(args: list[str]) -> list[str]:
@@ -148,10 +260,10 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     return config
 
 
-MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "optim.weight_decay": 0, "optim.stabilize": 1,
-           "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1, "train.log_every": 1,
-           "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0, "train.keep_last": 1,
-           "demo.max_new_tokens": 1, "demo.top_k": 0}
+MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
+           "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
+           "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
+           "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
 POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
            "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager")}
@@ -193,7 +305,8 @@ RESUMABLE_CHANGES = frozenset({
     "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.logger",
     "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
-    "data.build_default", "demo.prompt", "demo.max_new_tokens", "demo.do_sample", "demo.temperature", "demo.top_k",
+    "data.build_default", "data.num_workers", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
+    "demo.temperature", "demo.top_k",
 })
 
 

@@ -1,12 +1,16 @@
 """Training data: tokenizer, train/validation splits, packed rows in memory (:class:`PackedRows`, reshuffled every
-epoch) and streamed rows (:class:`StreamRows`, this process's shard of a stream, in order)."""
+epoch) or streamed (:class:`StreamRows`, this process's shard of a stream, in order), and the DataLoader that
+hands this process its micro-batches in training order (:func:`training_batches`)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from datasets.distributed import split_dataset_by_node
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..data import iter_packed, load_text_dataset, pack_rows, tokenize
 from .config import ConfigError, DataConfig
@@ -76,11 +80,13 @@ def pack_split(dataset, tokenizer, data: DataConfig, max_rows: int | None = None
                      max_rows=max_rows, mask_document_starts=data.mask_document_starts)
 
 
-class PackedRows:
-    """In-memory rows, visited in a fresh seeded permutation every epoch; addressed by global row index.
+class PackedRows(Dataset):
+    """In-memory rows as the endless training stream, addressed by global row index, one epoch after another,
+    each visited in a fresh seeded permutation.
 
-    Row ``i`` of the endless training stream is row ``perm_e[i mod N]`` of epoch ``e = i // N``, so any process
-    can fetch any slice of the stream without reading the rest, and resuming needs only the step.
+    Row ``i`` of the stream is row ``perm_e[i mod N]`` of epoch ``e = i // N``, so any process (or DataLoader
+    worker) can fetch any row of the stream without reading the rest, and resuming needs only the step.
+    ``len()`` is ``N``, the rows of one epoch.
     """
 
     def __init__(self, rows: dict[str, torch.Tensor], *, seed: int, shuffle: bool):
@@ -98,39 +104,82 @@ class PackedRows:
             self._epoch = epoch
         return self._perm
 
-    def take(self, start: int, count: int) -> dict[str, torch.Tensor]:
-        index = torch.stack([self._permutation(i // self.n)[i % self.n] for i in range(start, start + count)])
-        return {key: value[index] for key, value in self.rows.items()}
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self._permutation(index // self.n)[index % self.n]
+        return {key: value[row] for key, value in self.rows.items()}
 
 
-class StreamRows:
-    """Rows packed on the fly from this process's shard of a streamed dataset, in order, restarting at its end."""
+class StepRows(Sampler[int]):
+    """The global row indices one process reads, in training order, from ``start_step`` to ``max_steps``.
+
+    A step reads ``G = batch_size x world_size x grad_accum`` rows of the stream: step ``s`` rows
+    ``[s·G, (s+1)·G)``, micro-batch ``m`` of process ``r`` the ``batch_size`` rows from
+    ``s·G + (m·world_size + r)·batch_size``. So the rows of a step do not depend on how it is split between
+    processes and micro-batches, and the data position is the step.
+    """
+
+    def __init__(self, *, start_step: int, max_steps: int, batch_size: int, grad_accum: int, rank: int = 0,
+                 world_size: int = 1):
+        self.steps = range(start_step, max_steps)
+        self.batch_size, self.grad_accum, self.rank, self.world_size = batch_size, grad_accum, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        per_step = self.batch_size * self.world_size * self.grad_accum
+        for step in self.steps:
+            for micro in range(self.grad_accum):
+                first = step * per_step + (micro * self.world_size + self.rank) * self.batch_size
+                yield from range(first, first + self.batch_size)
+
+    def __len__(self) -> int:
+        return len(self.steps) * self.grad_accum * self.batch_size
+
+
+class StreamRows(IterableDataset):
+    """Rows packed on the fly from this process's shard of a streamed dataset, in order, restarting at its end
+    (endless), the first ``skip_rows`` skipped. Tokenising and packing happen where it is iterated: in a
+    DataLoader worker when there is one, else in the DataLoader's iterator, never in the training step."""
 
     def __init__(self, dataset, tokenizer, data: DataConfig, *, skip_rows: int = 0):
-        self.dataset, self.tokenizer, self.data = dataset, tokenizer, data
-        self.epoch, self.consumed = 0, 0
-        self._rows = self._open()
-        for _ in range(skip_rows):  # resuming a stream re-reads it up to the saved position
-            self._next()
+        self.dataset, self.tokenizer, self.data, self.skip_rows = dataset, tokenizer, data, skip_rows
 
-    def _open(self):
+    def _epoch(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self.epoch)
+            self.dataset.set_epoch(epoch)
         return iter_packed(_token_lists(self.dataset, self.tokenizer, self.data), self.data.seq_len,
                            eos_id=self.tokenizer.eos_token_id, mask_document_starts=self.data.mask_document_starts)
 
-    def _next(self) -> dict[str, torch.Tensor]:
-        row = next(self._rows, None)
-        if row is None:
-            if self.consumed == 0:
+    def _rows(self) -> Iterator[dict[str, torch.Tensor]]:
+        for epoch in itertools.count():
+            empty = True
+            for row in self._epoch(epoch):
+                empty = False
+                yield row
+            if empty:
                 raise ConfigError(f"data.dataset: {self.data.dataset!r} yields no complete row of "
                                   f"data.seq_len={self.data.seq_len} tokens")
-            self.epoch += 1
-            self._rows = self._open()
-            row = next(self._rows)
-        self.consumed += 1
-        return row
 
-    def next(self, count: int) -> dict[str, torch.Tensor]:
-        rows = [self._next() for _ in range(count)]
-        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        # resuming a stream re-reads it up to the saved position
+        return itertools.islice(self._rows(), self.skip_rows, None)
+
+
+def training_batches(rows: PackedRows | StreamRows, *, start_step: int, max_steps: int, batch_size: int,
+                     grad_accum: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+                     pin_memory: bool = False) -> DataLoader:
+    """The DataLoader of this process's micro-batches (``[batch_size, seq_len]`` tensors) from ``start_step`` on,
+    ``grad_accum`` per step, in training order.
+
+    Workers keep the order: in-memory rows are fetched by index (:class:`StepRows`) and handed out in sampler
+    order; a stream is read by one worker at most, since its rows can only be packed in sequence (and it is
+    endless: the caller takes what it needs). ``pin_memory``
+    (for CUDA) lets the training step copy batches to the device without blocking.
+    """
+    # A DataLoader draws its workers' base seed from its generator, by default torch's global one, which the
+    # checkpoint restores: drawn there, it would shift every later random number of a resumed run.
+    options = dict(batch_size=batch_size, pin_memory=pin_memory, generator=torch.Generator())
+    if isinstance(rows, StreamRows):  # this process's shard, read again up to where start_step begins
+        rows = StreamRows(rows.dataset, rows.tokenizer, rows.data, skip_rows=start_step * grad_accum * batch_size)
+        return DataLoader(rows, num_workers=min(num_workers, 1), **options)
+    sampler = StepRows(start_step=start_step, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
+                       rank=rank, world_size=world_size)
+    return DataLoader(rows, sampler=sampler, num_workers=num_workers, **options)

@@ -84,7 +84,7 @@ def segment_by_segment_nll(model, rows) -> tuple[float, int]:
     """
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, docs in zip(rows["input_ids"], rows["document_ids"], strict=True):
+        for ids, docs in zip(rows["input_ids"], rows["segment_ids"], strict=True):
             for doc in docs.unique().tolist():
                 cols = (docs == doc).nonzero().flatten()
                 a, b = int(cols[0]), int(cols[-1]) + 1
@@ -103,7 +103,7 @@ def test_document_attention_sees_one_document_at_a_time(make_checkpoint, text_fi
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     rows = pack_documents(tok(texts, add_special_tokens=False)["input_ids"], 40, eos_id=tok.eos_token_id)
-    assert int(rows["document_ids"].max()) >= 1
+    assert int(rows["segment_ids"].max()) >= 1
     expected, n = segment_by_segment_nll(model, rows)
     result = run(folder, short, "--seq-len", "40", "--batch-size", "2", "--document-attention")
     assert result["scored_tokens"] == n and result["document_attention"]

@@ -119,7 +119,7 @@ def write_recipe(folder: Path, data: Path, name: str, **train) -> Path:
     recipe["train"].update(output_dir=str(folder / name), max_steps=10, batch_size=2, log_every=1, eval_every=0,
                            eval_rows=8, save_every=0, eval_at_start=False, progress_bar=False, distributed="fsdp",
                            **train)
-    recipe["optim"].update(lr=1e-2)
+    recipe.setdefault("optim", {}).update(lr=1e-2)
     recipe["demo"].update(prompt=None)
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
