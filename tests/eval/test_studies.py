@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import struct
+import zlib
 
+import matplotlib.image
 import networkx as nx
 import numpy as np
 import pytest
@@ -18,9 +21,28 @@ from tests.eval.script_loader import load_script
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def assert_png(path):
+def assert_png(path, size):
+    """A complete PNG (signature, CRC-checked chunks from IHDR to IEND) of ``size = (width, height)`` pixels, the
+    script's figsize × dpi, that decodes to a drawing rather than a blank canvas."""
     data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 5000, path
+    assert data[:8] == PNG_MAGIC, path
+    chunks, at = [], 8
+    while at < len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        body, (crc,) = data[at + 8:at + 8 + length], struct.unpack(">I", data[at + 8 + length:at + 12 + length])
+        assert zlib.crc32(kind + body) == crc, (path, kind)
+        chunks.append((kind, body))
+        at += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND", path
+    assert struct.unpack(">II", chunks[0][1][:8]) == size, path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == size[::-1]
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 16, path  # lines, text and antialiasing
+
+
+def plotted(ax):
+    """``{label: (x, y)}`` of the axes' lines."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
 
 
 def assert_labelled(fig, n_lines_at_least=1):
@@ -36,8 +58,14 @@ def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
     curves, fig = pe_decay.main(["--head-dim", "16", "--num-heads", "4", "--max-distance", "200", "--samples", "8",
                                  "--rope3d-chunk-size", "64", "--output", str(out), "--csv", str(tmp_path / "d.csv"),
                                  "--no-progress"])
-    assert_png(out)
+    assert_png(out, (17 * 110, round(4.8 * 110)))
     assert_labelled(fig, n_lines_at_least=6)
+    for ax, (setting, stat, _) in zip(fig.axes, pe_decay.PANELS, strict=True):  # each panel plots its curves
+        lines = plotted(ax)
+        assert len(lines) == len(curves[setting])
+        for kind, curve in curves[setting].items():
+            label = next(name for name in lines if name == kind or (kind == "alibi" and name.startswith("alibi")))
+            assert lines[label] == (list(range(201)), curve[stat].tolist()), (setting, stat, kind)
     aligned, random = curves["aligned"], curves["random"]
     norm = aligned["none"]["mean"][0]  # mean |q_s|^2
     for kind in ("hope", "none", "alibi", "rope3d", "hope_boost"):  # distance 0: the space score is |q_s|^2
@@ -94,9 +122,15 @@ def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_pat
     learned = next(run for run in record["runs"] if run["model_name"] == "learned")
     assert learned["results"]["length_extrapolation"]["ppl@8x"] is None
     assert math.isfinite(learned["results"]["length_extrapolation"]["ppl@1x"])
-    assert_png(tmp_path / "extrapolation.png")
+    assert_png(tmp_path / "extrapolation.png", (7 * 120, round(4.5 * 120)))
     fig = extrapolation.plot(rows, tmp_path / "again.png", title="t")
     assert_labelled(fig, n_lines_at_least=3)
+    # one line per model through the table's scored cells (the learned model's only up to its table size)
+    table_rows = [r for r in table if r["perplexity"]]
+    assert plotted(fig.axes[0]) == {
+        name: ([int(r["factor"]) for r in table_rows if r["model"] == name],
+               [pytest.approx(float(r["perplexity"]), rel=1e-5) for r in table_rows if r["model"] == name])
+        for name in models}
 
 
 def test_ollivier_ricci_on_graphs_with_known_curvature():
@@ -139,9 +173,14 @@ def test_curvature_runs_on_helm_and_llama(make_checkpoint, text_file, tmp_path):
         assert stats["mean"] == pytest.approx(edges.mean(), abs=1e-6)
         assert stats["fraction_negative"] == pytest.approx((edges < 0).mean(), abs=1e-12)
     assert json.loads((tmp_path / "curvature.json").read_text()) == json.loads(json.dumps(record))
-    assert_png(tmp_path / "curvature.png")
-    fig = curvature.plot({"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}, tmp_path / "c.png", title="t")
+    assert_png(tmp_path / "curvature.png", (7 * 120, round(4.5 * 120)))
+    values = {"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}
+    fig = curvature.plot(values, tmp_path / "c.png", title="t")
     assert_labelled(fig, n_lines_at_least=2)
+    # each histogram is the density of its values over 40 common bins
+    bins = np.linspace(min(v.min() for v in values.values()), max(v.max() for v in values.values()), 41)
+    for bars, v in zip(fig.axes[0].containers, values.values(), strict=True):
+        assert np.allclose([bar.get_height() for bar in bars], np.histogram(v, bins=bins, density=True)[0])
 
 
 def test_length_extrapolation_applies_each_rope_scaling_at_evaluation(make_checkpoint, text_file, tmp_path):
@@ -188,5 +227,11 @@ def test_length_extrapolation_study_script_runs_end_to_end(tmp_path):
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| model | 256 | 512 | 1024 | 2048 | 4096 |"
     assert [line.split(" | ")[0] for line in table[2:]] == ["| alibi", "| llama-rope", "| llama-rope+yarn"]
-    assert_png(tmp_path / "out" / "study.png")
+    # the table prints the CSV's perplexities; the figure is the README's 13 × 5.5 in at 110 dpi
+    cells = {(r["model"], int(r["seq_len"])): float(r["perplexity"]) for r in rows if r["perplexity"]}
+    for line in table[2:]:
+        name, *values = [cell.strip() for cell in line.strip("| ").split(" | ")]
+        for n, value in zip(sorted(lengths), values, strict=True):
+            assert value == (f"{cells[name, n]:,.1f}" if (name, n) in cells else "—"), (name, n)
+    assert_png(tmp_path / "out" / "study.png", (13 * 110, round(5.5 * 110)))
     assert "[study] done in" in done.stdout

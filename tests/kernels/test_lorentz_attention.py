@@ -17,6 +17,7 @@ import torch
 from helm.manifold import lift, manifold_error
 from helm.ops import lorentz_attention
 
+from tests.helpers import assert_close
 from tests.kernels.device import DEVICE, ON_GPU
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -38,13 +39,6 @@ def _segments(B, T, gen, n_docs=4):
         for c in cuts[b]:
             ids[b, c:] += 1
     return ids
-
-
-def _rel_err(actual, expected):
-    actual = actual.detach().double().cpu()
-    expected = expected.detach().double().cpu()
-    assert torch.isfinite(actual).all(), "non-finite values (an unwritten NaN-filled buffer was read?)"
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
 
 
 def _case(name, *, B=2, H=2, Tq=100, Tk=None, d=64, dv=None, causal=True, mask=None, segments=False,
@@ -146,14 +140,12 @@ def test_forward_backward_match_eager_fp64(lk, case):
     args, kkw = _leaves(q, kk, u, tau, kw)
     out = lk.lorentz_flash_attention(args[0], args[1], _values(args[2], kkw), tau=args[3], **kkw)
     assert out.dtype == torch.float32 and out.shape == ref_out.shape
-    assert _rel_err(out, ref_out) <= FP32_TOL
+    assert_close(out, ref_out, rtol=FP32_TOL)
     assert manifold_error(out, 1.0 if not isinstance(kw["k"], torch.Tensor) else kw["k"]).max() <= 1e-5
     grads = _grads(out, args, kkw, do.to(DEVICE))
     assert len(grads) == len(ref_grads)
     for gname, g, r in zip(_grad_names(kw), grads, ref_grads, strict=True):
-        assert g.shape == r.shape, gname
-        err = _rel_err(g, r)
-        assert err <= FP32_TOL, f"{name}: {gname} relative error {err:.2e}"
+        assert_close(g, r, rtol=FP32_TOL, msg=f"{name}: {gname}")
 
 
 def test_gradient_of_a_sum(lk):
@@ -164,7 +156,7 @@ def test_gradient_of_a_sum(lk):
     kargs, kkw = _leaves(q, kk, u, tau, kw)
     lk.lorentz_flash_attention(kargs[0], kargs[1], _values(kargs[2], kkw), tau=kargs[3], **kkw).sum().backward()
     for gname, g, r in zip(_grad_names(kw), kargs, args, strict=True):
-        assert _rel_err(g.grad, r.grad) <= FP32_TOL, gname
+        assert_close(g.grad, r.grad, rtol=FP32_TOL, msg=gname)
 
 
 DECODE_CASES = [
@@ -190,7 +182,7 @@ def test_decode_kernel_matches_eager_fp64(lk, case, monkeypatch):
         out = lk.lorentz_flash_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, **dev_kw)
         direct = lk.lorentz_decode_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, **dev_kw)
     assert calls, "lorentz_flash_attention did not use the decoding kernel for a short query without grad"
-    assert _rel_err(out, ref) <= FP32_TOL
+    assert_close(out, ref, rtol=FP32_TOL)
     assert torch.equal(out, direct)
 
 
@@ -205,13 +197,12 @@ def test_half_precision_inputs(lk, dtype):
     args, kkw = _leaves(q, kk, u, tau, kw, dtype)
     out = lk.lorentz_flash_attention(args[0], args[1], _values(args[2], kkw).to(dtype), tau=args[3], **kkw)
     assert out.dtype == torch.float32
-    assert _rel_err(out, ref_out) <= HALF_TOL[dtype]
+    assert_close(out, ref_out, rtol=HALF_TOL[dtype])
     ref_grads = _reference(q, kk, u, tau, kw, do)[1]
     for gname, g, r in zip(["dq", "dk", "dv_space", "dtau"], _grads(out, args, kkw, do.to(DEVICE)), ref_grads,
                                strict=True):
         assert g.dtype == (dtype if gname != "dtau" else torch.float32), gname
-        err = _rel_err(g, r)
-        assert err <= HALF_TOL[dtype], f"{gname} relative error {err:.2e}"
+        assert_close(g, r, rtol=HALF_TOL[dtype], msg=gname)
 
 
 def test_helm_entry_point_impl_triton(lk):
@@ -222,7 +213,7 @@ def test_helm_entry_point_impl_triton(lk):
     with torch.no_grad():
         out = lorentz_attention(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), tau=tau, impl="triton", **dev_kw)
         ref = lorentz_attention(q.double(), kk.double(), v.double(), tau=tau.double(), impl="eager", **kw)
-    assert _rel_err(out, ref) <= FP32_TOL
+    assert_close(out, ref, rtol=FP32_TOL)
 
 
 def test_naive_reference_matches_eager():
@@ -231,7 +222,7 @@ def test_naive_reference_matches_eager():
 
     args = [t.double() for t in (q, kk, _values(u, kw), tau)]
     ref = lorentz_attention(*args[:3], tau=args[3], impl="eager", **kw)
-    assert _rel_err(naive_lorentz_attention(*args[:3], tau=args[3], **kw), ref) <= 1e-12
+    assert_close(naive_lorentz_attention(*args[:3], tau=args[3], **kw), ref, rtol=1e-12)
 
 
 def test_invalid_arguments_raise(lk):

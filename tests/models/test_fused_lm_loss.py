@@ -3,16 +3,10 @@ rule for when ``logits`` is None."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.helpers import assert_close
+from tests.helpers import assert_close, tiny_model
 
 FAMILIES = ["helm_d", "helm_mice"]
-
-
-def model_of(tiny_config, family, **overrides):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).train()
 
 
 def batch(T=63):
@@ -48,8 +42,8 @@ def loss_and_grads(model, ids, labels, extra, *, fused):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("head", ["linear", "distance"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_loss_equals_the_plain_path_in_loss_and_gradients(tiny_config, family, head, dtype):
-    model = model_of(tiny_config, family, lm_head_mode=head).to(dtype)
+def test_fused_loss_equals_the_plain_path_in_loss_and_gradients(family, head, dtype):
+    model = tiny_model(family, train=True, lm_head_mode=head).to(dtype)
     ids, labels = batch()
     for extra in ({}, {"num_items_in_batch": torch.tensor(200)}, {"shift_labels": labels.roll(-1, 1)}):
         plain, plain_loss, g_plain = loss_and_grads(model, ids, labels, extra, fused=False)
@@ -67,8 +61,8 @@ def test_fused_loss_equals_the_plain_path_in_loss_and_gradients(tiny_config, fam
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_are_skipped_only_in_training_with_labels(tiny_config, family):
-    model = model_of(tiny_config, family)
+def test_logits_are_skipped_only_in_training_with_labels(family):
+    model = tiny_model(family, train=True)
     ids, labels = batch(17)
     with torch.no_grad():
         assert model(ids, labels=labels).logits is None

@@ -16,7 +16,7 @@ from helm.nn.positional import (
     hope_boost_bias,
     rope_frequencies,
 )
-from tests.helpers import assert_close
+from tests.helpers import assert_close, space
 
 K = 1.0
 TAU = 8.0
@@ -27,11 +27,6 @@ MAX_POS = 4096
 def build(name, head_dim=16, num_heads=3, **options):
     return build_positional_encoding(name, head_dim=head_dim, num_heads=num_heads,
                                      max_position_embeddings=MAX_POS, **options)
-
-
-def space(*shape, std=0.3, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (std * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
 
 
 def logits(pe, q_s, k_s, q_pos, k_pos, *, scale=SCALE):
@@ -96,8 +91,20 @@ def test_bad_arguments_name_the_argument(name, kwargs, words):
 
 
 def test_odd_head_dim_is_fine_where_nothing_is_paired():
-    for name in ("none", "alibi", "learned"):
-        assert build(name, head_dim=15) is not None
+    """Kinds that do not act on pairs take an odd head dim as any other: space parts stay unrotated, logits are
+    ``scale·<q, k>_L`` (ALiBi: minus ``slope_h·(i - j)``, slopes ``2^(-8h/H)``), the learned table is added to
+    odd-width space parts."""
+    d, H, T = 15, 4, 6
+    q, k, pos = space(2, H, T, d, seed=1), space(2, H, T, d, seed=2), torch.arange(T).expand(2, T)
+    plain = SCALE * inner(lift(q, k=K).unsqueeze(-2), lift(k, k=K).unsqueeze(-3))
+    slopes = torch.tensor([2.0 ** (-8 * h / H) for h in range(1, H + 1)])
+    distance = (pos[:, :, None] - pos[:, None, :]).unsqueeze(1)
+    for name, bias in (("none", 0.0), ("alibi", -slopes[:, None, None] * distance)):
+        pe = build(name, head_dim=d, num_heads=H)
+        assert torch.equal(pe.rotate(q, pos), q)
+        assert_close(logits(pe, q, k, pos, pos), plain + bias)
+    learned, x = build("learned", head_dim=d), space(2, T, d, seed=3)
+    assert torch.equal(learned.embed(x, pos), x + learned.weight[pos])
 
 
 def test_position_ids_must_be_integer_and_match_tokens():

@@ -21,7 +21,7 @@ from helm.nn.positional import (
     build_positional_encoding,
 )
 from helm.nn.positional.bipe import BIPE_ALIBI_SLOPE_SCALE, split_positions
-from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config
+from tests.helpers import MANIFOLD_TOL, assert_close, space, tiny_model
 
 K = 1.0
 SCALE = 2.0 / 8.0
@@ -34,11 +34,6 @@ POSITIONS = [0, 1, 2, 255, 256, 65_535, 65_536, 999_999, 1_000_000, 2**31 - 1]
 def build(name, head_dim=16, num_heads=3, **options):
     return build_positional_encoding(name, head_dim=head_dim, num_heads=num_heads, max_position_embeddings=64,
                                      **options)
-
-
-def space(*shape, std=0.3, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (std * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
 
 
 def textbook(position: int, dim: int, base: float = 10000.0) -> list:
@@ -290,9 +285,8 @@ def test_bipe_config_fields_are_checked():
 
 
 def tiny(name, **overrides):
-    torch.manual_seed(0)
     fields = dict(positional=name, max_position_embeddings=16, bipe_segment_length=5, attn_impl="sdpa")
-    model = AutoModelForCausalLM.from_config(tiny_config("helm_d", **{**fields, **overrides}))
+    model = tiny_model("helm_d", train=True, **{**fields, **overrides})
     with torch.no_grad():  # intra tables as large as the sinusoid, so that positions visibly matter
         for name_, p in model.named_parameters():
             if name_.endswith("pos_encoding.weight"):
@@ -356,9 +350,7 @@ def test_both_families_and_cache_kinds_decode_like_the_full_forward(name, family
     """HELM-D and HELM-MiCE (HMLA: the inter-segment encoding on the decoupled rope dims), with a growing cache and
     a static one (queries placed at a tensor offset in 24 slots): prefill 7, decode to 20 (past the table of 16,
     across segments of 5)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, positional=name, max_position_embeddings=16,
-                                                         bipe_segment_length=5)).eval()
+    model = tiny_model(family, positional=name, max_position_embeddings=16, bipe_segment_length=5)
     ids = torch.randint(0, 512, (2, 20))
     cache = StaticCache(config=model.config, max_cache_len=24) if cache_kind == "static" else DynamicCache()
     with torch.no_grad():

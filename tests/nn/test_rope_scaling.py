@@ -20,7 +20,7 @@ from helm.models import HelmDConfig, HelmMiCEConfig
 from helm.nn.positional import build_positional_encoding, rope_frequencies
 from helm.nn.positional.rotary import interpolated_chunk_size
 from helm.nn.positional.scaling import ROPE_TYPES, RopeScaling, resonance_frequencies
-from tests.helpers import assert_close
+from tests.helpers import assert_close, space
 
 K = 1.0
 SCALE = 2.0 / 8.0
@@ -66,16 +66,13 @@ def build(name="hope", d=16, rope_parameters=None, max_position_embeddings=4 * O
                                      rope_parameters=rope_parameters, **options)
 
 
-def space(*shape, std=0.3, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (std * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
-
-
 def logits(pe, q_s, k_s, pos):
-    """``s·(2/τ)·<lift(R q), lift(R k)>_L`` ``[B, H, T, T]`` with the tables' logit scale ``s``, one forward."""
+    """``s·(2/τ)·<lift(R q), lift(R k)>_L`` ``[B, H, T, T]`` with the tables' logit scale ``s``, one forward; the
+    product of the rotated fp32 points in fp64, so only the rotations' rounding is measured (``inner`` is fp32)."""
     tables = pe(pos, kv_len=pos.shape[-1])
     rq, rk = tables.rotate(q_s), tables.rotate(k_s)
-    return tables.logit_scale * SCALE * inner(lift(rq, k=K).unsqueeze(-2), lift(rk, k=K).unsqueeze(-3))
+    rq, rk = lift(rq, k=K).double(), lift(rk, k=K).double()
+    return tables.logit_scale * SCALE * inner(rq.unsqueeze(-2), rk.unsqueeze(-3))
 
 
 def llama_config(params, d, max_position_embeddings):

@@ -18,23 +18,16 @@ inductor compiles, without inductor's code generation (minutes per model on the 
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.helpers import RTOL, relative_error, tiny_config
+from tests.helpers import RTOL, relative_error, tiny_model
 
-# id -> (family, config overrides); MiCE dispatches densely under compile (see test_compiled_training.py)
+# id -> tiny_model arguments; MiCE dispatches densely under compile (see test_compiled_training.py)
 CASES = {
-    "helm_d": ("helm_d", {}),
-    "helm_d-distance-head": ("helm_d", {"lm_head_mode": "distance"}),
-    "helm_d-plain-loss": ("helm_d", {"fused_lm_loss": False}),
-    "helm_mice": ("helm_mice", {"moe_dispatch": "dense"}),
+    "helm_d": dict(family="helm_d"),
+    "helm_d-distance-head": dict(family="helm_d", lm_head_mode="distance"),
+    "helm_d-plain-loss": dict(family="helm_d", fused_lm_loss=False),
+    "helm_mice": dict(family="helm_mice", moe_dispatch="dense"),
 }
-
-
-def model_of(name):
-    family, fields = CASES[name]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **fields)).train()
 
 
 def step(model, forward, autocast=True):
@@ -63,7 +56,7 @@ def check_bf16_step(compiled, eager, fp32):
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_step_under_autocast_matches_eager(name):
     """Autocast around the compiled model (backward traced without autocast, as eager runs it)."""
-    model = model_of(name)
+    model = tiny_model(**CASES[name], train=True)
     fp32, eager = step(model, model, autocast=False), step(model, model)
     torch._dynamo.reset()
     with torch._functorch.config.patch(backward_pass_autocast="off"):  # read when the graphs are traced
@@ -74,7 +67,7 @@ def test_compiled_step_under_autocast_matches_eager(name):
 def test_compiled_step_with_autocast_inside_the_forward_matches_eager():
     """accelerate's mixed precision (train.py): autocast wraps ``model.forward``, the compiled region enters it,
     and torch's default backward tracing already matches eager."""
-    model = model_of("helm_d")
+    model = tiny_model("helm_d", train=True)
     fp32, eager = step(model, model, autocast=False), step(model, model)
     plain_forward = model.forward
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(plain_forward)

@@ -9,21 +9,14 @@ the generated kernels' numerics on the MiCE model (HMLA + a MiCE layer).
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from helm.nn.mice import MiCE
-from tests.helpers import assert_close, tiny_config
+from tests.helpers import assert_close, tiny_model
 
-# id -> (family, config overrides). MiCE under compile always dispatches densely (the sparse path slices tokens
-# by expert: data-dependent shapes), so "sparse" compares compiled-dense against eager-sparse.
-CASES = {"helm_d": ("helm_d", {}), "helm_mice-dense": ("helm_mice", {"moe_dispatch": "dense"}),
-         "helm_mice-sparse": ("helm_mice", {"moe_dispatch": "sparse"})}
-
-
-def model_of(name, **overrides):
-    family, fields = CASES[name]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **fields, **overrides)).train()
+# id -> tiny_model arguments. MiCE under compile always dispatches densely (the sparse path slices tokens by
+# expert: data-dependent shapes), so "sparse" compares compiled-dense against eager-sparse.
+CASES = {"helm_d": dict(family="helm_d"), "helm_mice-dense": dict(family="helm_mice", moe_dispatch="dense"),
+         "helm_mice-sparse": dict(family="helm_mice", moe_dispatch="sparse")}
 
 
 def step(model, forward):
@@ -52,7 +45,7 @@ def check_same_step(got, expected, rtol):
 @pytest.mark.parametrize("name, checkpointing", [(name, False) for name in CASES] + [
     ("helm_d", True), ("helm_mice-dense", True)])
 def test_compiled_training_step_is_one_graph_and_matches_eager(name, checkpointing):
-    model = model_of(name)
+    model = tiny_model(**CASES[name], train=True)
     assert model._can_compile_fullgraph
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -66,7 +59,7 @@ def test_compiled_training_step_is_one_graph_and_matches_eager(name, checkpointi
 def test_inductor_compiled_training_step_matches_eager():
     """Inductor's fused kernels for a MiCE training step (one layer: HMLA + MiCE) give eager's loss and
     gradients to fp32 rounding."""
-    model = model_of("helm_mice-dense", num_hidden_layers=1, first_k_dense_replace=0)
+    model = tiny_model(**CASES["helm_mice-dense"], train=True, num_hidden_layers=1, first_k_dense_replace=0)
     expected = step(model, model)
     torch._dynamo.reset()
     got = step(model, torch.compile(model, fullgraph=True))

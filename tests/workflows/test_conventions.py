@@ -2,17 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.helpers import assert_close, tiny_config
+from tests.helpers import assert_close, tiny_model
 
 HELM = ["helm_d", "helm_mice"]
 ALL = HELM + ["llama"]
-
-
-def model_of(family, **kwargs):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family), **kwargs).eval()
 
 
 def ids():
@@ -21,7 +15,7 @@ def ids():
 
 @pytest.mark.parametrize("family", ALL)
 def test_return_dict_false_gives_the_tuple(family):
-    model = model_of(family)
+    model = tiny_model(family)
     with torch.no_grad():
         as_tuple = model(ids(), labels=ids(), return_dict=False)
         as_dict = model(ids(), labels=ids())
@@ -32,7 +26,7 @@ def test_return_dict_false_gives_the_tuple(family):
 
 @pytest.mark.parametrize("family", ALL)
 def test_hidden_states_are_embeddings_then_layers_then_the_normed_output(family):
-    model = model_of(family)
+    model = tiny_model(family)
     with torch.no_grad():
         out = model(ids(), output_hidden_states=True)
         states = out.hidden_states
@@ -46,7 +40,7 @@ def test_hidden_states_are_embeddings_then_layers_then_the_normed_output(family)
 
 @pytest.mark.parametrize("family", HELM)
 def test_output_attentions_is_a_clear_error(family):
-    model = model_of(family)
+    model = tiny_model(family)
     with pytest.raises(ValueError, match="output_attentions=True is not supported by HELM models"):
         model(ids(), output_attentions=True)
     assert model(ids(), output_attentions=False).logits is not None
@@ -54,7 +48,7 @@ def test_output_attentions_is_a_clear_error(family):
 
 @pytest.mark.parametrize("family", ALL)
 def test_num_parameters_without_embeddings_leaves_out_the_input_table(family):
-    model = model_of(family)
+    model = tiny_model(family)
     table = model.get_input_embeddings().weight.numel()
     assert model.num_parameters() == sum(p.numel() for p in model.parameters())
     assert model.num_parameters(exclude_embeddings=True) == model.num_parameters() - table
@@ -63,7 +57,7 @@ def test_num_parameters_without_embeddings_leaves_out_the_input_table(family):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", HELM)
 def test_attn_implementation_selects_our_implementation(family, impl):
-    model = model_of(family, attn_implementation=impl)
+    model = tiny_model(family, model_kwargs={"attn_implementation": impl})
     layers = [m for m in model.modules() if hasattr(m, "attn_impl") and hasattr(m, "log_tau")]
     assert model.config.attn_impl == impl and {m.attn_impl for m in layers} == {impl}
     other = "sdpa" if impl == "eager" else "eager"
@@ -77,4 +71,4 @@ def test_attn_implementation_selects_our_implementation(family, impl):
 @pytest.mark.parametrize("family", ALL)
 def test_unknown_attn_implementation_is_refused(family):
     with pytest.raises(ValueError, match="bogus"):
-        model_of(family, attn_implementation="bogus")
+        tiny_model(family, model_kwargs={"attn_implementation": "bogus"})

@@ -8,21 +8,15 @@ with ``fullgraph=True``. Tiny models, a left-padded batch of two prompts of diff
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, CompileConfig, DynamicCache, StaticCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 from transformers.masking_utils import create_masks_for_generate
 
-from tests.helpers import assert_close, tiny_config
+from tests.helpers import assert_close, tiny_model
 
-# id -> (family, config overrides); "helm_mice-mha" is the MiCE model with plain attention instead of HMLA
-MODELS = {"helm_d": ("helm_d", {}), "helm_mice": ("helm_mice", {}),
-          "helm_mice-mha": ("helm_mice", {"attention_type": "mha"}), "llama": ("llama", {})}
+# id -> tiny_model arguments; "helm_mice-mha" is the MiCE model with plain attention instead of HMLA
+MODELS = {"helm_d": dict(family="helm_d"), "helm_mice": dict(family="helm_mice"),
+          "helm_mice-mha": dict(family="helm_mice", attention_type="mha"), "llama": dict(family="llama")}
 NEW_TOKENS = 5
-
-
-def model_of(name, **overrides):
-    family, fields = MODELS[name]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **fields, **overrides)).eval()
 
 
 def prompts():
@@ -41,7 +35,7 @@ def greedy(model, **kwargs):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_cache_generates_what_the_dynamic_cache_does(name):
-    model = model_of(name)
+    model = tiny_model(**MODELS[name])
     dynamic = greedy(model)
     static = greedy(model, cache_implementation="static")
     assert isinstance(static.past_key_values, StaticCache)
@@ -52,7 +46,7 @@ def test_static_cache_generates_what_the_dynamic_cache_does(name):
 def test_hmla_static_cache_holds_only_the_latent_and_the_rope_key():
     """A user's StaticCache with spare slots (never written during generation) gives the same tokens; HMLA's
     layers cache c_KV as the keys and the shared rope key k^R as the values."""
-    model = model_of("helm_mice")
+    model = tiny_model("helm_mice")
     cache = StaticCache(config=model.config, max_cache_len=16)
     got = greedy(model, past_key_values=cache)
     assert torch.equal(got.sequences, greedy(model).sequences)
@@ -97,7 +91,7 @@ def static_cache(model):
 @pytest.mark.parametrize("mask_form", ["2-D", "4-D", "none"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_forward_on_a_static_cache_matches_the_dynamic_cache(name, mask_form):
-    model = model_of(name)
+    model = tiny_model(**MODELS[name])
     dynamic = _decode(model, model.forward, lambda m: DynamicCache(config=m.config), mask_form)
     static = _decode(model, model.forward, static_cache, mask_form)
     assert_close(static, dynamic, rtol=1e-5)
@@ -106,7 +100,7 @@ def test_forward_on_a_static_cache_matches_the_dynamic_cache(name, mask_form):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", ["helm_d", "helm_mice"])
 def test_static_cache_with_each_attention_implementation(name, impl):
-    model = model_of(name, attn_impl=impl)
+    model = tiny_model(**MODELS[name], attn_impl=impl)
     assert torch.equal(greedy(model, cache_implementation="static").sequences, greedy(model).sequences)
 
 
@@ -115,8 +109,8 @@ def test_generate_compiles_the_decode_step_in_one_graph(name):
     """generate's own compile (on CPU only on request: CompileConfig._compile_all_devices, as transformers' tests do),
     fullgraph, with dynamo's eager backend to keep the test fast: no graph break, no host read, and one graph
     reused by every decoding step (no recompilation as the cache fills)."""
-    assert model_of(name)._can_compile_fullgraph
-    model = model_of(name)
+    assert tiny_model(**MODELS[name])._can_compile_fullgraph
+    model = tiny_model(**MODELS[name])
     expected = greedy(model).sequences
     config = CompileConfig(fullgraph=True, backend="eager", mode=None)
     config._compile_all_devices = True
@@ -132,7 +126,7 @@ def test_inductor_compiled_decode_step_matches_eager():
     """Inductor's code for one decode step on a static cache gives eager's logits. Inductor compiles for about a
     minute per tiny model on the 2-core CI machine, so one model only: one HMLA layer (the latent cache); the
     fullgraph capture of every family is the test above."""
-    model = model_of("helm_mice", num_hidden_layers=1)
+    model = tiny_model("helm_mice", num_hidden_layers=1)
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, fullgraph=True)
     expected = _decode(model, model.forward, static_cache, "4-D", steps=1)
