@@ -85,11 +85,11 @@ def gelu(z: torch.Tensor) -> torch.Tensor:
 
 def hlt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_in: float,
         k_out: float | None = None) -> torch.Tensor:
-    """HLT ``H_{k_in} -> H_{k_out}`` (paper Eq. 1, DESIGN §3): ``y_s = W x + b`` on the full vector ``x`` (time
+    """HLT ``H_{k_in} -> H_{k_out}`` (paper Eq. 1): ``y_s = W x + b`` on the full vector ``x`` (time
     coordinate included), ``y = sqrt(k_out/k_in) · [sqrt(|y_s|² + k_in), y_s]``.
 
     Eq. 1 as printed, ``sqrt(K2/K1) · [sqrt(|y_s|² - 1/K2), y_s]``, has ``<y, y>_L = 1/K1``: it lands on the
-    input manifold. Lifting on the input curvature and then changing curvature by ``sqrt(k_out/k_in)`` (DESIGN's
+    input manifold. Lifting on the input curvature and then changing curvature by ``sqrt(k_out/k_in)`` (which maps one hyperboloid onto the other;
     curvature change; HyperCore's ``LorentzLinear``, which HELM builds on) is the reading that lands on
     ``<y, y>_L = -k_out``, and the one written here. Both agree when ``k_out = k_in``.
     """
@@ -115,14 +115,14 @@ def lresnet(x: torch.Tensor, fx: torch.Tensor, raw_weight: torch.Tensor, k: floa
 
 
 def rms_norm_l(x: torch.Tensor, gain: torch.Tensor, eps: float, k: float) -> torch.Tensor:
-    """RMSNorm_L (paper Eq. 7, DESIGN §3): ``lift(g ⊙ x_s / sqrt(mean(x_s²) + eps))``; ``x_t`` is not used."""
+    """RMSNorm_L (paper Eq. 7): ``lift(g ⊙ x_s / sqrt(mean(x_s²) + eps))``; ``x_t`` is not used."""
     x_s = x.double()[..., 1:]
     rms = (x_s.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     return to_hyperboloid(gain.double() * x_s / rms, k)
 
 
 def activation_l(x: torch.Tensor, f, k: float) -> torch.Tensor:
-    """HRC activation (DESIGN §3): ``f_L(x) = lift(f(x_s))``; ``x_t`` is not used."""
+    """HRC activation (paper §3): ``f_L(x) = lift(f(x_s))``; ``x_t`` is not used."""
     return to_hyperboloid(f(x.double()[..., 1:]), k)
 
 

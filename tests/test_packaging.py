@@ -1,5 +1,5 @@
-"""Packaging hazards (DESIGN §7): our top-level ``kernels`` folder vs the PyPI ``kernels`` package, and
-``import helm`` without triton."""
+"""Packaging hazards: our top-level ``kernels`` folder vs the PyPI ``kernels`` package (which ``transformers`` probes
+for), and ``import helm`` without triton (``kernels/`` is loaded lazily, ARCHITECTURE.md)."""
 
 import importlib.util
 import os

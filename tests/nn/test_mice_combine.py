@@ -70,7 +70,7 @@ def reference(mice, x, *, descending=False, skip=True):
 
 
 def gate_reference(mice, x, scoring_func, norm_topk_prob):
-    """The official gate (SPEC §5): scores from the space part, bias only in the selection."""
+    """The official gate (FIDELITY.md, MiCE gate): scores from the space part, bias only in the selection."""
     logits = (x[..., 1:] @ mice.gate.weight.T).float()
     scores = logits.softmax(-1) if scoring_func == "softmax" else logits.sigmoid()
     idx = (scores + mice.e_score_correction_bias).topk(mice.top_k, dim=-1).indices
