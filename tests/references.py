@@ -89,8 +89,8 @@ def hlt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_in: 
     coordinate included), ``y = sqrt(k_out/k_in) · [sqrt(|y_s|² + k_in), y_s]``.
 
     Eq. 1 as printed, ``sqrt(K2/K1) · [sqrt(|y_s|² - 1/K2), y_s]``, has ``<y, y>_L = 1/K1``: it lands on the
-    input manifold. Lifting on the input curvature and then changing curvature by ``sqrt(k_out/k_in)`` (which maps one hyperboloid onto the other;
-    curvature change; HyperCore's ``LorentzLinear``, which HELM builds on) is the reading that lands on
+    input manifold. Lifting on the input curvature and then scaling by ``sqrt(k_out/k_in)``, which maps one
+    hyperboloid onto the other (HyperCore's ``LorentzLinear``, which HELM builds on), is the reading that lands on
     ``<y, y>_L = -k_out``, and the one written here. Both agree when ``k_out = k_in``.
     """
     y_s = x.double() @ weight.double().T
