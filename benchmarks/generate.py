@@ -14,13 +14,19 @@ issue 13, the default), ``tiny-llama`` and ``tiny-deepseek-v3``. Models alternat
 machine load hits all of them; the best of the repeats is reported. Ratios at the end: HELM-MiCE / HELM-D decode
 step (issue 13's target is <= 1.2 at 1k) and each HELM model / its Euclidean twin.
 
-Usage: ``python benchmarks/generate.py [--contexts 256 1024 4096] [--new-tokens 32] [--steps 16] [--repeats 3]
-[--threads N] [--shapes tiny|paper]``
+``--device cuda`` runs the same models on the GPU (timed between ``torch.cuda.synchronize()`` calls); ``--dtype bf16``
+runs them under bf16 autocast over fp32 weights, the layout the training runs use (``helm.precision``: under
+autocast HELM keeps Llama's layout, where a model cast to bf16 would not). ``--attn-impl`` sets the HELM models'
+``attn_impl`` (default: the preset's ``auto``: the Triton kernel on CUDA where it can run, else SDPA).
+
+Usage: ``python benchmarks/generate.py [--device cpu|cuda] [--dtype fp32|bf16] [--attn-impl IMPL]
+[--contexts 256 1024 4096] [--new-tokens 32] [--steps 16] [--repeats 3] [--threads N] [--shapes tiny|paper]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 
@@ -30,6 +36,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
+from helm.ops import available_attention_impls  # noqa: E402
 
 MODELS = {"helm-d": ("helm-d", {}), "helm-mice": ("helm-mice", {"hmla_absorb": False}),
           "helm-mice-absorbed": ("helm-mice", {"hmla_absorb": True}),
@@ -40,7 +47,8 @@ PRESETS = {"tiny": {"helm-d": "tiny-helm-d", "helm-mice": "tiny-helm-mice", "lla
                      "deepseek-v3": "deepseek-v3-120m"}}
 
 
-def build(name: str, max_len: int, shapes: str = "tiny"):
+def build(name: str, max_len: int, shapes: str = "tiny", device: torch.device = torch.device("cpu"),
+          attn_impl: str | None = None):
     family, options = MODELS[name]
     preset = PRESETS[shapes][family]
     config = helm.load_config(preset, max_position_embeddings=max_len)
@@ -48,16 +56,26 @@ def build(name: str, max_len: int, shapes: str = "tiny"):
         return None  # this version of the zoo lacks the switch
     for key, value in options.items():
         setattr(config, key, value)
+    if attn_impl is not None and hasattr(config, "attn_impl"):  # HELM models; transformers' keep their own
+        config.attn_impl = attn_impl
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).to(device).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queue, so that the host's clock times the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
 def generate_rate(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """New tokens per second of greedy ``generate`` (prefill included)."""
+    synchronize(prompt.device)
     start = time.perf_counter()
     model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                    pad_token_id=model.config.pad_token_id)
+    synchronize(prompt.device)
     return new_tokens / (time.perf_counter() - start)
 
 
@@ -66,15 +84,55 @@ def decode_step(model, prompt: torch.Tensor, steps: int) -> float:
     """Mean seconds of one cached single-token forward after a prefill of ``prompt``."""
     out = model(prompt, use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    synchronize(prompt.device)
     start = time.perf_counter()
     for _ in range(steps):
         out = model(token, past_key_values=cache, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    synchronize(prompt.device)
     return (time.perf_counter() - start) / steps
 
 
+def measure(models: dict, args, device: torch.device) -> tuple[dict, dict]:
+    """Decode-step seconds and ``generate`` tokens/s, keyed by (model, context)."""
+    step, rate = {}, {}
+    for context in args.contexts:
+        prompt = torch.randint(2, 512, (1, context), generator=torch.Generator().manual_seed(context)).to(device)
+        for model in models.values():  # warm-up
+            decode_step(model, prompt[:, :64], 2)
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                s = decode_step(model, prompt, args.steps)
+                step[name, context] = min(step.get((name, context), float("inf")), s)
+                r = generate_rate(model, prompt, args.new_tokens)
+                rate[name, context] = max(rate.get((name, context), 0.0), r)
+    return step, rate
+
+
+def report(models: dict, step: dict, rate: dict, contexts: list[int]) -> None:
+    """The table, then the ratios of decode steps between models and between contexts."""
+    print(f"\n{'model':<20}" + "".join(f"{f'decode ms @{c}':>16}{f'gen tok/s @{c}':>17}" for c in contexts))
+    for name in models:
+        print(f"{name:<20}" + "".join(f"{step[name, c] * 1e3:16.2f}{rate[name, c]:17.1f}" for c in contexts))
+    ratios = [("helm-mice", "helm-d"), ("helm-mice-absorbed", "helm-d"), ("helm-d", "llama"),
+              ("helm-mice", "deepseek-v3"), ("helm-mice-absorbed", "deepseek-v3")]
+    print()
+    for a, b in ratios:
+        if a in models and b in models:
+            print(f"  decode step {a} / {b}: " + ", ".join(f"{step[a, c] / step[b, c]:.2f}x @{c}"
+                                                              for c in contexts))
+    for name in models:
+        first, last = contexts[0], contexts[-1]
+        print(f"  {name}: decode step @{last} / @{first} = {step[name, last] / step[name, first]:.2f}x")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="fp32, or bf16 autocast over fp32 weights")
+    parser.add_argument("--attn-impl", choices=available_attention_impls(), default=None,
+                        help="the HELM models' attn_impl (default: the preset's)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed repeat")
@@ -85,39 +143,27 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is steadier on a shared machine")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
+                       "(torch.cuda.is_available() is False)\n")
+    if args.device == "cuda" and args.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        parser.exit(2, f"{parser.prog}: error: --dtype bf16, but {torch.cuda.get_device_name()} has no bf16\n")
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     max_len = max(args.contexts) + args.new_tokens + args.steps + 1
-    models = {name: build(name, max_len, args.shapes) for name in args.models}
+    models = {name: build(name, max_len, args.shapes, device, args.attn_impl) for name in args.models}
     for name in [n for n, m in models.items() if m is None]:
         print(f"  {name}: skipped, this version has no {', '.join(MODELS[name][1])} switch")
         del models[name]
-    print(f"{args.shapes} presets; torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, greedy, {args.new_tokens} new "
-          f"tokens per generate, {args.steps} decode steps per repeat, best of {args.repeats} repeats")
-    step, rate = {}, {}
-    for context in args.contexts:
-        prompt = torch.randint(2, 512, (1, context), generator=torch.Generator().manual_seed(context))
-        for model in models.values():  # warm-up
-            decode_step(model, prompt[:, :64], 2)
-        for _ in range(args.repeats):
-            for name, model in models.items():
-                s = decode_step(model, prompt, args.steps)
-                step[name, context] = min(step.get((name, context), float("inf")), s)
-                r = generate_rate(model, prompt, args.new_tokens)
-                rate[name, context] = max(rate.get((name, context), 0.0), r)
-    print(f"\n{'model':<20}" + "".join(f"{f'decode ms @{c}':>16}{f'gen tok/s @{c}':>17}" for c in args.contexts))
-    for name in models:
-        print(f"{name:<20}" + "".join(f"{step[name, c] * 1e3:16.2f}{rate[name, c]:17.1f}" for c in args.contexts))
-    ratios = [("helm-mice", "helm-d"), ("helm-mice-absorbed", "helm-d"), ("helm-d", "llama"),
-              ("helm-mice", "deepseek-v3"), ("helm-mice-absorbed", "deepseek-v3")]
-    print()
-    for a, b in ratios:
-        if a in models and b in models:
-            print(f"  decode step {a} / {b}: " + ", ".join(f"{step[a, c] / step[b, c]:.2f}x @{c}"
-                                                              for c in args.contexts))
-    for name in models:
-        first, last = args.contexts[0], args.contexts[-1]
-        print(f"  {name}: decode step @{last} / @{first} = {step[name, last] / step[name, first]:.2f}x")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    precision = "bf16 autocast" if args.dtype == "bf16" else "fp32"
+    print(f"{args.shapes} presets; torch {torch.__version__}, {where}, {precision}; batch 1, greedy, {args.new_tokens} "
+          f"new tokens per generate, {args.steps} decode steps per repeat, best of {args.repeats} repeats")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    with autocast:
+        step, rate = measure(models, args, device)
+    report(models, step, rate, args.contexts)
 
 
 if __name__ == "__main__":
