@@ -9,8 +9,12 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   Every public function refuses a Python-number ``k`` that is not positive and finite (``ValueError`` naming
   ``k``, :func:`check_k`: no device work). Tensor ``k`` is *not* checked: reading it would synchronise with the
   device; tensors come from parametrisations that keep them positive (MiCE experts).
-* Minkowski norms, time coordinates and normalisations are accumulated in at least fp32: bf16/fp16 inputs
-  are promoted, so points returned by :func:`lift` and friends are fp32 under autocast.
+* Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
+  fp32/bf16/fp16 inputs and fp64 for fp64 ones; bf16/fp16 inputs are promoted, so points returned by
+  :func:`lift` and friends are fp32 under autocast. Nothing is widened to fp64 (except the diagnostic
+  :func:`manifold_error`): accuracy far from the origin comes from the formulations (difference forms for
+  nearby points, the pairwise centroid norm), and the plain :func:`inner` / :func:`sqnorm` carry the fp32
+  rounding of their two terms (see :func:`inner`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import numbers
 from typing import Sequence, Union
 
 import torch
+
+from ..precision import to_stat
 
 Curv = Union[float, torch.Tensor]
 
@@ -45,11 +51,8 @@ __all__ = [
 ]
 
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """The accumulation dtype: half-precision tensors become fp32, fp32/fp64 are left alone.
-
-    Every norm, time coordinate and normalisation in the project goes through it (README.md, Conventions: precision)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+# the statistics dtype of helm.precision under its historical name (helm.ops.lm_loss and helm.nn.head import it)
+upcast = to_stat
 
 
 # exp(88) = 1.65e38 is the largest power of e that fp32 holds with margin (its maximum is 3.4e38 = e^88.72)
@@ -64,7 +67,7 @@ def positive_exp(log_value: torch.Tensor) -> torch.Tensor:
     ``< 1e-7`` is uniform to rounding), so capping the exponent changes no representable result and keeps
     gradients finite (zero for the capped logarithm, as the exact gradient ``s · e^{-log}`` underflows too).
     """
-    return upcast(log_value).clamp(max=_MAX_LOG).exp()
+    return to_stat(log_value).clamp(max=_MAX_LOG).exp()
 
 
 def _kt(k: Curv, like: torch.Tensor, name: str = "k") -> Union[float, torch.Tensor]:
@@ -72,7 +75,7 @@ def _kt(k: Curv, like: torch.Tensor, name: str = "k") -> Union[float, torch.Tens
     :func:`check_k` (numbers only)."""
     check_k(k, name)
     if isinstance(k, torch.Tensor):
-        return k.to(dtype=upcast(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
+        return k.to(dtype=to_stat(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
     return float(k)
 
 
@@ -109,29 +112,23 @@ def k_to_curvature(k: float) -> float:
     return -1.0 / float(k)
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> fp64 where the device has fp64 (not MPS); other dtypes as :func:`upcast`."""
-    x = upcast(x)
-    return x.double() if x.dtype == torch.float32 and x.device.type != "mps" else x
-
-
 def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
-    """Lorentz inner product ``<x, y>_L = -x_t y_t + x_s · y_s`` over the last dim.
+    """Lorentz inner product ``<x, y>_L = -x_t y_t + x_s · y_s`` over the last dim, in the statistics dtype.
 
-    Far from the origin the two terms cancel: for nearby points at ``|x_s| = r``, ``<x, y>_L ≈ -k - d²/2`` while
-    each term is ``≈ r²`` (condition number ``|x| |y| / |<x, y>_L|``, ``1e8`` at ``r = 1e4``). fp32 inputs are
-    therefore multiplied and summed in fp64 (a product of two fp32 numbers is exact in fp64; ``O(n)`` work per
-    pair) and the result is rounded once to fp32; half-precision inputs are promoted the same way (fp32 result).
-    Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (or ``[..., 1]`` with ``keepdim``).
+    Accuracy: a few roundings of the *terms*, ``|x_t y_t| + |x_s · y_s|``, i.e. a relative error of about
+    ``u · κ`` with ``κ = (|x_t y_t| + |x_s||y_s|) / |<x, y>_L|`` (``u = 6e-8`` in fp32). Far from the origin the two
+    terms cancel for nearby points (``<x, y>_L ≈ -k - d²/2`` while each term is ``≈ r²``: ``κ = 1e8`` at
+    ``r = 1e4``), so no fixed-precision evaluation of this form is accurate there; callers that need the small
+    result use a difference form instead (:func:`sqdist`, the pairwise norm of :func:`centroid`, attention's
+    centred values). Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (``[..., 1]`` with ``keepdim``).
     """
-    dtype = torch.promote_types(upcast(x).dtype, upcast(y).dtype)
-    same = y is x  # sqnorm: widen once
-    x = _wide(x)
-    y = x if same else _wide(y)
+    same = y is x  # sqnorm: one cast
+    x = to_stat(x)
+    y = x if same else to_stat(y)
     # one product, split (not sliced twice: its backward is one kernel instead of two zero-filled copies)
     prod = x.square() if same else x * y
     time, space = prod.split([1, prod.shape[-1] - 1], dim=-1)
-    out = (space.sum(-1, keepdim=True) - time).to(dtype)
+    out = space.sum(-1, keepdim=True) - time
     return out if keepdim else out.squeeze(-1)
 
 
@@ -147,7 +144,7 @@ def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
     Shapes: ``[..., n] -> [..., 1+n]``; the result dtype is at least fp32 so the time coordinate keeps
     its precision under bf16 autocast.
     """
-    x_s = upcast(x_s)
+    x_s = to_stat(x_s)
     kk = _kt(k, x_s)
     if torch.is_grad_enabled() and (x_s.requires_grad or isinstance(kk, torch.Tensor) and kk.requires_grad):
         return _Lift.apply(x_s, kk)
@@ -193,7 +190,7 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     ``k`` is accepted for a uniform signature (and checked); the difference form does not need it.
     """
     check_k(k)
-    return sqnorm(upcast(x) - upcast(y), keepdim=keepdim).clamp_min(0)
+    return sqnorm(to_stat(x) - to_stat(y), keepdim=keepdim).clamp_min(0)
 
 
 def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
@@ -202,7 +199,7 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
     Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
     exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
     """
-    kk = _kt(k, upcast(x))
+    kk = _kt(k, to_stat(x))
     d2 = sqdist(x, y, k=k, keepdim=keepdim)
     tiny = torch.finfo(d2.dtype).tiny
     return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
@@ -222,7 +219,7 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     range its time and non-zero coordinates are ``±inf`` and its zero coordinates 0, never ``nan``.
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
-    u_s = upcast(u[..., 1:])
+    u_s = to_stat(u[..., 1:])
     kk = _kt(k, u_s)
     sk = _sqrt(kk)
     norm = u_s.norm(dim=-1, keepdim=True)
@@ -248,7 +245,7 @@ def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
 
     Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``.
     """
-    x_s = upcast(x[..., 1:])
+    x_s = to_stat(x[..., 1:])
     kk = _kt(k, x_s)
     r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
     small = r < 1e-4
@@ -262,14 +259,15 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     """Project a future-pointing time-like vector onto ``H^n_k``: ``sqrt(k) · s / sqrt(|<s, s>_L|)``.
 
     ``|<s, s>_L| = s_t² - |s_s|²`` cancels catastrophically when ``s`` is close to the light cone or to a scaled
-    hyperboloid far from the origin (``s = 2.5 x`` at ``|x_s| = 1e3`` loses 5% in plain fp32); it comes from
-    :func:`sqnorm`, which accumulates fp32 in fp64, so the only fp32 roundings left are those of the result.
-    ``norm2`` is ``|<s, s>_L|`` when the caller knows a better-conditioned expression for it (see
-    :func:`centroid`); otherwise it is computed from ``s``. ``floor`` is a lower bound on it known from the
+    hyperboloid far from the origin (``s = 2.5 x`` at ``|x_s| = 1e3`` loses 5% in fp32: the relative error of
+    :func:`sqnorm` is ``u · (s_t² + |s_s|²) / |<s, s>_L|``). ``norm2`` is ``|<s, s>_L|`` from a better-conditioned
+    expression the caller knows (the pairwise form of :func:`centroid`, the Lorentz residual's
+    ``k (1 + w)² + w d²``, attention's and MiCE's centred sums): every layer passes one; without it the norm is
+    computed from ``s``, accurate near the origin only. ``floor`` is a lower bound on it known from the
     math. The time coordinate of the result is recomputed from its space part, so the output is on the
     manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
-    s = upcast(s)
+    s = to_stat(s)
     if norm2 is None:
         norm2 = sqnorm(s, keepdim=True).abs()
     if floor is not None:
@@ -291,13 +289,13 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     ``|x_s| = 1e4`` in fp32 that cancellation alone is larger than ``k``). Costs ``O(N² n)``: meant for few
     points (residuals, expert mixtures); attention normalises its softmax-weighted sums directly.
     """
-    x = upcast(x)
+    x = to_stat(x)
     dim = dim if dim >= 0 else x.dim() + dim
     if dim == x.dim() - 1:
         raise ValueError("centroid: dim must index the points, not the coordinate (last) dim")
     if w is None:
         w = torch.full(x.shape[:-1], 1.0 / x.shape[dim], dtype=x.dtype, device=x.device)
-    w = upcast(w).to(x.dtype).expand(x.shape[:-1])
+    w = to_stat(w).to(x.dtype).expand(x.shape[:-1])
     xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3), k=k)
@@ -324,7 +322,8 @@ def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int =
 
 
 def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
-    """Relative violation of ``<x, x>_L = -k``: ``|<x,x>_L + k| / (x_t² + |x_s|²)`` per point, in fp64.
+    """Relative violation of ``<x, x>_L = -k``: ``|<x,x>_L + k| / (x_t² + |x_s|²)`` per point, in fp64 (a diagnostic,
+    never called by a forward: the named fp64 exception of :mod:`helm.precision`).
 
     Measures the tensor as stored (upcast to fp64 before any arithmetic). The denominator is the
     Euclidean squared norm, the natural scale of rounding in ``<x,x>_L``; it equals ``k`` at the origin.

@@ -48,8 +48,8 @@ class HelmPreTrainedModel(PreTrainedModel):
 
     ``dtype=torch.float16`` (or ``bfloat16``) is applied, on CPU too: weight matrices and tables are stored in
     that dtype, while the scalars that parametrise the geometry (temperatures, residual weights, curvatures) stay
-    fp32 parameters and every time coordinate, norm and logit is computed in fp32, so outputs stay finite and
-    on the manifold (``tests/reliability/test_inputs.py``).
+    fp32 parameters: the GEMMs run in the weights' dtype, every time coordinate, norm and softmax statistic in fp32
+    (:mod:`helm.precision`), so outputs stay finite and on the manifold (``tests/reliability/test_inputs.py``).
     """
 
     base_model_prefix = "model"

@@ -70,16 +70,17 @@ class LorentzAttentionBase(nn.Module):
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, q_pe: torch.Tensor,
                k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask],
-               value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+               value_centre: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Eq. 3 on points ``q, key [B, H, T, 1+d]``, ``value [B, H, Tk, 1+dv]`` (with ``value_centre``: one more
         column, the values' centred norms, see :func:`helm.ops.lorentz_attention`); ``q_pe, k_pe`` are the space
         coordinates the positional encoding acts on (its score bias reads them). The logit scale is
-        ``position_embeddings.logit_scale · 2/τ`` (:meth:`logit_tau`)."""
+        ``position_embeddings.logit_scale · 2/τ`` (:meth:`logit_tau`). ``dtype``: the GEMM dtype of ``q·k``, that of
+        the projections' outputs (:mod:`helm.precision`)."""
         tau = self.logit_tau(position_embeddings)
         bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / tau)
         return lorentz_attention(q, key, value, k=self.k, tau=tau, mask=attention_mask, position_bias=bias,
                                  alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_impl,
-                                 value_centre=value_centre)
+                                 value_centre=value_centre, dtype=dtype)
 
 
 class LorentzSelfAttention(LorentzAttentionBase):
@@ -100,7 +101,7 @@ class LorentzSelfAttention(LorentzAttentionBase):
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
     forward (None: no positional encoding; plain causal attention over the new tokens and the cache).
     The cache stores per-head Lorentz keys (after the positional rotation) ``[B, H, T, 1+d]`` and values, each with
-    one more column ``[B, H, T, 1+d+1]``: its centred norm ``e = <v - c, v - c>_L`` (fp64 accumulation) for the centre
+    one more column ``[B, H, T, 1+d+1]``: its centred norm ``e = <v - c, v - c>_L`` (fp32) for the centre
     ``c`` = the value of the cache's first key (per batch row and head, fixed for the life of the cache; not in
     training mode, whose forward with a cache stays that of ``helm.ops``). A decode
     step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``; ``eager``
@@ -145,7 +146,7 @@ class LorentzSelfAttention(LorentzAttentionBase):
                 value = torch.cat([value, sqnorm(value - centre, keepdim=True)], dim=-1)
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key[..., 1:], position_embeddings=pos,
-                          attention_mask=attention_mask, value_centre=centre)
+                          attention_mask=attention_mask, value_centre=centre, dtype=q_s.dtype)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
 
 

@@ -34,6 +34,8 @@ def grown_table(weight: torch.Tensor, num_rows: int, *, k: float, std: float, on
     if extra <= 0:
         return kept.clone()
     if mean_resizing:
+        # fp64: a one-off edit of the weights outside any forward, named in helm.precision (the naive norm of the
+        # mean in normalize needs it far from the origin)
         mean = old.double().mean(0, keepdim=True)
         new = (normalize(mean, k=k) if on_manifold else mean).to(old.dtype).expand(extra, -1)
     else:

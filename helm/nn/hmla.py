@@ -8,8 +8,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..manifold.math import lift, upcast
+from ..manifold.math import lift
 from ..ops.attention import AttentionMask, _normalise, alibi_bias
+from ..precision import HALF, split_hi_lo, stat_dtype, to_stat
 from .attention import LorentzAttentionBase, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
@@ -47,7 +48,7 @@ class HMLA(LorentzAttentionBase):
     The key up-projection is absorbed into the query and the value up-projection applied after the weighted
     sum; what the Lorentz lift adds is not linear, so the cache keeps it: per head and token the key time
     ``k_t = sqrt(k + |k^C_s|² + |k^R_s|²)``, and for the centred value ``w = v - c_h`` its time part ``u = v_t - c_t``
-    and ``e = <w, w>_L`` (fp64 accumulation), three scalars appended to the cached ``c_KV`` as columns
+    and ``e = <w, w>_L`` (fp32), three scalars appended to the cached ``c_KV`` as columns
     (``[B, 1, T, 1+n_kv+3H]`` in fp32/fp64 caches; in a half-precision cache each fp32 scalar is stored bit for bit
     in two columns). The centroid is then normalised exactly as :mod:`helm.ops.attention` does, ``N = k + E -
     <D, D>_L`` with ``D = Σ a w = [Σ a u, W_v,h (Σ a c - c_0)]``, for a per-head centre ``c_h`` = the value of the
@@ -62,6 +63,11 @@ class HMLA(LorentzAttentionBase):
     the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``). Other cache classes (offloaded,
     quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without the scalars keep the plain
     layout and path.
+
+    Precision (:mod:`helm.precision`): the projections and the absorbed path's score GEMM run in the compute dtype,
+    the latter with each head's key time coordinate as ``hi + lo`` columns of its own (``3H`` columns beside the
+    latent and the rotary key); the value side (``W_v (c - c_0)``, ``Σ a c``, ``Σ a [u | e]``) and the
+    normalisation in the statistics dtype, the named exception of :func:`helm.ops.attention._explicit_attention`.
 
     Cache bytes per token per layer (fp32: the cached points are fp32 in bf16 models too, their time coordinates
     being computed in fp32; HMHA = ``attention_type="mha"``, per-head keys ``H(1+d)`` and values ``H(1+d)``, plus
@@ -149,7 +155,7 @@ class HMLA(LorentzAttentionBase):
         k_s = torch.cat([kv_s[..., :dn].to(k_rope.dtype), k_rope[..., 1:].expand(B, H, Tk, dr)], dim=-1)
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(kv_s[..., dn:], k=self.k)
         out = self.attend(q, key, value, q_pe=q[..., 1 + dn:], k_pe=key[..., 1 + dn:], position_embeddings=pos,
-                          attention_mask=attention_mask)
+                          attention_mask=attention_mask, dtype=q_s.dtype)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
 
 
@@ -166,18 +172,20 @@ class HMLA(LorentzAttentionBase):
         for fp64 inputs).
 
         ``w_s = W_v (c_KV - c_0)`` is taken from the latent difference and ``u = w_s·(w_s + 2 c_s) / (v_t + c_t)``
-        without cancellation, so both stay precise when the values cluster far from the origin."""
+        without cancellation, so both stay precise when the values cluster far from the origin; ``w_s`` is on the
+        value side, in the statistics dtype like the ``W_v (Σ a c - c_0)`` it is normalised against."""
         B, _, T, _ = c_kv.shape
         H, dn, dv = self.num_heads, self.dn, self.dv
-        k_c = upcast(self._kv_heads(c_kv)[..., :dn])
-        k_t = (k_c.square().sum(-1) + upcast(k_rope[..., 1:]).square().sum(-1) + self.k).sqrt()  # [B, H, T]
-        w_v = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:]
-        w_s = upcast(torch.matmul((c_kv - first).to(w_v.dtype), w_v.transpose(-1, -2)))  # [B, H, T, d_v]
+        k_c = to_stat(self._kv_heads(c_kv)[..., :dn])
+        k_t = (k_c.square().sum(-1) + to_stat(k_rope[..., 1:]).square().sum(-1) + self.k).sqrt()  # [B, H, T]
+        acc = k_c.dtype
+        w_v = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:].to(acc)
+        with torch.autocast(c_kv.device.type, enabled=False):
+            w_s = torch.matmul((c_kv - first).to(acc), w_v.transpose(-1, -2))  # [B, H, T, d_v]
         c_s, c_t = centre[..., 1:], centre[..., 0]
         v_t = ((c_s + w_s).square().sum(-1) + self.k).sqrt()
         u = (w_s * (w_s + 2 * c_s)).sum(-1) / (v_t + c_t)
-        wide = torch.float64 if u.device.type != "mps" else u.dtype  # e accumulated in fp64, as helm.ops does
-        e = (w_s.to(wide).square().sum(-1) - u.to(wide).square()).to(u.dtype)
+        e = w_s.square().sum(-1) - u.square()
         return torch.stack([k_t.to(u.dtype), u, e], dim=-1).permute(0, 2, 3, 1).reshape(B, 1, T, 3 * H)
 
     def _attend_absorbed(self, q_s: torch.Tensor, keys: torch.Tensor, k_rope: torch.Tensor, first: torch.Tensor,
@@ -188,21 +196,33 @@ class HMLA(LorentzAttentionBase):
         Returns the per-head centroids ``[B, H, Tq, 1+d_v]`` (fp32, or fp64 for fp64 inputs)."""
         B, H, Tq, _ = q_s.shape
         L, dn, dr, Tk = self.kv_lora_rank, self.dn, self.dr, keys.shape[-2]
-        acc = torch.promote_types(upcast(q_s).dtype, upcast(keys).dtype)
+        gemm = q_s.dtype  # the projections' output dtype: the compute dtype
+        acc = stat_dtype(gemm)
         z = keys[:, 0, :, :L].to(acc)  # [B, Tk, 1+n_kv] and [B, Tk, 3H]: views of the cache in fp32 caches
         scalars = _unpack(keys[:, 0, :, L:], acc).to(acc)
         w = self.kv_b_proj.weight.to(acc).view(H, dn + self.dv, L)
         scale = (2.0 / self.logit_tau(pos)).to(acc)  # s·2/τ, s = pos.logit_scale (YaRN's a²)
-        q_s = q_s.to(acc)
-        q_t = (q_s.square().sum(-1, keepdim=True) + self.k).sqrt() * scale  # [B, H, Tq, 1]
-        q_sc = q_s * scale
-        q_lat = torch.matmul(q_sc[..., :dn], w[:, :dn])  # W_k^T q^C [B, H, Tq, 1+n_kv] (q^C·b_k: constant in j)
+        q_f = q_s.to(acc)
+        q_t = (q_f.square().sum(-1, keepdim=True) + self.k).sqrt()  # [B, H, Tq, 1]
         k_r = k_rope[:, 0, :, 1:].to(acc)  # [B, Tk, d_r]
-        # 2/τ <q, k>_L up to a constant in j: q_lat·c_j + q^R·k^R_j - q_t k_t,j
-        logits = torch.baddbmm(torch.bmm(q_sc[..., dn:].reshape(B, H * Tq, dr), k_r.transpose(1, 2)),
-                               q_lat.view(B, H * Tq, L), z.transpose(1, 2)).view(B, H, Tq, Tk)
-        logits = logits.addcmul(q_t, scalars[..., :H].transpose(1, 2).unsqueeze(2), value=-1)
-        bias = pos.score_bias(q_s[..., dn:], k_r.unsqueeze(1), scale)
+        # <q, k>_L up to a constant in j as one GEMM: [W_k^T q^C | q^R | time] · [c_j | k^R_j | k_t,j], the time
+        # columns of head h (-q_t against k_t,hj; a hi + lo pair in half precision) zero in the other heads' rows
+        with torch.autocast(q_s.device.type, enabled=False):
+            q_lat = torch.matmul(q_s[..., :dn], w[:, :dn].to(gemm))  # [B, H, Tq, 1+n_kv] (q^C·b_k: constant in j)
+            k_t = scalars[..., :H]  # [B, Tk, H]
+            if gemm in HALF:
+                q_hi, q_lo = split_hi_lo(-q_t, gemm)
+                k_hi, k_lo = split_hi_lo(k_t, gemm)
+                q_time, k_time = torch.cat([q_hi, q_hi, q_lo], -1), torch.stack([k_hi, k_lo, k_hi], -1)
+            else:
+                q_time, k_time = (-q_t).to(gemm), k_t.to(gemm).unsqueeze(-1)
+            c = q_time.shape[-1]
+            own = torch.eye(H, dtype=gemm, device=q_s.device).view(1, H, 1, H, 1)
+            q_time = (own * q_time.unsqueeze(-2)).reshape(B, H, Tq, H * c)
+            qm = torch.cat([q_lat, q_s[..., dn:], q_time], dim=-1).reshape(B, H * Tq, -1)
+            km = torch.cat([z.to(gemm), k_r.to(gemm), k_time.reshape(B, Tk, H * c)], dim=-1)
+            logits = to_stat(torch.bmm(qm, km.transpose(1, 2))).view(B, H, Tq, Tk).to(acc) * scale
+        bias = pos.score_bias(q_f[..., dn:], k_r.unsqueeze(1), scale)
         if bias is not None:
             logits = logits + bias.to(acc)
         if mask is None:
@@ -213,11 +233,13 @@ class HMLA(LorentzAttentionBase):
         if keep is not None:
             logits = logits.masked_fill(~keep, torch.finfo(acc).min)
         a = logits.softmax(-1).view(B, H * Tq, Tk)
-        # D = Σ a w: the space part W_v (Σ a c_j - c_0) (Σ a = 1), the time part Σ a u and E = Σ a e from the scalars
-        lat = torch.bmm(a, z).view(B, H, Tq, L) - first.to(acc)
-        d_s = torch.matmul(lat, w[:, dn:].transpose(-1, -2))  # [B, H, Tq, d_v]
-        # Σ_j a_hj [u | e]_j,h': every head against every head's scalars (2H columns), then the diagonal h' = h
-        ue = torch.bmm(a, scalars[..., H:]).view(B, H, Tq, 2, H).diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)
+        # the value side in the statistics dtype (helm.precision): D = Σ a w, the space part W_v (Σ a c_j - c_0)
+        # (Σ a = 1), the time part Σ a u and E = Σ a e from the scalars
+        with torch.autocast(q_s.device.type, enabled=False):
+            lat = torch.bmm(a, z).view(B, H, Tq, L) - first.to(acc)
+            d_s = torch.matmul(lat, w[:, dn:].transpose(-1, -2))  # [B, H, Tq, d_v]
+            # Σ_j a_hj [u | e]_j,h': every head against every head's scalars (2H columns), then the diagonal h' = h
+            ue = torch.bmm(a, scalars[..., H:]).view(B, H, Tq, 2, H).diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)
         return _normalise(torch.cat([ue[..., :1], d_s, ue[..., 1:]], dim=-1), centre.to(acc), self.k)
 
 

@@ -26,7 +26,8 @@ def space_linear(in_features: int, out_features: int, *, bias: bool = True) -> n
 
 
 def linear_space(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``W x + b`` on the full input (time coordinate included), in the weight's dtype: ``[..., 1+n] -> [..., m]``."""
+    """``W x + b`` on the full input (time coordinate included), ``[..., 1+n] -> [..., m]``, in the compute dtype of
+    :mod:`helm.precision` (the weight's, or autocast's): the GEMM's output, which ``lift`` completes in fp32."""
     return linear(x.to(linear.weight.dtype))
 
 

@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist, upcast
+from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist, sqnorm
+from ..precision import to_stat
 from .validation import (
     CURVATURE_RANGE,
     SCORING_FUNCS,
@@ -63,9 +64,34 @@ def sequence_balance_loss(scores: torch.Tensor, selected: torch.Tensor, *, top_k
     ``scores [B, T, N_r]`` (non-negative gate scores), ``selected [B, T, N_r]`` (boolean top-k mask).
     """
     n_routed, seq_len = scores.shape[-1], scores.shape[1]
-    f = selected.float().sum(1) * (n_routed / (top_k * seq_len))
+    f = selected.to(scores.dtype).sum(1) * (n_routed / (top_k * seq_len))
     p = (scores / scores.sum(-1, keepdim=True)).mean(1)
     return alpha * (f * p).sum(-1).mean()
+
+
+def mixture_norm2(weight: torch.Tensor, e: torch.Tensor, d: torch.Tensor, *, k) -> torch.Tensor:
+    """``|<s, s>_L|`` of ``s = Σ_i w_i x_i`` (points ``x_i`` of ``H_k``, ``w_i >= 0``) from centred terms::
+
+        |<s, s>_L| = k W² + W E - <D, D>_L,    W = Σ w_i,  E = Σ w_i <x_i - c, x_i - c>_L,  D = Σ w_i (x_i - c)
+
+    for any centre ``c`` (expand ``<x_i, c>_L = (<c, c>_L - k - e_i) / 2``). With ``c`` the weighted mean ``s / W``,
+    ``D ≈ 0`` and ``E`` is the weights' Lorentzian spread, so nothing of size ``|x|²`` cancels: the naive
+    ``s_t² - |s_s|²`` loses everything in fp32 once the points sit ~1e4 from the origin, and :mod:`helm.precision`
+    widens nothing to fp64. ``weight, e [..., 1]``, ``d [..., 1+n]`` -> ``[..., 1]``."""
+    return k * weight.pow(2) + weight * e - sqnorm(d, keepdim=True)
+
+
+def mixture_centroid(points: torch.Tensor, w: torch.Tensor, *, k) -> torch.Tensor:
+    """Paper Eq. 6's centroid ``sqrt(k) · s / sqrt(|<s, s>_L|)``, ``s = Σ_i w_i x_i``, of points ``[..., N, 1+n]`` with
+    weights ``w [..., N]`` (``>= 0``): the norm from the points centred on their (detached) weighted mean
+    (:func:`mixture_norm2`), clamped at the bound ``k (Σ w)²``. ``O(N n)``, unlike the pairwise form of
+    :func:`helm.manifold.centroid`. Shapes -> ``[..., 1+n]``."""
+    s = (w.unsqueeze(-1) * points).sum(-2)
+    weight = w.sum(-1, keepdim=True)
+    dev = points - (s / weight.clamp_min(torch.finfo(s.dtype).tiny)).detach().unsqueeze(-2)
+    e = (w * sqnorm(dev)).sum(-1, keepdim=True)
+    norm2 = mixture_norm2(weight, e, (w.unsqueeze(-1) * dev).sum(-2), k=k)
+    return normalize(s, k=k, norm2=norm2, floor=k * weight.pow(2))
 
 
 @torch.no_grad()
@@ -85,7 +111,7 @@ def scaled_lresnet(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, *, k: floa
     when given (needed only for ``w < 0``: for ``w >= 0`` it is ``>= k (1 + w)²``).
     Shapes: ``[..., 1+n] -> [..., 1+n]``, at least fp32.
     """
-    dtype = torch.promote_types(torch.promote_types(upcast(x).dtype, upcast(y).dtype), upcast(w).dtype)
+    dtype = torch.promote_types(torch.promote_types(to_stat(x).dtype, to_stat(y).dtype), to_stat(w).dtype)
     x, y, w = x.to(dtype), y.to(dtype), w.to(dtype)
     norm2 = (k * (1 + w) ** 2 + w * sqdist(x, y, k=k, keepdim=True)).abs()
     if floor is not None:
@@ -125,7 +151,7 @@ class CurvatureExpert(nn.Module):
 
     @property
     def k_expert(self) -> torch.Tensor:
-        return bounded_log_k(self.log_k.float().reshape(())).exp()
+        return bounded_log_k(to_stat(self.log_k.reshape(()))).exp()
 
     def curvature_scales(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``k_j`` (fp32), ``sqrt(k_j / k)`` and ``sqrt(k / k_j)`` (0-dim, in ``dtype``): the expert's curvature and
@@ -149,7 +175,7 @@ class CurvatureExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # k_j is read here, inside the expert's own forward, where accelerate's offload hooks have loaded log_k;
         # rescale(x, k -> k_j) = sqrt(k_j / k) x and back, with the factors of helm.manifold.rescale
-        kj, up, down = self.curvature_scales(upcast(x).dtype)
+        kj, up, down = self.curvature_scales(to_stat(x).dtype)
         return self.mlp(x * up, k=kj) * down
 
 
@@ -261,7 +287,7 @@ class MiCE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple:
         """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""
         # through the gate's own forward, so that accelerate's offload hooks load its weight
-        logits = self.gate(x[..., 1:].to(self.gate.weight.dtype)).float()
+        logits = to_stat(self.gate(x[..., 1:].to(self.gate.weight.dtype)))  # the GEMM in the compute dtype
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
         chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
         selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
@@ -281,7 +307,7 @@ class MiCE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, scores, selected = self.route(x)
         with torch.no_grad():
-            self.last_expert_load.copy_(selected.float().sum((0, 1)))
+            self.last_expert_load.copy_(selected.to(self.last_expert_load.dtype).sum((0, 1)))
         self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
         if self.expert_combine == "lresnet_official":
             return self.combine_lresnet_official(x, weights, selected)
@@ -290,9 +316,7 @@ class MiCE(nn.Module):
         outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
-        # one centroid; with non-negative weights |<s,s>_L| >= k (Σw)^2, the bound used as the clamp
-        s = (w.unsqueeze(-1) * points).sum(-2)
-        return normalize(s, k=self.k, floor=self.k * w.sum(-1, keepdim=True).pow(2))
+        return mixture_centroid(points, w, k=self.k)
 
     def sparse_dispatch(self, x: torch.Tensor) -> bool:
         """Run each routed expert on its own tokens only (:meth:`combine_sparse`) on the CPU, outside
@@ -313,20 +337,34 @@ class MiCE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         w, chosen = weights.reshape(-1, self.n_routed), selected.reshape(-1, self.n_routed)
         shared = [s(flat) for s in self.shared_experts]
-        total = torch.stack(shared).sum(0) if shared else upcast(flat).new_zeros(flat.shape)
+        total = torch.stack(shared).sum(0) if shared else to_stat(flat).new_zeros(flat.shape)
         # with autograd, an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as
         # densely, which DDP needs (a parameter without a gradient stops its reduction); without, it is skipped
         active = None if torch.is_grad_enabled() else chosen.any(0).tolist()
+        routed = []  # (rows or None for all, weights, outputs): the centred norms need every output again
         for j, expert in enumerate(self.experts):
             if active is not None and not active[j]:
                 continue
             if active is not None and flat.shape[0] == 1:  # a decoding step: no gather and scatter
-                total = total + w[:, j:j + 1] * expert(flat)
+                routed.append((None, w[:, j:j + 1], expert(flat)))
+                total = total + routed[-1][1] * routed[-1][2]
                 continue
             rows = chosen[:, j].nonzero().squeeze(-1)
-            total = total.index_add(0, rows, w[rows, j:j + 1] * expert(flat[rows]))
+            routed.append((rows, w[rows, j:j + 1], expert(flat[rows])))
+            total = total.index_add(0, rows, routed[-1][1] * routed[-1][2])
         weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)
-        out = normalize(total, k=self.k, floor=self.k * weight_sum.pow(2))
+        # the norm from the outputs centred on their weighted mean, as densely (mixture_norm2)
+        centre = (total / weight_sum.clamp_min(torch.finfo(total.dtype).tiny)).detach()
+        e = total.new_zeros(weight_sum.shape)
+        for out in shared:
+            e = e + sqnorm(out - centre, keepdim=True)
+        for rows, g, out in routed:
+            if rows is None:
+                e = e + g * sqnorm(out - centre, keepdim=True)
+            else:
+                e = e.index_add(0, rows, g * sqnorm(out - centre[rows], keepdim=True))
+        norm2 = mixture_norm2(weight_sum, e, total - weight_sum * centre, k=self.k)
+        out = normalize(total, k=self.k, norm2=norm2, floor=self.k * weight_sum.pow(2))
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def combine_lresnet_official(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -336,13 +374,13 @@ class MiCE(nn.Module):
         ``x [..., 1+n]``, ``weights`` and ``selected [..., N_r]`` from :meth:`route`; returns ``[..., 1+n]`` (fp32
         at least). Every expert runs on every token; unselected steps are discarded by ``torch.where``.
         """
-        dtype = torch.promote_types(upcast(x).dtype, weights.dtype)
+        dtype = torch.promote_types(to_stat(x).dtype, weights.dtype)
         y = origin(*x.shape, k=self.k, dtype=dtype, device=x.device)
         for j, expert in enumerate(self.experts):
             g = weights[..., j:j + 1]
             step = scaled_lresnet(y, expert(x), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
             y = torch.where(selected[..., j:j + 1], step, y)
-        w = upcast(self.add_experts_weight.reshape(()))
+        w = to_stat(self.add_experts_weight.reshape(()))
         scale = positive_exp(self.add_experts_log_scale.reshape(()))
         return scaled_lresnet(self.shared_experts[0](x), y, w, k=self.k, space_scale=scale,
                               floor=OFFICIAL_NORM_FLOOR * self.k)

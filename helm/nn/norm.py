@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import upcast, lift
+from ..manifold.math import lift
+from ..precision import to_stat
 from .validation import check, check_dim, check_k, norm_eps
 
 
@@ -33,7 +34,7 @@ class LorentzRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size - 1))
 
     def forward(self, x: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x_s = upcast(x[..., 1:])
+        x_s = to_stat(x[..., 1:])  # RMS statistics in the statistics dtype (helm.precision)
         y_s = F.rms_norm(x_s, (x_s.shape[-1],), self.weight.to(x_s.dtype), self.eps)
         return lift(y_s, k=self.k if k is None else k)
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import upcast, lift, normalize, sqdist
+from ..manifold.math import lift, normalize, sqdist
+from ..precision import to_stat
 from .validation import check, check_k, check_positive, residual_weight
 
 
@@ -46,14 +47,14 @@ class LorentzResidual(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return F.softplus(upcast(self.raw_weight.reshape(())))
+        return F.softplus(to_stat(self.raw_weight.reshape(())))
 
     def forward(self, x: torch.Tensor, fx: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
         kk = self.k if k is None else k
         w = self.weight
         # |<x + w fx, x + w fx>_L| = k (1 + w)² + w d²(x, fx): the centroid's well-conditioned form for two points
         norm2 = kk * (1 + w) ** 2 + w * sqdist(x, fx, k=kk, keepdim=True)
-        s = upcast(x) + w * upcast(fx)
+        s = to_stat(x) + w * to_stat(fx)
         if self.space_scale is None:
             return normalize(s, k=kk, norm2=norm2)
         # normalize, then scale the space part: the two factors applied at once, and one lift instead of two

@@ -20,17 +20,24 @@ centre ``c`` this pairwise form equals::
 
     N = k + (E - <D, D>_L),   w_j = v_j - c,   e_j = <w_j, w_j>_L,   E = Σ_j ν_j e_j,   D = Σ_j ν_j w_j,   S = c + D
 
-(expand: ``E - <D, D>_L = Σ_j ν_j <v_j, v_j>_L - <S, S>_L``) whenever all the keys a row attends to share ``c``, and every implementation evaluates it so, with a
-detached centre per (batch, head, document) (:func:`_value_centres`), ``e_j`` and ``<D, D>_L`` accumulated in fp64 from fp32
-operands, and ``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))``. Why: the naive ``-<S, S>_L = S_t² - |S_s|²`` in fp32
-cancels to nothing once ``|v_s| ≳ 1e3`` (a one-hot row must give ``N = k`` from two terms of size ``|v_s|²``: 41% to
-100% output error at ``1e4``), and on fp32-rounded values it is not even well defined: rounding ``v_t`` moves
-``<v, v>_L`` by ``~|v_s| ulp(|v_s|)`` (``±10`` at ``1e4``). The pairwise form measures each value's own
-``<v_j, v_j>_L`` (so a one-hot row gives exactly ``k``), and summing centred values keeps the fp32 error of ``D``
-at the scale of the values' spread instead of their norm when they cluster far from the origin.
+(expand: ``E - <D, D>_L = Σ_j ν_j <v_j, v_j>_L - <S, S>_L``) whenever all the keys a row attends to share ``c``,
+and every implementation evaluates it so, with a detached centre per (batch, head, document)
+(:func:`_value_centres`), ``e_j`` and ``<D, D>_L`` in fp32 (the statistics dtype of :mod:`helm.precision`; fp64
+only for fp64 inputs), and ``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))``. Why: the naive
+``-<S, S>_L = S_t² - |S_s|²`` in fp32 cancels to nothing once ``|v_s| ≳ 1e3`` (a one-hot row must give ``N = k``
+from two terms of size ``|v_s|²``: 41% to 100% output error at ``1e4``), and on fp32-rounded values it is not even
+well defined: rounding ``v_t`` moves ``<v, v>_L`` by ``~|v_s| ulp(|v_s|)`` (``±10`` at ``1e4``). The pairwise form
+measures each value's own ``<v_j, v_j>_L`` (so a one-hot row gives exactly ``k``), and summing centred values keeps
+the fp32 error of ``D`` at the scale of the values' spread instead of their norm when they cluster far from the origin.
 
-Scores, softmax and the normalisation are computed in at least fp32 (bf16 inputs are promoted and autocast
-is switched off inside), so the time coordinate's cancellation in ``<q, k>_L`` never happens in bf16.
+**Precision** (:mod:`helm.precision`). ``q·k`` runs in the compute dtype (``dtype``: the autocast dtype under
+autocast, the layer's weight dtype for a half-precision model, else the points'); everything else (time
+coordinates, the softmax and its logits, ``ν·[w | e]``, ``N`` and the normalisation) in the statistics dtype, fp32
+(fp64 for fp64 inputs). A half-precision ``q·k`` gets each time coordinate as a pair ``hi + lo``
+(:func:`~helm.precision.split_hi_lo`): ``q_t k_t``, which cancels against ``q_s·k_s`` far from the origin, enters
+the fp32 accumulation to ``2^-16`` relative instead of bf16's ``2^-8``, and ``<q, k>_L`` is rounded once before
+``2/τ`` scales it in fp32. ``ν·[w | e]`` in the statistics dtype is a named exception (:func:`_explicit_attention`
+says why), so in half precision the weights are materialised (the ``sdpa`` implementation included).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ import torch.nn.functional as F
 
 from transformers.utils import logging
 
-from ..manifold.math import lift, sqnorm, upcast
+from ..manifold.math import lift, sqnorm
+from ..precision import HALF, compute_dtype, split_hi_lo, stat_dtype, to_stat
 
 logger = logging.get_logger(__name__)
 
@@ -250,30 +258,37 @@ def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], pa
 
 
 def _group_sum(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group (fp64 cumulative sums over the keys sorted by group)."""
+    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group: a segmented scan over the keys sorted by group
+    (``log2 Tk`` doubling steps, each adding the partial sum ``step`` keys back when it lies in the same group), so
+    a group's sum involves its own keys only, in a fixed order: bit for bit independent of the other groups (a
+    cumulative sum across groups would round each group's sum by its prefix), deterministic, no fp64."""
     B, H, Tk, C = x.shape
     order = groups.argsort(dim=1, stable=True)
     idx = order.view(B, 1, Tk, 1).expand(B, H, Tk, C)
     xs = x.gather(2, idx)
-    cs = torch.cat([torch.zeros_like(xs[:, :, :1]), xs.cumsum(2)], dim=2)
     g_sorted = groups.gather(1, order)
-    start = torch.ones_like(g_sorted, dtype=torch.bool)
-    start[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
-    end = torch.ones_like(start)
-    end[:, :-1] = start[:, 1:]
+    step = 1
+    while step < Tk:
+        same = (g_sorted[:, step:] == g_sorted[:, :-step]).view(B, 1, Tk - step, 1)
+        xs = torch.cat([xs[:, :, :step], xs[:, :, step:] + torch.where(same, xs[:, :, :-step], 0)], dim=2)
+        step *= 2
+    end = torch.ones_like(g_sorted, dtype=torch.bool)
+    end[:, :-1] = g_sorted[:, 1:] != g_sorted[:, :-1]
     pos = torch.arange(Tk, device=x.device).expand(B, Tk)
-    first = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
     last = torch.where(end, pos, torch.full_like(pos, Tk)).flip(1).cummin(dim=1).values.flip(1)
-    total = cs.gather(2, (last + 1).view(B, 1, Tk, 1).expand(B, H, Tk, C)) - \
-        cs.gather(2, first.view(B, 1, Tk, 1).expand(B, H, Tk, C))
+    total = xs.gather(2, last.view(B, 1, Tk, 1).expand(B, H, Tk, C))  # the inclusive scan at the group's last key
     return torch.empty_like(total).scatter_(2, idx, total)
 
 
 def _value_centres(v: torch.Tensor, groups: Optional[torch.Tensor]) -> torch.Tensor:
     """Detached centres ``c_j``: ``[B, H, 1, 1+dv]`` (one group) or ``[B, H, Tk, 1+dv]`` (``groups`` from
-    :func:`_key_groups`), in ``v``'s dtype."""
+    :func:`_key_groups`), in ``v``'s dtype.
+
+    The normalisation is exact for any centre shared by a row's keys, so the centre's own rounding does not
+    matter: the mean of the group, shrunk towards 0 unless the values cluster (``β = 1 - 100 var/|m|²``, so an
+    unclustered group keeps the origin as centre), in the statistics dtype."""
     v = v.detach()
-    wide = v.double() if v.device.type != "mps" else v.float()
+    wide = to_stat(v)
     if groups is None:
         m = wide.mean(-2, keepdim=True)
         var = (wide - m).pow(2).sum(-1, keepdim=True).mean(-2, keepdim=True)
@@ -289,8 +304,8 @@ def _value_centres(v: torch.Tensor, groups: Optional[torch.Tensor]) -> torch.Ten
 
 def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
     """``(c_rows, [w | e])``: the centred values ``w_j = v_j - c_j`` (:func:`_value_centres`, one centre per
-    document of the mask) with ``e_j = <w_j, w_j>_L`` (accumulated in fp64, :func:`~helm.manifold.math.sqnorm`)
-    appended as one more column, so a single ``ν @ ·`` (or SDPA) yields both ``D = Σ ν w`` and ``E = Σ ν e``; and
+    document of the mask) with ``e_j = <w_j, w_j>_L`` (:func:`~helm.manifold.math.sqnorm`) appended as one more
+    column, so a single ``ν @ ·`` (or SDPA) yields both ``D = Σ ν w`` and ``E = Σ ν e``; and
     the centre of each query row (that of the key at the query's position, which is in its document)."""
     c = _value_centres(v, mask.groups())
     w = v - c
@@ -304,9 +319,10 @@ def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
 def _normalise(de: torch.Tensor, c: torch.Tensor, k) -> torch.Tensor:
     """``O = lift(sqrt(k) (c_s + D_s) / sqrt(max(N, k/2)))``, ``N = k + (E - <D, D>_L)``, from ``de = [D | E]``.
 
-    ``E - <D, D>_L`` is formed first (``k`` would be lost in ``k + E`` when ``E ~ |v|²``); ``<D, D>_L`` accumulates in
-    fp64. The floor: the exact ``N >= k`` (a one-key row attains it), so ``k/2`` never binds for values on the
+    ``E - <D, D>_L`` is formed first (``k`` would be lost in ``k + E`` when ``E ~ |v|²``), in the statistics dtype
+    (``de`` is promoted to it). The floor: the exact ``N >= k`` (a one-key row attains it), so ``k/2`` never binds for values on the
     manifold and keeps degenerate inputs finite (see :func:`_floor`)."""
+    de = to_stat(de)
     d, e = de[..., :-1], de[..., -1:]
     kk = k.to(dtype=d.dtype, device=d.device) if isinstance(k, torch.Tensor) else float(k)
     n = (e - sqnorm(d, keepdim=True)) + kk
@@ -316,65 +332,116 @@ def _normalise(de: torch.Tensor, c: torch.Tensor, k) -> torch.Tensor:
     return lift((c[..., 1:] + d[..., 1:]) * scale, k=k)
 
 
-def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_slopes, causal_flag_ok=False):
-    """Promote to the accumulation dtype; read the keep-mask and build the additive logits bias.
+def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_slopes, dtype, causal_flag_ok=False):
+    """Points in the statistics dtype, the GEMM dtype (``dtype``, default :func:`~helm.precision.compute_dtype` of
+    the query), the logit scale ``2/τ``, the keep-mask and the additive logits bias (statistics dtype).
 
     With ``causal_flag_ok`` (sdpa) a plain causal square problem returns no mask, so the fused kernels run
     with ``is_causal=True`` and never materialise a ``T × T`` mask.
     """
-    q, kk, v = upcast(query), upcast(key), upcast(value)
-    dtype = torch.promote_types(torch.promote_types(q.dtype, kk.dtype), v.dtype)
-    q, kk, v = q.to(dtype), kk.to(dtype), v.to(dtype)
+    gemm = compute_dtype(query) if dtype is None else dtype
+    acc = stat_dtype(gemm)
+    q, kk, v = query.to(acc), key.to(acc), value.to(acc)
     B, H, Tq, _ = q.shape
     Tk = kk.shape[-2]
     plain_causal = mask.is_plain_causal and position_bias is None and alibi_slopes is None
     keep = None if (causal_flag_ok and plain_causal) else mask.keep()
     bias = None
     if position_bias is not None:
-        bias = position_bias.to(dtype)
+        bias = position_bias.to(acc)
     if alibi_slopes is not None:
-        ab = alibi_bias(alibi_slopes, Tq, Tk, mask.q_offset).to(dtype)
+        ab = alibi_bias(alibi_slopes, Tq, Tk, mask.q_offset).to(acc)
         bias = ab if bias is None else bias + ab
-    return q, kk, v, _logit_scale(tau, H, q), keep, bias
+    return q, kk, v, _logit_scale(tau, H, q), keep, bias, gemm
+
+
+def _score_operands(q: torch.Tensor, kk: torch.Tensor, dtype: torch.dtype,
+                    scale: Optional[torch.Tensor] = None) -> tuple:
+    """``(Q, K)`` in the GEMM dtype with ``Q Kᵀ = <q, k>_L`` (``Q = J q``, ``K = k``), or ``scale · <q, k>_L`` with
+    ``scale`` folded into ``Q`` (SDPA, whose own scale is a number; fp32/fp64 only).
+
+    In half precision each time coordinate becomes three columns, ``Q = [-hi, -hi, -lo, q_s]`` against
+    ``K = [hi', lo', hi', k_s]`` (:func:`~helm.precision.split_hi_lo`): ``q_t k_t``, which cancels against
+    ``q_s·k_s`` far from the origin, keeps 16 bits. The space parts come out of half-precision projections, so
+    they are exact in it, and the fp32-accumulated product is rounded once, relative to ``<q, k>_L`` itself (the
+    scale is applied afterwards, in the statistics dtype)."""
+    if dtype not in HALF:
+        # J q (· 2/τ) in one broadcast multiply: the sign flip of the time coordinate rides on the scale vector
+        sign = torch.ones(q.shape[-1], dtype=q.dtype, device=q.device)
+        sign[0] = -1
+        return (q * (sign if scale is None else scale * sign)).to(dtype), kk.to(dtype)
+    if scale is not None:
+        raise ValueError("half-precision scores are scaled after the GEMM, in the statistics dtype")
+    q_hi, q_lo = split_hi_lo(-q[..., :1], dtype)
+    k_hi, k_lo = split_hi_lo(kk[..., :1], dtype)
+    return (torch.cat([q_hi, q_hi, q_lo, q[..., 1:].to(dtype)], dim=-1),
+            torch.cat([k_hi, k_lo, k_hi, kk[..., 1:].to(dtype)], dim=-1))
+
+
+def _explicit_attention(q, kk, v, scale, keep, bias, gemm, *, k, mask: AttentionMask,
+                        value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Eq. 3 with the weights materialised: ``-d²/τ`` scores from ``Q Kᵀ`` in the GEMM dtype, softmax and
+    ``ν·[w | e]`` in the statistics dtype, then :func:`_normalise` (``value_centre``: see :func:`sdpa_attention`).
+
+    ``ν·[w | e]`` stays in the statistics dtype whatever the GEMM dtype, a named exception of
+    :mod:`helm.precision`: ``N = k + E - <D, D>_L`` cancels ``E`` against ``<D, D>_L`` down to the scale of ``k``
+    (a one-hot row gives exactly ``k``), so ``D`` and ``E`` need fp32 *outputs*, which a half-precision GEMM does not
+    give on CPU (nor SDPA anywhere): rounding them to bf16 moves ``N`` by ``2^-8 |D|²``, the whole of ``k`` once
+    the values' norms reach ~10. The Triton kernel gets the same from its fp32 accumulators."""
+    curv = torch.as_tensor(k, dtype=q.dtype, device=q.device)
+    if value_centre is None:
+        c, we = _centred_values(v, mask)
+    else:
+        c, we = value_centre.to(v.dtype), v
+    qm, km = _score_operands(q, kk, gemm)
+    with torch.autocast(device_type=q.device.type, enabled=False):  # the operands are cast already
+        # -d²(q, k)/τ = (2k + 2<q, k>_L)/τ = scale·(k + <q, k>_L)
+        scores = (to_stat(qm @ km.transpose(-1, -2)).to(q.dtype) + curv) * scale
+        if bias is not None:
+            scores = scores + bias
+        if keep is not None:
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        out = scores.softmax(-1) @ we
+    if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)
+        out = torch.cat([out[..., :-1] - c, out[..., -1:]], dim=-1)
+    return _normalise(out, c, k)
 
 
 def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                    alibi_slopes=None) -> torch.Tensor:
-    """Reference: explicit squared Lorentz distances, ``ν = softmax(-d²/τ + b)``, Lorentz centroid of values."""
-    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes)
-    curv = torch.as_tensor(k, dtype=q.dtype, device=q.device)
-    lorentz_inner = q[..., 1:] @ kk[..., 1:].transpose(-1, -2) - q[..., :1] * kk[..., :1].transpose(-1, -2)
-    sqd = -2 * curv - 2 * lorentz_inner
-    scores = -sqd * (scale / 2)
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    weights = scores.softmax(-1)
-    c, we = _centred_values(v, mask)
-    return _normalise(weights @ we, c, k)
+                    alibi_slopes=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Reference: explicit ``-d²/τ`` scores, masks and softmax, Lorentz centroid of values
+    (:func:`_explicit_attention`)."""
+    q, kk, v, scale, keep, bias, gemm = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes, dtype)
+    return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask)
 
 
 def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                   alibi_slopes=None, value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   alibi_slopes=None, value_centre: Optional[torch.Tensor] = None,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``SDPA(J q · 2/τ, k, v, scale=1)`` then centroid normalisation; exact to :func:`eager_attention`.
 
     ``value_centre`` ``[B, H, 1, 1+dv]``: ``value`` is ``[v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (a cache that
     keeps it, :class:`helm.nn.LorentzSelfAttention`), so ``SDPA`` on it gives ``S = Σ ν v`` and ``E`` and the
-    normalisation takes ``D = S - c``: no pass over the values besides the attention itself (a decode step)."""
-    q, kk, v, scale, keep, bias = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes,
-                                           causal_flag_ok=True)
-    # J q · 2/τ in one broadcast multiply: the sign flip of the time coordinate rides on the scale vector
-    sign = torch.ones(q.shape[-1], dtype=q.dtype, device=q.device)
-    sign[0] = -1
-    q = q * (scale * sign)
+    normalisation takes ``D = S - c``: no pass over the values besides the attention itself (a decode step).
+
+    In half precision SDPA would return ``[D | E]`` rounded to half precision (its outputs take its operands'
+    dtype), which the normalisation cannot take (:func:`_explicit_attention`): the same maths then runs with the
+    weights materialised, ``q·k`` in half precision and ``ν·v`` in fp32, as the CPU's SDPA did for these unequal
+    head widths anyway (its fallback materialises them too)."""
+    q, kk, v, scale, keep, bias, gemm = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes, dtype,
+                                                 causal_flag_ok=True)
+    if gemm in HALF:
+        if keep is None and mask.is_plain_causal:
+            keep = mask.keep()
+        return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask, value_centre=value_centre)
+    qm, km = _score_operands(q, kk, gemm, scale)
     attn_mask = keep
     if bias is not None:
-        attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+        attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
     use_causal_flag = attn_mask is None and mask.is_plain_causal
     c, we = _centred_values(v, mask) if value_centre is None else (value_centre.to(v.dtype), v)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q, kk, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
+    with torch.autocast(device_type=q.device.type, enabled=False):  # the operands are cast already
+        out = F.scaled_dot_product_attention(qm, km, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
     if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)
         out = torch.cat([out[..., :-1] - c, out[..., -1:]], dim=-1)
     return _normalise(out, c, k)
@@ -404,9 +471,13 @@ def _triton_available(device: torch.device) -> Optional[str]:
 
 
 def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                     alibi_slopes=None) -> torch.Tensor:
+                     alibi_slopes=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`); it reads the mask's
     padding and segment ids and builds no dense mask.
+
+    ``dtype`` is not applied by the kernel: it reads each point's time coordinate from the same tensor as its space
+    part, so it gets the points as they are (fp32 under autocast) and runs its dots in their dtype, a named
+    exception of :mod:`helm.precision` (as is its fp64 per-row normaliser, which says why).
 
     The kernel aligns the queries bottom-right (they are the last ``Tq`` keys), and centres each query row's values
     on the group of the key at its own position. A mask with a query offset or a 4-D mask (a static cache, whose
@@ -421,7 +492,7 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
             _AUTO_LOGGED.add("triton-static")
             logger.info("helm attention impl='triton': %r is not bottom-right aligned (a static cache or a 4-D "
                         "mask); using 'sdpa' for it", mask)
-        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes)
+        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes, dtype=dtype)
     kernel, _ = _load_kernel()
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
                   segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes)
@@ -495,6 +566,7 @@ def lorentz_attention(
     impl: str = "auto",
     mask: Optional[AttentionMask] = None,
     value_centre: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Multi-head Lorentz attention (paper Eq. 3).
 
@@ -513,13 +585,16 @@ def lorentz_attention(
         mask: a prebuilt :class:`AttentionMask` (models build one per forward for all layers); replaces
             ``causal``, ``attention_mask`` and ``segment_ids``.
         value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` of the values for which ``value`` carries one more
-            column, ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (fp64 accumulation): what a
+            column, ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (statistics dtype): what a
             cache computes once per token. ``sdpa`` then normalises from ``SDPA(·, ·, [v | e])`` with ``D = S - c``
             instead of re-centring every value every call (a decode step's cost over the cache); ``eager`` and
             ``triton`` drop the column and centre as usual. The same centroid (any centre gives it exactly).
+        dtype: the GEMM dtype of ``q·k`` and ``ν·v`` (:mod:`helm.precision`); default
+            :func:`~helm.precision.compute_dtype` of ``query`` (the autocast dtype under autocast, else the
+            query's dtype). Layers pass their projections' output dtype, so a bf16 model attends in bf16.
 
     Returns:
-        ``[B, H, Tq, 1+dv]`` points of ``H_k`` (fp32 for half-precision inputs, else the input dtype).
+        ``[B, H, Tq, 1+dv]`` points of ``H_k`` in the statistics dtype of ``dtype`` (fp32, or fp64 for fp64).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
@@ -545,4 +620,4 @@ def lorentz_attention(
         else:  # eager (the reference) and the kernel centre the values themselves
             value = value[..., :-1]
     return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
-                                 alibi_slopes=alibi_slopes, **extra)
+                                 alibi_slopes=alibi_slopes, dtype=dtype, **extra)

@@ -8,7 +8,7 @@ independent, and each group gets ``c = β m``: ``m`` its mean value, ``σ²`` th
 ``m`` and ``β = max(0, 1 - 100 σ²/|m|²)``. Values spread around the origin (``σ ≥ |m|/10``) get ``c = 0``:
 their ``e_j = <v_j, v_j>_L ≈ -k`` are small and exact, where any other centre makes ``e_j`` (and the backward's
 ``δ = dD·D + dE E``) far larger than ``N``. Values clustered far from it get ``c ≈ m`` (the centred values are small, and so is the fp32
-error of their weighted sum). Sorting and cumulative sums only: deterministic, no host synchronisation.
+error of their weighted sum). Sorting and segmented scans only: deterministic, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -43,30 +43,34 @@ def key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], pad
 
 
 def _group_sum(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group (fp64 cumulative sums over the keys sorted by group)."""
+    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group: a segmented scan over the keys sorted by group
+    (``log2 Tk`` doubling steps, each adding the partial sum ``step`` keys back when it lies in the same group), so
+    a group's sum involves its own keys only, in a fixed order: bit for bit independent of the other groups (a
+    cumulative sum across groups would round each group's sum by its prefix), deterministic, no fp64."""
     B, H, Tk, C = x.shape
     order = groups.argsort(dim=1, stable=True)
     idx = order.view(B, 1, Tk, 1).expand(B, H, Tk, C)
     xs = x.gather(2, idx)
-    cs = torch.cat([torch.zeros_like(xs[:, :, :1]), xs.cumsum(2)], dim=2)
     g_sorted = groups.gather(1, order)
-    start = torch.ones_like(g_sorted, dtype=torch.bool)
-    start[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
-    end = torch.ones_like(start)
-    end[:, :-1] = start[:, 1:]
+    step = 1
+    while step < Tk:
+        same = (g_sorted[:, step:] == g_sorted[:, :-step]).view(B, 1, Tk - step, 1)
+        xs = torch.cat([xs[:, :, :step], xs[:, :, step:] + torch.where(same, xs[:, :, :-step], 0)], dim=2)
+        step *= 2
+    end = torch.ones_like(g_sorted, dtype=torch.bool)
+    end[:, :-1] = g_sorted[:, 1:] != g_sorted[:, :-1]
     pos = torch.arange(Tk, device=x.device).expand(B, Tk)
-    first = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
     last = torch.where(end, pos, torch.full_like(pos, Tk)).flip(1).cummin(dim=1).values.flip(1)
-    total = cs.gather(2, (last + 1).view(B, 1, Tk, 1).expand(B, H, Tk, C)) - \
-        cs.gather(2, first.view(B, 1, Tk, 1).expand(B, H, Tk, C))
+    total = xs.gather(2, last.view(B, 1, Tk, 1).expand(B, H, Tk, C))  # the inclusive scan at the group's last key
     return torch.empty_like(total).scatter_(2, idx, total)
 
 
 def value_centres(v: torch.Tensor, groups: Optional[torch.Tensor]) -> torch.Tensor:
     """Detached centres ``c_j``: ``[B, H, 1, 1+dv]`` (one group) or ``[B, H, Tk, 1+dv]`` (``groups`` from
-    :func:`key_groups`), in ``v``'s dtype."""
+    :func:`key_groups`), in ``v``'s dtype. Computed in fp32 (fp64 for fp64 values): any centre shared by a row's
+    keys gives the exact normaliser, so its own rounding does not matter."""
     v = v.detach()
-    wide = v.double() if v.device.type != "mps" else v.float()
+    wide = v.double() if v.dtype == torch.float64 else v.float()
     if groups is None:
         m = wide.mean(-2, keepdim=True)
         var = (wide - m).pow(2).sum(-1, keepdim=True).mean(-2, keepdim=True)

@@ -154,7 +154,8 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
 
 def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
     """``(w, e, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride), ``e_j = <w_j,
-    w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64) and the centre of each query row
+    w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64: the named exception of
+    ``helm/precision.py``, see :func:`_centroid_normalise`) and the centre of each query row
     ``c [B, H, Tq, 1+dv]`` fp32 (detached); see :mod:`.centre`. ``w`` and ``e`` stay in the autograd graph."""
     B, H, Tk, _ = v.shape
     groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
@@ -263,7 +264,13 @@ def _centroid_normalise(b_dt, b_ds, b_e, b_ct, b_cs, kc):
     centres ``c``: ``N = k + (E - <D, D>_L)`` with ``<D, D>_L`` accumulated in fp64, ``O_s = sqrt(k) (c_s + D_s) /
     sqrt(max(N, k/2))``, ``O_t = sqrt(|O_s|^2 + k)``. The exact ``N >= k`` (a one-key row attains it); the floor
     ``k/2`` never binds for values on the manifold (as ``helm.ops``). Recomputing ``O_t`` puts the output on the
-    hyperboloid to rounding. Returns ``(O_t, O_s, N)`` (``N`` before the floor)."""
+    hyperboloid to rounding. Returns ``(O_t, O_s, N)`` (``N`` before the floor).
+
+    fp64 here and in the host's ``e_j`` is a named exception of ``helm/precision.py`` (``O(T·d_v)`` per head, off
+    the tensor cores): for a one-hot row (every sequence's first token, a saturated softmax) ``E - <D, D>_L`` must
+    come out 0 to ``u·k`` while both terms are ``~|v|²``; ``helm.ops`` gets that in fp32 because there ``D`` is
+    bitwise ``w_j`` and both norms come from one function, but here ``e_j`` is summed on the host and ``<D, D>_L``
+    in this kernel, in different orders (fp32: ``u·|v|²`` error, 7e-4 output error at ``|v| = 100``)."""
     b_ds64 = b_ds.to(tl.float64)
     b_dt64 = b_dt.to(tl.float64)
     b_dd = (tl.sum(b_ds64 * b_ds64, 1) - b_dt64 * b_dt64).to(tl.float32)

@@ -209,16 +209,20 @@ def test_mask_builder_and_alibi_bias():
     assert torch.equal(bias[0, 1], bias[0, 0] * 0.5)
 
 
-def test_scores_stay_fp32_under_bf16_autocast():
-    """Points with bf16 space parts (as the layers make them) give the fp32 result under autocast: the op
-    switches autocast off and never rounds scores, time coordinates or norms to bf16."""
+def test_time_coordinates_and_norms_stay_fp32_under_bf16_autocast():
+    """Points with bf16 space parts (as the layers make them) under autocast (helm.precision): q·k runs in bf16
+    with the time coordinates as hi + lo pairs, softmax, ν·v and the normalisation in fp32, so the output is fp32,
+    on the manifold to fp32 rounding, and no further from the fp64 result than twice the same attention on the
+    points rounded to bf16 (time coordinates included) and computed in fp32 (measured 5.4e-2 against 8.3e-2)."""
     q, k, v = (lift(t.detach()[..., 1:].bfloat16(), k=0.5) for t in qkv(1, 2, 17, 17, dtype=torch.float32, scale=3.0))
     ref = lorentz_attention(q.double(), k.double(), v.double(), k=0.5, tau=1.0, impl="eager")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa")
-    assert out.dtype == torch.float32 and manifold_error(out, 0.5).max() <= 1e-5
-    assert torch.equal(out, lorentz_attention(q, k, v, k=0.5, tau=1.0, impl="sdpa"))
-    assert relative_error(out, ref) < 1e-4
+    naive = lorentz_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), k=0.5, tau=1.0, impl="eager",
+                              dtype=torch.float32)
+    for impl in ("eager", "sdpa"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lorentz_attention(q, k, v, k=0.5, tau=1.0, impl=impl)
+        assert out.dtype == torch.float32 and manifold_error(out, 0.5).max() <= 1e-5
+        assert_close(out, ref, baseline=naive, msg=impl)
 
 
 BAD = [

@@ -17,7 +17,7 @@ import torch
 
 import helm.manifold.math as M
 from helm.ops import lorentz_attention
-from tests.helpers import assert_close, relative_error
+from tests.helpers import assert_close, relative_error, space_parts, tiny_model
 
 NORMS = [1.0, 1e2, 1e3, 1e4]
 NORM_IDS = ["1", "1e2", "1e3", "1e4"]
@@ -34,22 +34,28 @@ K = 0.7  # a curvature other than 1 so a missing k would show
 #   kernel tests' fp32 bound (tests/kernels/test_lorentz_attention.py::FP32_TOL).
 TOL = 1e-5
 ATTN_TOL = 1e-4
+# * Ill-conditioned forms (issue 22: nothing is widened to fp64 any more): the plain Minkowski product of nearby
+#   points far from the origin (inner-near) and normalize without the caller's norm2 cancel two terms of size ~r²,
+#   so fp32 gives them to about u·κ, u = 2^-24, κ = (|x_t y_t| + |x_s||y_s|) / |<x, y>_L| (normalize:
+#   (s_t² + |s_s|²) / |<s, s>_L|). Measured 0.2-0.5 u·κ (1e-4 to 5e-2 at 1e2-1e3; 2e-8 to 4e-8 with the fp64
+#   accumulation they had before); past κ = 1/u (1e4 here) no digit is left, and nothing is pinned there. No
+#   layer evaluates them in that regime: distances, residuals, centroids, attention and MiCE use difference forms.
+ILL_CONDITIONED = {"inner-near", "normalize", "normalize-mix"}
+U = 2.0 ** -24
 
 
-def _unit(shape, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, n, generator=g, dtype=torch.float64)
-    return x / x.norm(dim=-1, keepdim=True)
-
-
-def space(r, shape=(5, 3), n=16, seed=0):
-    """Space parts of norm ``r`` (fp64, random directions)."""
-    return r * _unit(shape, n, seed)
+def condition(name, inputs):
+    """``κ`` of an ``ILL_CONDITIONED`` case on its (fp32) inputs, evaluated in fp64."""
+    x = [t.double() for t in inputs]
+    if name.startswith("inner"):
+        terms = (x[0][..., 0] * x[1][..., 0]).abs() + x[0][..., 1:].norm(dim=-1) * x[1][..., 1:].norm(dim=-1)
+        return float((terms / M.inner(x[0], x[1]).abs()).max())
+    return float((x[0].pow(2).sum(-1) / M.sqnorm(x[0]).abs()).max())
 
 
 def points(r, shape=(5, 3), n=16, seed=0, k=K):
     """Points of ``H_k`` with space-part norm ``r``, lifted in fp64 (rounded to fp32 by the caller)."""
-    return M.lift(space(r, shape, n, seed), k=k)
+    return M.lift(r * space_parts(shape, n, "unit", seed=seed), k=k)
 
 
 def near(x, eps, seed, k=K):
@@ -61,7 +67,7 @@ def near(x, eps, seed, k=K):
 def _tangent_for_norm(r, shape=(5, 3), n=16, seed=0, k=K):
     """Tangent vectors at the origin whose image under expmap0 has space norm ``r`` (|u| = sqrt(k) asinh(r/sqrt k)):
     expmap0 of a tangent of norm 1e4 is e^(1e4), beyond every float format."""
-    u = math.sqrt(k) * math.asinh(r / math.sqrt(k)) * _unit(shape, n, seed)
+    u = math.sqrt(k) * math.asinh(r / math.sqrt(k)) * space_parts(shape, n, "unit", seed=seed)
     return torch.cat([torch.zeros_like(u[..., :1]), u], dim=-1)
 
 
@@ -70,7 +76,7 @@ CASES = {
     "inner": (lambda x, y: M.inner(x, y), lambda r: (points(r), points(r, seed=1)), TOL),
     "inner-near": (lambda x, y: M.inner(x, y), lambda r: (points(r), near(points(r), 1.0, 2)), TOL),
     "sqnorm": (lambda s: M.sqnorm(s), lambda r: (points(r) * 1.5 + points(r, seed=1),), TOL),
-    "lift": (lambda s: M.lift(s, k=K), lambda r: (space(r),), TOL),
+    "lift": (lambda s: M.lift(s, k=K), lambda r: (r * space_parts((5, 3), 16, "unit"),), TOL),
     "sqdist": (lambda x, y: M.sqdist(x, y, k=K), lambda r: (points(r), points(r, seed=1)), TOL),
     "sqdist-near": (lambda x, y: M.sqdist(x, y, k=K), lambda r: (points(r), near(points(r), 1.0, 2)), TOL),
     "dist": (lambda x, y: M.dist(x, y, k=K), lambda r: (points(r), points(r, seed=1)), TOL),
@@ -102,6 +108,11 @@ def _round(t):
 def test_manifold_function_far_from_origin(name, r, request):
     fn, build, bound = CASES[name]
     inputs32 = [_round(t) for t in build(r)]
+    if name in ILL_CONDITIONED:
+        cond = U * condition(name, inputs32)
+        if cond >= 1:
+            pytest.skip(f"{name} at |x_s| = {r:g}: u·κ = {cond:.0f}, beyond fp32 (no layer evaluates it there)")
+        bound = max(bound, cond)
     out32 = fn(*inputs32)
     out64 = fn(*[t.double() for t in inputs32])
     # manifold_error measures in fp64 whatever it is given; every other function returns the input precision
@@ -191,12 +202,7 @@ def test_positive_exp_caps_the_exponent_where_fp32_overflows(log_value):
 def test_huge_temperatures_keep_gradients_finite(family):
     """Temperatures at e^1732 (every log-temperature scaled by 1000) make attention uniform; the loss and every
     gradient stay finite instead of the temperature's gradient turning NaN."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.helpers import tiny_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, lm_head_mode="distance"))
+    model = tiny_model(family, train=True, lm_head_mode="distance")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("log_tau"):

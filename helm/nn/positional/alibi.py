@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...precision import stat_dtype
 from ..validation import check_dim
 from .base import PositionalEncoding, PositionalTables
 
@@ -71,7 +72,7 @@ class ALiBi(PositionalEncoding):
         """Stand-alone use: the dense bias ``[B, H, Tq, Tk]`` the attention builds from the slopes."""
         if q_s.shape[-3] != self.num_heads:
             raise ValueError(f"alibi was built for num_heads={self.num_heads}, got q_s with {q_s.shape[-3]} heads")
-        dtype = torch.promote_types(q_s.dtype, torch.float32)
+        dtype = stat_dtype(q_s)
         return alibi_bias(q_pos.to(q_s.device), k_pos.to(q_s.device), self.slopes_tensor(q_s.device, dtype))
 
     def extra_repr(self) -> str:

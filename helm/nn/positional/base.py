@@ -9,6 +9,8 @@ from typing import Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from ...precision import stat_dtype
+
 Scale = torch.Tensor | float
 ScoreBias = Callable[[torch.Tensor, torch.Tensor, Scale], torch.Tensor]
 
@@ -72,8 +74,9 @@ def index_positions(batch: int, q_len: int, kv_len: int, device,
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64 (gradcheck, references); everything else is encoded in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The statistics dtype of :mod:`helm.precision`: fp64 stays fp64 (gradcheck, references); everything else is
+    encoded in fp32."""
+    return stat_dtype(dtype)
 
 
 def check_position_ids(x: torch.Tensor, position_ids: torch.Tensor, name: str = "position_ids") -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...precision import stat_dtype
 from ..validation import boolean, check, check_decay_above, optional, positive
 from .base import PositionalEncoding, PositionalTables, Scale
 from .rotary import check_pairs, rope_frequencies
@@ -67,7 +68,7 @@ def hope_boost_bias(q_s: torch.Tensor, k_s: torch.Tensor, q_pos: torch.Tensor, k
     ``O(B·H·Tq·Tk)`` memory rather than one ``[B, Tq, Tk]`` weight per channel; ``checkpoint_segments``
     overrides that choice.
     """
-    acc = torch.promote_types(q_s.dtype, torch.float32)
+    acc = stat_dtype(q_s)
     xq = _light_cone(q_s.to(acc))
     xk = _light_cone(k_s.to(acc))
     # integer difference first, so Δ (hence the bias) is bit-identical for shifted positions; exact in fp32
@@ -164,7 +165,7 @@ class HoPEBoost(PositionalEncoding):
             if q_s.shape[-1] != self.head_dim or k_s.shape[-1] != self.head_dim:
                 raise ValueError(f"hope_boost was built for head_dim={self.head_dim}, got q_s/k_s with last dims "
                                  f"{q_s.shape[-1]}/{k_s.shape[-1]}")
-            acc = torch.promote_types(q_s.dtype, torch.float32)
+            acc = stat_dtype(q_s)
             return hope_boost_bias(q_s, k_s, q_pos, k_pos, freqs=self._freqs(q_s.device, acc),
                                    theta_prime=theta_prime, scale=scale)
 
