@@ -143,14 +143,15 @@ def load_data(cfg, tokenizer, accelerator):
     return PackedRows(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), validation, False
 
 
-def build_model(cfg, config):
-    """The model, built and run forward on two tokens before any data is read, so that bad overrides fail early."""
+def build_model(cfg, config, device):
+    """The model, built and run forward on two tokens on ``device`` (the one it trains on) before any data is read,
+    so that bad overrides fail early, and a kernel that runs only there (``attn_impl: triton`` on CUDA) passes."""
     try:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
         model = AutoModelForCausalLM.from_config(config) if cfg.model.pretrained is None else \
             AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32,
                                                  trust_remote_code=cfg.model.trust_remote_code, **cfg.model.overrides)
         with torch.no_grad():
-            model.eval()(input_ids=torch.zeros(1, 2, dtype=torch.long))
+            model.to(device).eval()(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except OSError as error:  # the weights of model.pretrained (missing, truncated, not matching their manifest)
         raise ConfigError(f"model.pretrained: {' '.join(str(error).split())}") from None
     except Exception as error:
@@ -256,7 +257,7 @@ def train(cfg, resume) -> dict:
     check_inputs(cfg, config, tokenizer)
 
     set_seed(cfg.train.seed)
-    model = build_model(cfg, config)
+    model = build_model(cfg, config, accelerator.device)
     groups = group_parameters(model)
 
     B, accum, L = cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len

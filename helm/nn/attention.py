@@ -10,7 +10,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..manifold.math import hcat, lift, positive_exp, sqnorm
-from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention
+from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention, resolve_attention_impl
 from .linear import linear_space, lorentz_linear, space_linear
 from .positional import PositionalTables
 from .validation import HEAD_MERGES, check, check_choice, check_dim, check_k, temperature
@@ -33,13 +33,35 @@ class LorentzAttentionBase(nn.Module):
         check_dim(num_heads, "num_heads")
         check_k(k, "k")
         check(tau_init, "tau_init", temperature)
-        check_choice(attn_impl, "attn_impl", available_attention_impls())
         check_choice(head_merge, "head_merge", HEAD_MERGES)
         self.num_heads, self.k, self.attn_impl, self.layer_idx = num_heads, float(k), attn_impl, layer_idx
         self.head_merge = head_merge
         self.tau_init = float(tau_init)
         self.log_tau = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
         self.reset_parameters()
+
+    @property
+    def attn_impl(self) -> str:
+        """The requested implementation (``eager`` / ``sdpa`` / ``triton`` / ``auto``). Setting it (the model's
+        ``set_attn_implementation`` does) validates it and drops the resolved choice: the implementation is decided
+        once, here and on the first call on each device (:meth:`attention_impl_for`), not on every call."""
+        return self._attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        check_choice(value, "attn_impl", available_attention_impls())
+        self._attn_impl = value
+        self._resolved_impl = {}  # (device type, index) -> eager / sdpa / triton
+
+    def attention_impl_for(self, device: torch.device) -> str:
+        """The concrete implementation on ``device``: ``attn_impl``, or for ``auto`` the Triton kernel on CUDA when it
+        can run there, else ``sdpa`` (:func:`helm.ops.attention.resolve_attention_impl`), decided on the first call
+        on ``device`` and cached until ``attn_impl`` changes."""
+        key = (device.type, device.index)
+        name = self._resolved_impl.get(key)
+        if name is None:
+            name = self._resolved_impl[key] = resolve_attention_impl(self._attn_impl, device)
+        return name
 
     def reset_parameters(self) -> None:
         """Temperature back to ``tau_init`` (projections are ``nn.Linear``, initialised by their owner)."""
@@ -78,8 +100,11 @@ class LorentzAttentionBase(nn.Module):
         the projections' outputs (:mod:`helm.precision`)."""
         tau = self.logit_tau(position_embeddings)
         bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / tau)
+        impl = self.attention_impl_for(q.device)
+        if impl == "triton" and bias is not None and self._attn_impl == "auto":
+            impl = "sdpa"  # the kernel takes no dense score bias; auto means the kernel where it can run
         return lorentz_attention(q, key, value, k=self.k, tau=tau, mask=attention_mask, position_bias=bias,
-                                 alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_impl,
+                                 alibi_slopes=position_embeddings.alibi_slopes, impl=impl,
                                  value_centre=value_centre, dtype=dtype)
 
 

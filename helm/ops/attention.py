@@ -10,7 +10,9 @@ Since softmax ignores the per-row constant ``2k/τ``, ``softmax(-d²/τ) = softm
 centroid normalisation. Implementations:
 
 * ``eager``  explicit ``-d²/τ`` scores, masks and softmax: the readable spec (use it in float64 in tests).
-* ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above.
+* ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
+  to one head width, a multiple of 8, where that makes the flash / memory-efficient backends eligible:
+  :func:`_pad_sdpa_heads`).
 * ``triton`` the fused kernel of :mod:`kernels` (loaded lazily; CUDA, or the Triton interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
 
@@ -64,6 +66,7 @@ __all__ = [
     "available_attention_impls",
     "build_attention_mask",
     "alibi_bias",
+    "resolve_attention_impl",
 ]
 
 
@@ -440,11 +443,51 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
         attn_mask = bias if keep is None else bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
     use_causal_flag = attn_mask is None and mask.is_plain_causal
     c, we = _centred_values(v, mask) if value_centre is None else (value_centre.to(v.dtype), v)
+    width = we.shape[-1]
+    if _pad_sdpa_heads(q.device):  # one common head width, a multiple of 8: flash / memory-efficient eligible
+        qm, km, we = _pad_heads(qm, km, we)
     with torch.autocast(device_type=q.device.type, enabled=False):  # the operands are cast already
         out = F.scaled_dot_product_attention(qm, km, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
+    out = out[..., :width]
     if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)
         out = torch.cat([out[..., :-1] - c, out[..., -1:]], dim=-1)
     return _normalise(out, c, k)
+
+
+# Pad SDPA's q, k and [w | e] to one head width, a multiple of 8 (:func:`_pad_heads`): True / False force it;
+# None (default) pads except on the CPU with SDPA's math backend enabled (:func:`_pad_sdpa_heads` says why).
+SDPA_PAD_HEADS: Optional[bool] = None
+
+
+def _pad_sdpa_heads(device: torch.device) -> bool:
+    """Whether :func:`sdpa_attention` pads its operands (:data:`SDPA_PAD_HEADS`; by default, on every device but
+    the CPU, and on the CPU when SDPA's math backend is disabled, e.g. under
+    ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``).
+
+    On CUDA the unequal widths (65 and 66) leave only the math backend, which materialises the ``T × T`` weights.
+    On the CPU padding lets the flash kernel run but is not the default: a tiny training step measured no faster
+    (within the machine's noise; the attention op alone 10-15% faster), and flash's fp32 gradients are 2-9x further
+    from fp64 than the math path's (within the fp32 model's own rounding, ~1e-4 relative, but beyond ``sdpa``'s
+    1e-5 agreement with ``eager``; tests/ops/test_attention_backends.py)."""
+    if SDPA_PAD_HEADS is not None:
+        return SDPA_PAD_HEADS
+    return device.type != "cpu" or not _math_sdp_enabled()
+
+
+@torch.compiler.assume_constant_result  # dynamo cannot trace the flag's read: a compiled graph takes it as it was
+def _math_sdp_enabled() -> bool:
+    return torch.backends.cuda.math_sdp_enabled()
+
+
+def _pad_heads(*xs: torch.Tensor) -> tuple:
+    """``xs`` zero-padded on the last dim to their common width rounded up to a multiple of 8.
+
+    Zero columns leave ``Q Kᵀ`` (so ``<q, k>_L``, the time sign riding on ``Q``) unchanged and give zero output
+    columns, which the caller slices off. Without it the centred values ``[w | e]`` are one column wider than
+    ``q, k`` (e.g. 65 and 66), so only SDPA's math backend accepts them; padded, the flash kernel (CPU and CUDA)
+    and the memory-efficient one are eligible too."""
+    width = -(-max(x.shape[-1] for x in xs) // 8) * 8
+    return tuple(x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in xs)
 
 
 def _load_kernel():
@@ -465,8 +508,9 @@ def _triton_available(device: torch.device) -> Optional[str]:
     """None if the Triton kernel can run on ``device``; otherwise the reason it cannot."""
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not interpret:
-        return (f"impl='triton' needs CUDA tensors (got device {device.type!r}); set TRITON_INTERPRET=1 "
-                "before importing the kernels to run them in the Triton interpreter, or use impl='sdpa'")
+        return (f"attn_impl='triton' (impl='triton') cannot run on device {str(device)!r}: the Triton kernel needs "
+                "CUDA tensors, or the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported); use "
+                "attn_impl='sdpa', or 'auto' (the kernel where it can run, else sdpa)")
     return _load_kernel()[1]
 
 
@@ -520,6 +564,16 @@ def _resolve_impl(impl: str, device: torch.device, needs_dense: bool) -> str:
         _AUTO_LOGGED.add((choice, device.type))
         logger.info("helm attention impl='auto' uses %r on %s", choice, device.type)
     return choice
+
+
+def resolve_attention_impl(impl: str, device: torch.device) -> str:
+    """The concrete implementation ``impl`` names on ``device``: itself, or for ``auto`` ``triton`` on CUDA when
+    the kernel can run there, else ``sdpa`` (a layer decides it once per device: :class:`helm.nn.attention.
+    LorentzAttentionBase`; calls that need a dense score bias still take ``sdpa``, static caches fall back inside
+    :func:`triton_attention`)."""
+    if impl not in ATTENTION_IMPLS and impl != "auto":
+        raise ValueError(f"impl must be one of {available_attention_impls()}, got {impl!r}")
+    return _resolve_impl(impl, torch.device(device), needs_dense=False)
 
 
 def _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl):

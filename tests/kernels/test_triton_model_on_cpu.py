@@ -1,0 +1,30 @@
+"""A model built on the CPU with ``attn_impl="triton"``, saved and reloaded, runs there in the Triton interpreter
+(on CUDA when there is a GPU) and gives the sdpa model's logits (issue 22 item 3B)."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import helm
+from tests.helpers import relative_error
+from tests.kernels.device import DEVICE
+
+
+def test_triton_model_built_on_cpu_saves_reloads_and_runs(lk, tmp_path, monkeypatch):
+    from helm.ops import attention
+
+    calls = []
+    kernel = attention.ATTENTION_IMPLS["triton"]
+    monkeypatch.setitem(attention.ATTENTION_IMPLS, "triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    torch.manual_seed(0)
+    cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
+                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_impl="triton")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).to(DEVICE).eval()
+    assert model.config.attn_impl == "triton"
+    ids = torch.randint(0, 64, (2, 16), device=DEVICE)
+    with torch.no_grad():
+        triton = model(input_ids=ids).logits
+        model.set_attn_implementation("sdpa")
+        sdpa = model(input_ids=ids).logits
+    assert calls == [1]  # one attention layer: the kernel ran once, for the triton forward
+    assert relative_error(triton, sdpa) <= 1e-5
