@@ -10,7 +10,8 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import positive_exp, upcast
-from ..ops.lm_loss import autocast_dtype, linear_cross_entropy
+from ..ops.lm_loss import linear_cross_entropy
+from ..precision import autocast_dtype
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
 

@@ -42,29 +42,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..manifold.math import upcast
+from ..precision import autocast_dtype
 
 # logits per chunk: 2^25 fp32 = 128 MiB (261 tokens of a 128256-token vocabulary): larger chunks make the matmuls
 # faster but the chunk buffer bigger; see benchmarks/lm_head_loss.py
 CHUNK_ELEMENTS = 1 << 25
 
-# device types with an autocast state: torch.is_autocast_enabled raises for the others (meta, lazy, ...)
-_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu"})
-
 
 def default_chunk_size(vocab_size: int) -> int:
     """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits, at least one token."""
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
-
-
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The autocast dtype when autocast is on for ``device_type``, else None.
-
-    Only ``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` and the privateuse1 name, which dynamo
-    constant-folds (``torch.amp.is_autocast_available`` is not traceable on every supported torch)."""
-    known = device_type in _AUTOCAST_DEVICES or device_type == torch._C._get_privateuse1_backend_name()
-    if known and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
 
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
