@@ -236,8 +236,7 @@ def _floor(k):
     return k / 2
 
 
-# Per-key centres of the values. Restated verbatim in kernels/lorentz_attention/centre.py (the kernels do not
-# import helm): keep the two in step.
+# Per-key centres of the values, shared with the Triton kernels (kernels/lorentz_attention/centre.py imports them).
 def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
                device) -> Optional[torch.Tensor]:
     """``[B, Tk]`` int64: for each key, the index of the first key of its group (same segment id, same padding
