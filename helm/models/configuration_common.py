@@ -278,6 +278,18 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             interpolated_chunk_size(self.rope3d_chunk_size, params["factor"],
                                     params.get("original_max_position_embeddings", self.max_position_embeddings))
 
+    def to_dict(self) -> dict:
+        """``transformers``' dict, with ``rope_parameters`` written as None where it only restates ``rope_theta``
+        (``{"rope_type": "default", "rope_theta": rope_theta}``, what :meth:`standardize_rope_keywords` rebuilds from
+        None). Where helm's code is not loaded (``AutoTokenizer`` on a saved folder without ``helm`` or
+        ``trust_remote_code``), ``transformers`` reads ``config.json`` into its generic config class, which applies
+        Llama's even-rotary-width rule to ``head_dim`` whenever ``rope_parameters`` is set; a HELM head is ``1 + 2m``
+        wide (the time coordinate is not rotated), so a stored default would make the tokenizer fail to load."""
+        output = super().to_dict()
+        if output.get("rope_parameters") == {"rope_type": "default", "rope_theta": self.rope_theta}:
+            output["rope_parameters"] = None
+        return output
+
     def default_head_dim(self) -> None:
         """``head_dim = 1 + ⌊(hidden_size - 1) / num_attention_heads⌋`` when not given (the paper's 115M model:
         390 ambient, 6 heads of 1 + 64; the output HLT maps the ``1 + H·d`` joined heads back to ``hidden_size``)."""
