@@ -39,13 +39,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_l
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
 from helm.data import MissingSourceError, build_default_data
 from helm.distributed import use_fsdp_on_cpu
-from helm.evaluation import perplexity, rows_nll
+from helm.evaluation import format_perplexity, perplexity, rows_nll
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
-                           TrainerState, cli_overrides, describe, find_checkpoint, load_run_config, load_splits,
-                           load_tokenizer, output_lock, pack_split, read_trainer_state, recipe_differences,
-                           refused_pickles, save_checkpoint, save_final, train_step, training_batches)
+                           TrainerState, best_checkpoint, cli_overrides, data_fingerprint, describe, find_checkpoint,
+                           fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
+                           pack_split, read_trainer_state, recipe_differences, refused_pickles, save_checkpoint,
+                           save_final, train_step, training_batches)
+from helm.training.divergence import DivergenceMonitor
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -171,6 +173,24 @@ def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None
                               "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
 
 
+def check_same_data(cfg, checkpoint: Path, saved: dict, fingerprint: dict) -> None:
+    """Refuse to resume on a data stream other than the checkpoint's, unless data.resume_on_changed_data."""
+    changes = fingerprint_differences(saved.get("data"), fingerprint)
+    if changes and not cfg.data.resume_on_changed_data:
+        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} on other data: the step there is a position "
+                              "in the stream it was saved with, and " + "; ".join(changes) + ". Restore that data, "
+                              "start over (--train.overwrite=true), or continue on the new stream knowingly with "
+                              "--data.resume_on_changed_data=true")
+
+
+def divergence_causes(cfg) -> str:
+    """The settings to look at when training diverges, with their values (both learning rates: either can be it)."""
+    manifold = cfg.optim.manifold_lr if cfg.optim.manifold_lr is not None else "null (= optim.lr)"
+    return (f"Likely causes: too high a learning rate (optim.lr={cfg.optim.lr:g} for the Euclidean parameters, "
+            f"optim.manifold_lr={manifold} for the manifold points; optim.warmup_ratio={cfg.optim.warmup_ratio:g}, "
+            f"optim.grad_clip={cfg.optim.grad_clip}) or precision (train.mixed_precision={cfg.train.mixed_precision})")
+
+
 def validation_loss(model, validation, accelerator, batch_size: int, distributed: bool = True) -> float:
     """Mean NLL of the validation rows. Processes split the rows, except under FSDP, whose forwards are
     collective: there every process runs every row."""
@@ -252,7 +272,10 @@ def train(cfg, resume) -> dict:
     # Inputs: everything that can be wrong is checked here, before any heavy work.
     prepare_output_dir(cfg, out, checkpoint is not None, accelerator)
     ensure_default_data(cfg, accelerator)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code)
+    state.data = data_fingerprint(cfg.data, tokenizer)
+    if saved is not None:
+        check_same_data(cfg, checkpoint, saved, state.data)
     config = model_config(cfg)
     check_inputs(cfg, config, tokenizer)
 
@@ -273,6 +296,8 @@ def train(cfg, resume) -> dict:
         optimizer, num_warmup_steps=round(cfg.optim.warmup_ratio * cfg.train.max_steps),
         num_training_steps=cfg.train.max_steps, min_lr_rate=cfg.optim.final_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state.divergence = DivergenceMonitor(cfg.train.divergence_factor, cfg.train.divergence_patience,
+                                         accelerator.device)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
     # MiCE layers, or DeepSeek-V3's routers with balancing hooks added now, before compiling, so they are traced;
@@ -304,7 +329,7 @@ def train(cfg, resume) -> dict:
     if start_step == 0 and cfg.train.eval_at_start:
         initial = validation_loss(unwrapped, validation, accelerator, B)
         accelerator.log({"val_loss": initial, "val_ppl": perplexity(initial)}, step=0)
-        say(f"[train] step 0: validation loss {initial:.4f}, perplexity {perplexity(initial):,.1f}")
+        say(f"[train] step 0: validation loss {initial:.4f}, perplexity {format_perplexity(perplexity(initial))}")
 
     progress = Progress(cfg, accelerator, start_step, rows_per_step * L, say)
     first_bad = torch.zeros(1, dtype=torch.long, device=accelerator.device)  # first non-finite step, read when synced
@@ -313,6 +338,7 @@ def train(cfg, resume) -> dict:
                              grad_clip=cfg.optim.grad_clip, forward=forward)
         done = state.step = step + 1
         progress.add(metrics)
+        state.divergence.update(metrics.loss, done)
         # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read when
         # logging or saving (which sync anyway), so that no checkpoint is ever written after it.
         finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
@@ -322,24 +348,34 @@ def train(cfg, resume) -> dict:
         save = last or bool(cfg.train.save_every and done % cfg.train.save_every == 0)
         if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
             raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
-                                     f"after it was saved. Likely causes: too high a learning rate (optim.lr="
-                                     f"{cfg.optim.lr}, warmup, grad_clip) or precision (train.mixed_precision="
-                                     f"{cfg.train.mixed_precision})")
+                                     f"after it was saved. {divergence_causes(cfg)}")
+        if (log or save) and (blown := [s for s in accelerator.gather(state.divergence.diverged_at[None]).tolist()
+                                        if s]):
+            best = best_checkpoint(out / "checkpoints") if cfg.train.keep_best else None
+            kept = f"; the checkpoint of lowest validation loss is kept: {best}" if best is not None else ""
+            raise FloatingPointError(f"the training loss diverged (finite): "
+                                     f"{state.divergence.report() or f'from step {min(blown)} on'}; nothing after step "
+                                     f"{done - 1} was saved{kept}. {divergence_causes(cfg)}")
         if log:
             progress.log(done, metrics, routed)
+        val = None
         if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
             val = validation_loss(unwrapped, validation, accelerator, B)
             accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
-            say(f"[train] step {done}: validation loss {val:.4f}, perplexity {perplexity(val):,.1f}")
+            say(f"[train] step {done}: validation loss {val:.4f}, perplexity {format_perplexity(perplexity(val))}")
         if save:
-            save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
+            if cfg.train.keep_best and val is None:  # the best checkpoint is chosen by validation loss
+                val = validation_loss(unwrapped, validation, accelerator, B)
+            save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last, val_loss=val,
+                            keep_best=cfg.train.keep_best)
     train_time, trained = progress.close(), cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
     final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP
     if accelerator.is_main_process:
         save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps)
-        reloaded = AutoModelForCausalLM.from_pretrained(final).to(accelerator.device)
+        reloaded = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=cfg.model.trust_remote_code).to(
+            accelerator.device)
         after = validation_loss(reloaded, validation, accelerator, B, distributed=False)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)
         result = {"val_loss_before": initial, "val_loss_after": after, "final_dir": str(final)}
@@ -349,10 +385,11 @@ def train(cfg, resume) -> dict:
         say(f"[train] saved to {final}  (reload: import helm; AutoModelForCausalLM.from_pretrained({str(final)!r}))")
         if initial is not None:
             before_ppl, after_ppl = perplexity(initial), perplexity(after)
-            say(f"[train] validation perplexity: {before_ppl:,.1f} before training -> {after_ppl:,.1f} after "
-                f"({before_ppl / after_ppl:,.1f}x lower; measured on the reloaded model)")
+            say(f"[train] validation perplexity: {format_perplexity(before_ppl)} before training -> "
+                f"{format_perplexity(after_ppl)} after ({format_perplexity(before_ppl / after_ppl)}x lower; measured "
+                "on the reloaded model)")
         else:
-            say(f"[train] validation perplexity after training (reloaded model): {perplexity(after):,.1f}")
+            say(f"[train] validation perplexity after training (reloaded model): {format_perplexity(perplexity(after))}")
         if cfg.demo.prompt:
             result["sample"] = demo_sample(cfg, reloaded, tokenizer)
             say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{result['sample']}")

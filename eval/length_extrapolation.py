@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
-                             load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
+                             format_perplexity, load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
                              token_stream, with_rope_scaling, write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                              "source": "eval/length_extrapolation.py",
                                              "results": {"length_extrapolation": {}}})
         run["results"]["length_extrapolation"][f"ppl@{row['factor']}x"] = row["perplexity"] or None
-        ppl = f"{row['perplexity']:.3f}" if row["perplexity"] != "" else f"— ({row['note']})"
+        ppl = format_perplexity(row['perplexity'], 3) if row["perplexity"] != "" else f"— ({row['note']})"
         print(f"{row['model']:>20}  {row['factor']}x  seq_len={row['seq_len']:<6}  perplexity={ppl}")
     write_json(out / "extrapolation.json", {"text": label, "runs": list(runs.values())})
     print(f"wrote {out / 'extrapolation.csv'}, {out / 'extrapolation.png'}, {out / 'extrapolation.json'}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import add_loading_arguments, load_checkpoint, load_texts, run_script, text_perplexity, write_json
+from helm.evaluation import (add_loading_arguments, format_perplexity, load_checkpoint, load_texts, run_script,
+                             text_perplexity, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         label += f"/{args.split}"
     task = f"perplexity:{args.label or label}"
     print(f"{name}  {task}  seq_len={result['seq_len']} stride={result['stride']}  tokens={result['scored_tokens']}  "
-          f"mean NLL={result['mean_nll']:.4f}  perplexity={result['perplexity']:.3f}")
+          f"mean NLL={result['mean_nll']:.4f}  perplexity={format_perplexity(result['perplexity'], 3)}")
     record = {"model_name": name, "model_path": path, "source": "eval/perplexity.py", "results": {task: result},
               "config": {key: value for key, value in vars(args).items() if key != "model"}}
     if args.output:

@@ -69,6 +69,12 @@ def perplexity(mean_nll: float) -> float:
     return math.exp(min(float(mean_nll), 700.0))
 
 
+def format_perplexity(value: float, decimals: int = 1) -> str:
+    """A perplexity for people: ``1,234.5`` below 1e6 (``decimals`` after the point), scientific notation
+    (``3.210e+300``) from 1e6 on, where a diverged model's hundreds of digits would say nothing more."""
+    return f"{value:,.{decimals}f}" if value < 1e6 else f"{value:.3e}"
+
+
 def packed_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Forward kwargs of a packed batch with document-causal attention.
 

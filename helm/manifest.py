@@ -1,6 +1,7 @@
 """SHA-256 manifests of folders written by the zoo (training checkpoints and ``train.py``'s ``final/``).
 
-``manifest.json`` = ``{"format": 2, "step": N, "files": {relative path: {"sha256", "bytes"}}}``, written last and
+``manifest.json`` = ``{"format": 2, "step": N, "files": {relative path: {"sha256", "bytes"}}}`` (plus ``"val_loss"``
+for training checkpoints validated when saved), written last and
 atomically, after every listed file has been flushed to disk: a folder with a manifest was written completely,
 and :func:`manifest_problem` detects any later truncation or corruption of the files it lists.
 """
@@ -38,15 +39,17 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def write_manifest(folder: Path, step: int) -> None:
-    """Hash (and flush to disk) every file in ``folder``, then write ``manifest.json`` atomically, last."""
+def write_manifest(folder: Path, step: int, val_loss: Optional[float] = None) -> None:
+    """Hash (and flush to disk) every file in ``folder``, then write ``manifest.json`` atomically, last;
+    ``val_loss`` (a training checkpoint's validation loss, for keeping the best one) is recorded when given."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
         digest, size = hash_file(path, fsync=True)
         files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
     tmp = folder / (MANIFEST + ".tmp")
     with tmp.open("w", encoding="utf-8") as handle:
-        json.dump({"format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
+        extra = {} if val_loss is None else {"val_loss": val_loss}
+        json.dump({"format": FORMAT, "step": step, "files": files, **extra}, handle, indent=1, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(folder / MANIFEST)

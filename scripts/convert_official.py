@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "use meta-llama/Llama-3.1-8B)")
     parser.add_argument("--set", type=parse_setting, action="append", default=[], metavar="KEY=VALUE",
                         help="config field on top of the converted config (JSON values), e.g. eos_token_id=128001")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code a --tokenizer folder or hub tokenizer names in its auto_map (default: "
+                             "refuse it)")
     args = parser.parse_args(argv)
     if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
         print(f"error: --output {str(args.output)!r} exists and is not an empty folder", file=sys.stderr)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokenizer:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, TypeError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2

@@ -9,10 +9,10 @@ from typing import Any
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text"}
 
 
-def _local_files(source, split: str) -> list[Path] | None:
+def local_files(source, split: str) -> list[Path] | None:
     """The files ``source`` names, or ``None`` when it names no local path (a hub dataset then)."""
     if isinstance(source, (list, tuple)):
-        return [f for s in source for f in _local_files(s, split) or [Path(s)]]
+        return [f for s in source for f in local_files(s, split) or [Path(s)]]
     path = Path(source).expanduser()
     if path.is_dir():
         candidates = [path / f"{split}{suffix}" for suffix in BUILDERS]
@@ -44,7 +44,7 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
     """
     import datasets
 
-    files = _local_files(source, split)
+    files = local_files(source, split)
     cache = None if cache_dir is None else str(cache_dir)
     if files is not None:
         parts = []

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
+import math
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -39,17 +40,21 @@ class CheckpointError(RuntimeError):
 
 
 class TrainerState:
-    """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``) and
-    the recipe it was trained with; registered with ``accelerator.register_for_checkpointing``."""
+    """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``), the
+    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`)
+    and the divergence monitor's state; registered with ``accelerator.register_for_checkpointing``."""
 
-    def __init__(self, config: dict, step: int = 0):
-        self.config, self.step = config, step
+    def __init__(self, config: dict, step: int = 0, data: dict | None = None, divergence=None):
+        self.config, self.step, self.data, self.divergence = config, step, data, divergence
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "config": self.config}
+        return {"step": self.step, "config": self.config, "data": self.data,
+                "divergence": None if self.divergence is None else self.divergence.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+        if self.divergence is not None:
+            self.divergence.load_state_dict(state.get("divergence"))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -121,8 +126,10 @@ def refused_pickles(checkpoint: Path):
                               ) from None
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
-    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, prune old ones."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int, val_loss: float | None = None,
+                    keep_best: bool = False) -> None:
+    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last (with ``val_loss``), rename into place,
+    prune old ones: all but the last ``keep_last`` and, with ``keep_best``, the one of lowest validation loss."""
     root = output_dir / "checkpoints"
     tmp, final = root / f".tmp-step-{step:08d}", root / f"step-{step:08d}"
     if accelerator.is_main_process:
@@ -132,18 +139,34 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
         accelerator.save_state(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            finalize(tmp, final, step)
+            finalize(tmp, final, step, val_loss=val_loss)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
                               f"({kept[0]}) is intact: free space, then continue with --resume") from None
     if accelerator.is_main_process:
+        best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            if path != best:
+                shutil.rmtree(path, ignore_errors=True)
         for path in root.glob(".tmp-*"):  # leftovers of interrupted writes
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint under ``root`` whose manifest records the lowest finite validation loss (the newest of equal
+    ones), or None when none records one."""
+    scored = []
+    for step, path in list_checkpoints(root):
+        try:
+            loss = read_manifest(path).get("val_loss")
+        except (OSError, ValueError):  # unreadable: not a candidate; --resume reports it when it is chosen
+            continue
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            scored.append((loss, -step, path))
+    return min(scored)[2] if scored else None
 
 
 @contextlib.contextmanager
@@ -200,10 +223,10 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int) 
     return final
 
 
-def finalize(tmp: Path, final: Path, step: int) -> None:
+def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None) -> None:
     """Write the manifest of a fully written folder last, then rename it into place (replacing an older one of
     the same name)."""
-    write_manifest(tmp, step)
+    write_manifest(tmp, step, val_loss=val_loss)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

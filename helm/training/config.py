@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ class DataConfig:
     """Do not train the prediction of a document's first token from the end of the previous one."""
     shuffle: bool = True
     """Reshuffle the packed rows every epoch (in-memory data only; streams are read in order)."""
+    resume_on_changed_data: bool = False
+    """Let --resume continue on a data stream other than the checkpoint's (dataset files, tokenizer, sequence
+    length or packing changed; recorded as a fingerprint in every checkpoint). The run goes on from the saved step
+    on the new stream, so it is no longer the run that was interrupted. false: such a resume exits with status 2
+    naming what changed."""
     num_workers: int = 0
     """DataLoader worker processes preparing the next batches while the model trains. 0: the training process
     fetches them, best for in-memory rows (an indexing away) and on a CPU, where workers take cores from the
@@ -136,7 +142,18 @@ class TrainConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0 = only at the end); written atomically."""
     keep_last: int = 2
-    """Checkpoints kept (older ones are deleted)."""
+    """Checkpoints kept (older ones are deleted), besides the best one (keep_best)."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the lowest validation loss (measured on eval_rows rows at every checkpoint and
+    recorded in its manifest.json), as Lightning's ModelCheckpoint does: a run that went wrong after its best
+    point keeps that point whatever keep_last deletes. false: only the last keep_last."""
+    divergence_factor: Optional[float] = 3.0
+    """Stop with exit status 3 when the training loss blows up while staying finite: above this many times its
+    lowest running level (a 10-step moving average) and above the first step's loss, for divergence_patience
+    consecutive steps (``helm/training/divergence.py``); no checkpoint is written after that is detected, and
+    keep_best keeps the best one from before. At least 1; null: stop only on NaN or inf."""
+    divergence_patience: int = 5
+    """Consecutive blown-up steps (see divergence_factor) that make a divergence; one spike is not one."""
     logger: str = "jsonl"
     """accelerate trackers: jsonl (output_dir/metrics.jsonl), tensorboard (output_dir/tensorboard; needs
     ``pip install tensorboard``), or both."""
@@ -263,8 +280,9 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
            "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
            "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
-           "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
-POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
+           "train.keep_last": 1, "train.divergence_patience": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
+POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature",
+            "train.divergence_factor")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
            "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager")}
 
@@ -275,7 +293,11 @@ def validate(c: RunConfig) -> None:
         section, name = key.split(".")
         return getattr(getattr(c, section), name)
 
-    problems = [(k, f"must be >= {low}") for k, low in MINIMUM.items() if value(k) is not None and value(k) < low]
+    # nan and inf pass every comparison below (or, as optim.eps=inf, train nothing): refused first
+    problems = [(k, "must be a finite number") for k in all_keys()
+                if any(isinstance(v, float) and not math.isfinite(v)
+                       for v in (value(k) if isinstance(value(k), list) else [value(k)]))]
+    problems += [(k, f"must be >= {low}") for k, low in MINIMUM.items() if value(k) is not None and value(k) < low]
     problems += [(k, "must be positive") for k in POSITIVE if value(k) is not None and not value(k) > 0]
     problems += [(k, f"must be one of {options}") for k, options in CHOICES.items() if value(k) not in options]
     problems += [(key, requirement) for key, ok, requirement in (
@@ -283,6 +305,8 @@ def validate(c: RunConfig) -> None:
         ("train.output_dir", bool(c.train.output_dir), "must be set"),
         ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),
+        ("train.divergence_factor", c.train.divergence_factor is None or c.train.divergence_factor >= 1,
+         "must be >= 1 (times the lowest running loss) or null"),
         ("optim.final_lr_ratio", 0 <= c.optim.final_lr_ratio <= 1, "must be in [0, 1]"),
         ("data.holdout_documents", c.data.validation_split is not None or c.data.holdout_documents >= 1,
          "must be >= 1 when data.validation_split is null (documents held out of the training split for validation)"),
@@ -303,9 +327,10 @@ def validate(c: RunConfig) -> None:
 # Keys that may change on resume (they do not change what is computed); any other difference is refused.
 RESUMABLE_CHANGES = frozenset({
     "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every",
-    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.logger",
+    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
+    "train.divergence_factor", "train.divergence_patience", "train.logger",
     "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
-    "data.build_default", "data.num_workers", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
+    "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
     "demo.temperature", "demo.top_k",
 })
 

@@ -4,7 +4,9 @@ hands this process its micro-batches in training order (:func:`training_batches`
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,21 +25,81 @@ def looks_local(name: str) -> bool:
             or path.suffix.lower() in (".json", ".jsonl", ".txt"))
 
 
-def load_tokenizer(name: str):
-    """A tokenizer from a local folder or a hub name; :class:`ConfigError` naming ``data.tokenizer`` otherwise."""
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """A tokenizer from a local folder or a hub name; :class:`ConfigError` naming ``data.tokenizer`` otherwise.
+
+    ``trust_remote_code`` (the recipe's ``model.trust_remote_code``) is always passed: left unset, transformers
+    would ask on a terminal whether to run the code a ``tokenizer_config.json`` names in its ``auto_map``."""
     from transformers import AutoTokenizer
 
     local = looks_local(name)
     if local and not Path(name).expanduser().is_dir():
         raise ConfigError(f"data.tokenizer: no such directory {name!r}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name)
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name,
+                                                  trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         where = "local folder" if local else "local folder, nor loadable from the Hugging Face Hub"
-        raise ConfigError(f"data.tokenizer: {name!r} is not a usable {where}: {error}") from None
+        text = " ".join(str(error).split())
+        hint = ("; it names custom code (auto_map): pass --model.trust_remote_code=true to run it, if you trust it"
+                if "trust_remote_code" in text else "")
+        raise ConfigError(f"data.tokenizer: {name!r} is not a usable {where}: {text}{hint}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"data.tokenizer: {name!r} has no eos token, which packing puts after every document")
     return tokenizer
+
+
+def data_fingerprint(data: DataConfig, tokenizer) -> dict:
+    """What defines the training and validation streams, for ``--resume`` to refuse another one: each local data
+    file's size and SHA-256 (or the hub dataset's name and configuration), a hash of the tokenizer (its serialised
+    vocabulary and rules, and its special tokens), the sequence length and the packing settings."""
+    from ..data.loading import local_files
+    from ..manifest import hash_file
+
+    files = {}
+    for split in dict.fromkeys(s for s in (data.train_split, data.validation_split) if s is not None):
+        try:
+            found = local_files(data.dataset, split)
+        except FileNotFoundError:  # reported by load_splits, with its key
+            found = None
+        for path in found or ():
+            if path.is_file():
+                digest, size = hash_file(path)
+                files[str(path.resolve())] = {"bytes": size, "sha256": digest}
+    source = {"files": files} if files else {"hub": data.dataset, "config": data.dataset_config}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return {**source, "tokenizer": hashlib.sha256((vocabulary + specials).encode()).hexdigest(),
+            "seq_len": data.seq_len, "packing": {"mask_document_starts": data.mask_document_starts,
+                                                 "shuffle": data.shuffle, "text_column": data.text_column,
+                                                 "holdout_documents": data.holdout_documents}}
+
+
+def fingerprint_differences(saved: dict | None, current: dict) -> list[str]:
+    """What differs between two :func:`data_fingerprint` s, one line each (nothing for a checkpoint without one)."""
+    if not saved:
+        return []
+    lines = []
+    for key in sorted(set(saved) | set(current)):
+        before, now = saved.get(key), current.get(key)
+        if before == now:
+            continue
+        if key == "files":
+            before, now = before or {}, now or {}
+            for name in sorted(set(before) | set(now)):
+                if name not in now:
+                    lines.append(f"data file {name} is no longer read")
+                elif name not in before:
+                    lines.append(f"data file {name} is new")
+                elif before[name] != now[name]:
+                    lines.append(f"data file {name} changed ({before[name]['bytes']:,} bytes in the checkpoint, "
+                                 f"{now[name]['bytes']:,} now{', same size, other content' * (before[name]['bytes'] == now[name]['bytes'])})")
+        elif key == "tokenizer":
+            lines.append("the tokenizer's vocabulary, rules or special tokens changed")
+        else:
+            lines.append(f"{key}: {before!r} in the checkpoint, {now!r} now")
+    return lines
 
 
 def _load_split(data: DataConfig, split: str, streaming: bool, key: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import subprocess
@@ -89,6 +90,21 @@ def _remote_code_folder(tmp_path, run_data):
     return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
+def _remote_code_tokenizer(tmp_path, run_data):
+    """A tokenizer folder whose tokenizer_config.json names custom code (auto_map): transformers would ask on a
+    terminal whether to run it, and run it on "y"."""
+    import shutil
+
+    folder = tmp_path / "custom-tokenizer"
+    shutil.copytree(run_data / "tokenizer", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="XTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_x.py").write_text("raise SystemExit('remote code ran')\n")
+    return [f"--data.tokenizer={folder}"]
+
+
 # id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, message (regex)
 CASES = [
     ("pretrained-corrupted", "tiny-helm-d", _corrupted_pretrained, [], 2,
@@ -131,11 +147,22 @@ CASES = [
     ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"in use by another training run \(pid {os.getppid()}"),
     ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2,
      r"model\.pretrained: .*custom code.*--model\.trust_remote_code=true"),
+    ("tokenizer-remote-code-not-trusted", "tiny-helm-d", _remote_code_tokenizer, [], 2,
+     r"data\.tokenizer: .*custom-tokenizer.*trust_remote_code.*--model\.trust_remote_code=true to run it"),
+    ("optim-eps-inf", "tiny-helm-d", lambda t, r: [], ["--optim.eps=inf"], 2, r"optim\.eps must be a finite number, got inf"),
+    ("optim-weight-decay-nan", "tiny-helm-d", lambda t, r: [], ["--optim.weight_decay=nan"], 2,
+     r"optim\.weight_decay must be a finite number, got nan"),
+    ("divergence-factor-below-1", "tiny-helm-d", lambda t, r: [], ["--train.divergence_factor=0.5"], 2,
+     r"train\.divergence_factor must be >= 1"),
 ]
 
 
 @pytest.mark.parametrize("name, base, setup, args, code, message", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, tmp_path, run_data, capsys):
+def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, tmp_path, run_data, capsys,
+                                       monkeypatch):
+    # a user at a terminal who answers "y" to transformers' "Do you wish to run the custom code?": train.py must
+    # never let it ask (the recipe's model.trust_remote_code decides)
+    monkeypatch.setattr("builtins.input", lambda *prompt: "y")
     if name == "fp16-without-cuda" and torch.cuda.is_available():
         pytest.skip("fp16 is allowed on a CUDA machine")
     if name == "output-dir-unwritable" and not os.path.isdir("/sys"):
@@ -331,3 +358,128 @@ def test_a_checkpoint_file_replaced_by_a_code_pickle_is_refused(target, tmp_path
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert "step-00000002" in error and "not plain tensors and data" in error, error
     assert "Traceback" not in captured.err
+
+
+def test_finite_divergence_stops_with_exit_3_and_keeps_the_best_checkpoint(tmp_path, run_data, capsys):
+    """Issue 25 item 2: lr 10 without clipping drives the loss from 5.8 to ~1000 while every number stays finite.
+    The divergence rule (train.divergence_factor / divergence_patience) stops the run with exit 3 naming the step the
+    blow-up began and both learning rates; no final/ is written, and keep_last=1 does not delete the checkpoint of
+    lowest validation loss, written before the blow-up (keep_best)."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 30, "save_every": 2, "keep_last": 1,
+                                                     "log_every": 1}, demo={"prompt": None})
+    code = train_script.main(["--config", str(recipe), "--optim.lr=10", "--optim.grad_clip=null"])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(r"training loss diverged \(finite\): from step \d+ on the training loss stayed above 3 x", error)
+    assert "optim.lr=10 " in error and "optim.manifold_lr=" in error and "step-00000002" in error, error
+    run = tmp_path / "run"
+    steps = [s for s, _ in list_checkpoints(run / "checkpoints")]
+    assert steps[0] == 2 and len(steps) == 2 and steps[1] < 30 and not (run / "final").exists(), steps
+    losses = [json.loads((p / "manifest.json").read_text())["val_loss"] for _, p in list_checkpoints(run / "checkpoints")]
+    assert losses[0] < losses[1], losses
+
+
+def test_finite_divergence_check_can_be_turned_off(tmp_path, run_data, capsys):
+    """train.divergence_factor=null: only NaN/inf stop a run (the behaviour before issue 25), and the perplexity
+    of the wrecked model is printed in scientific notation once it passes 1e6."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 0, "log_every": 4},
+                          demo={"prompt": None})
+    code = train_script.main(["--config", str(recipe), "--optim.lr=10", "--optim.grad_clip=null",
+                              "--train.divergence_factor=null"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    [line] = [line for line in captured.out.splitlines() if "before training ->" in line]
+    after = re.search(r"-> (\S+) after", line).group(1)
+    assert re.fullmatch(r"\d\.\d{3}e\+\d+", after), line  # the loss ends in the hundreds: e^hundreds
+
+
+# (loss per step, factor, patience, step the divergence is reported from; 0 = none)
+DIVERGENCE_RULE = [
+    ("learning", [6.0 - 0.2 * i for i in range(20)], 3.0, 5, 0),
+    ("one-spike", [6.0, 5.0, 4.0, 3.0, 40.0, 3.0, 3.0, 3.0], 3.0, 5, 0),
+    ("spike-shorter-than-patience", [6.0, 5.0, 4.0] + [50.0] * 4 + [3.0] * 5, 3.0, 5, 0),
+    ("blow-up", [6.0, 5.0, 4.0] + [50.0, 900.0, 13224.0, 800.0, 700.0, 600.0], 3.0, 5, 4),
+    ("above-running-level-but-below-first-loss", [9.0] + [1.0] * 40 + [8.0] * 10, 3.0, 5, 0),
+    ("back-above-first-loss", [9.0] + [1.0] * 40 + [9.5] * 10, 3.0, 5, 42),
+    ("patience-1", [6.0, 5.0, 40.0], 3.0, 1, 3),
+    ("off", [6.0, 5.0] + [1e4] * 10, None, 5, 0),
+]
+
+
+@pytest.mark.parametrize("losses, factor, patience, expected", [c[1:] for c in DIVERGENCE_RULE],
+                         ids=[c[0] for c in DIVERGENCE_RULE])
+def test_divergence_rule(losses, factor, patience, expected):
+    """The documented rule of helm/training/divergence.py: above factor x the lowest running level and above the
+    first step's loss, for patience consecutive steps; one spike is not a divergence."""
+    from helm.training.divergence import DivergenceMonitor
+
+    monitor = DivergenceMonitor(factor, patience, "cpu")
+    for step, loss in enumerate(losses, start=1):
+        monitor.update(torch.tensor(loss), step)
+    assert int(monitor.diverged_at) == expected, monitor.report()
+    assert (monitor.report() is None) == (expected == 0)
+    restored = DivergenceMonitor(factor, patience, "cpu")
+    restored.load_state_dict(monitor.state_dict())
+    assert json.dumps(restored.state_dict()) == json.dumps(monitor.state_dict())  # NaN before the first step
+
+
+@pytest.mark.parametrize("value, text", [(1.0, "1.0"), (234.17, "234.2"), (999_999.0, "999,999.0"),
+                                         (1e6, "1.000e+06"), (math.exp(700), "1.014e+304")])
+def test_perplexities_above_1e6_are_printed_in_scientific_notation(value, text):
+    from helm.evaluation import format_perplexity
+
+    assert format_perplexity(value) == text
+
+
+def _shortened(folder):
+    lines = (folder / "train.jsonl").read_text().splitlines(keepends=True)
+    (folder / "train.jsonl").write_text("".join(lines[: len(lines) * 3 // 4]))
+
+
+def _reshuffled(folder):
+    lines = (folder / "train.jsonl").read_text().splitlines(keepends=True)
+    (folder / "train.jsonl").write_text("".join(lines[1::2] + lines[::2]))
+
+
+def _other_tokenizer(folder):
+    config = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<pad>" if config.get("eos_token") != "<pad>" else "<unk>"
+    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# (case, change to the data folder between the run and --resume, extra resume arguments, exit status, message)
+CHANGED_DATA = [
+    ("train-file-shortened", _shortened, [], 2, r"data file .*train\.jsonl changed \([\d,]+ bytes in the checkpoint, "
+                                                 r"[\d,]+ now\).*--data\.resume_on_changed_data=true"),
+    ("train-file-reshuffled", _reshuffled, [], 2, r"train\.jsonl changed \(.*same size, other content\)"),
+    ("validation-file-changed", lambda f: (f / "validation.jsonl").write_text((f / "validation.jsonl").read_text()[:-300]
+                                                                              + "\n"), [], 2, r"validation\.jsonl changed"),
+    ("tokenizer-changed", _other_tokenizer, [], 2, r"the tokenizer's vocabulary, rules or special tokens changed"),
+    ("allowed-explicitly", _shortened, ["--data.resume_on_changed_data=true"], 0, None),
+    ("unchanged", lambda f: None, [], 0, None),
+]
+
+
+@pytest.mark.parametrize("case, change, extra, code, message", CHANGED_DATA, ids=[c[0] for c in CHANGED_DATA])
+def test_resume_on_a_changed_data_stream_is_refused_naming_the_change(case, change, extra, code, message, tmp_path,
+                                                                      run_data, capsys):
+    """Issue 25 item 3: every checkpoint records a fingerprint of its data stream (each file's size and SHA-256, the
+    tokenizer, seq_len, packing); --resume on another stream is exit 2 naming what changed, unless
+    data.resume_on_changed_data says so."""
+    import shutil
+
+    folder = tmp_path / "data"
+    shutil.copytree(run_data, folder)
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None},
+                          data={"dataset": str(folder), "tokenizer": str(folder / "tokenizer")})
+    assert train_script.main(["--config", str(recipe), "--train.max_steps=2"]) == 0, capsys.readouterr()
+    change(folder)
+    capsys.readouterr()
+    result = train_script.main(["--config", str(recipe), "--train.max_steps=2", "--resume", *extra])
+    captured = capsys.readouterr()
+    assert result == code, captured.out + captured.err
+    if message:
+        [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+        assert re.search(message, error) and "step-00000002" in error, error
+        assert "[train] data:" not in captured.out, "the data was read before the refusal"
