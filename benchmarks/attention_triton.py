@@ -3,7 +3,7 @@
 For T in {512, 2048, 8192} and heads of 1+64 and 1+128 coordinates, bf16, causal, it measures forward and
 forward+backward time (median of ``triton.testing.do_bench``) and throughput of
 
-* ``triton``: :func:`kernels.lorentz_attention.lorentz_flash_attention` (the time coordinate apart, no padding);
+* ``triton``: :func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention` (the time coordinate apart, no padding);
 * ``sdpa``:   ``torch.nn.functional.scaled_dot_product_attention`` on ``(J q · 2/τ, k, v)`` with the head dim
   zero-padded to a multiple of 8 (65 -> 72, 129 -> 136) so the fused FlashAttention backend accepts it, then
   the Lorentz normalisation in fp32. Note it forms ``<q, k>_L`` in bf16, which the kernel avoids;
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     from helm.manifold import lift, normalize
     from helm.ops import lorentz_attention
-    from kernels.lorentz_attention import lorentz_flash_attention
+    from helm.ops.lorentz_attention_triton import lorentz_flash_attention
 
     device = torch.device("cpu" if args.dry_run_cpu else "cuda")
     do_bench = _wall_clock_ms if args.dry_run_cpu else triton_do_bench

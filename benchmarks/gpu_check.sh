@@ -103,7 +103,7 @@ print(", ".join(f"{p} {m.version(p)}" for p in ["triton", "transformers", "accel
 import helm.training  # noqa: E402, F401  (what the benchmarks import, with the carried wheels)
 print("helm.training imports")
 EOF' ;;
-    kernels) run_part kernels python3 -m pytest tests/kernels -q -p no:cacheprovider ;;
+    kernels) run_part kernels python3 -m pytest tests/ops/lorentz_attention_triton -q -p no:cacheprovider ;;
     attention) run_part attention "${ATTENTION[@]}" ;;
     train) run_part train python3 benchmarks/train_step.py "${TRAIN[@]}" ;;
     profile) run_part profile python3 benchmarks/train_step.py "${TRAIN[@]}" --pairs helm-d --profile ;;

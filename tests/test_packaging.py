@@ -1,5 +1,6 @@
-"""Packaging hazards: our top-level ``kernels`` folder vs the PyPI ``kernels`` package (which ``transformers`` probes
-for), and ``import helm`` without triton (``kernels/`` is loaded lazily, ARCHITECTURE.md)."""
+"""Packaging hazards: no top-level ``kernels`` package of ours to clash with the PyPI ``kernels`` package (which
+``transformers`` probes for), ``import helm`` without triton (the kernels in ``helm/ops/lorentz_attention_triton`` are
+loaded lazily, ARCHITECTURE.md), and a saved model's remote code that needs neither triton nor the kernel files."""
 
 import importlib.util
 import os
@@ -16,13 +17,13 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=300)
 
 
-def test_transformers_does_not_mistake_our_kernels_for_the_hub_package():
+def test_no_top_level_kernels_package_of_ours():
+    """The kernels live inside ``helm``: ``import kernels`` finds Hugging Face's package (if installed), never a
+    folder of this repository, and ``transformers`` works next to ``helm``."""
+    assert not (REPO / "kernels").exists()
     spec = importlib.util.find_spec("kernels")
-    assert spec is not None and pathlib.Path(spec.origin).resolve().is_relative_to(REPO), (
-        "the project's kernels folder must be what `import kernels` finds")
+    assert spec is None or not pathlib.Path(spec.origin or "").resolve().is_relative_to(REPO)
     proc = _run("""
-        import transformers.utils.import_utils as iu
-        assert not iu.is_kernels_available(), "transformers thinks the HF `kernels` hub package is installed"
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=2)
@@ -33,6 +34,27 @@ def test_transformers_does_not_mistake_our_kernels_for_the_hub_package():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_remote_code_needs_neither_triton_nor_the_kernel_files(tmp_path):
+    """``save_pretrained`` writes the flattened modules the model reaches by relative imports; the kernel package is
+    imported by absolute name inside ``try`` (``helm.ops.attention._load_kernel``), so it is not copied and
+    ``transformers`` lists neither ``triton`` nor ``helm`` among the bundle's requirements."""
+    import torch
+    from transformers.dynamic_module_utils import get_imports
+
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
+                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_impl="triton")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    files = sorted(tmp_path.glob("*.py"))
+    assert any(f.name == "helm_ops_attention.py" for f in files), [f.name for f in files]
+    assert not [f.name for f in files if "lorentz_attention_triton" in f.name]
+    needed = set().union(*(get_imports(f) for f in files))
+    assert not needed & {"triton", "helm", "kernels"}, needed
 
 
 def test_import_helm_without_triton():
@@ -66,8 +88,7 @@ def test_a_non_editable_install_ships_every_preset(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for package in ("helm", "kernels"):
-        shutil.copytree(REPO / package, src / package, ignore=ignore)
+    shutil.copytree(REPO / "helm", src / "helm", ignore=ignore)
     wheels = tmp_path / "wheels"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                             "-q", "-w", str(wheels)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
@@ -78,6 +99,9 @@ def test_a_non_editable_install_ships_every_preset(tmp_path):
         shipped = sorted(pathlib.PurePosixPath(n).name for n in archive.namelist() if n.startswith("helm/presets/")
                          and n.endswith(".json"))
     assert presets and shipped == presets
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert "helm/ops/lorentz_attention_triton/fwd_bwd.py" in names and not [n for n in names if n.startswith("kernels/")]
 
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),

@@ -13,7 +13,7 @@ centroid normalisation. Implementations:
 * ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
   to one head width, a multiple of 8, where that makes the flash / memory-efficient backends eligible:
   :func:`_pad_sdpa_heads`).
-* ``triton`` the fused kernel of :mod:`kernels` (loaded lazily; CUDA, or the Triton interpreter).
+* ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
 
 **Normalisation far from the origin.** With ``Σ_j ν_ij = 1`` and ``S = Σ_j ν_j v_j``, the centroid identity for
@@ -236,7 +236,7 @@ def _floor(k):
     return k / 2
 
 
-# Per-key centres of the values, shared with the Triton kernels (kernels/lorentz_attention/centre.py imports them).
+# Per-key centres of the values, shared with the Triton kernels (helm/ops/lorentz_attention_triton/common.py imports them).
 def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
                device) -> Optional[torch.Tensor]:
     """``[B, Tk]`` int64: for each key, the index of the first key of its group (same segment id, same padding
@@ -490,14 +490,19 @@ def _pad_heads(*xs: torch.Tensor) -> tuple:
 
 
 def _load_kernel():
-    """The Triton kernel's public function, or the reason it cannot be imported (imports stay inside ``try``:
-    remote-code loading must not list ``triton`` or our ``kernels`` folder as hard requirements)."""
+    """The Triton kernel's public function, or the reason it cannot be imported.
+
+    The imports stay inside ``try`` and the kernel package is imported by its absolute name: ``transformers``
+    ignores imports inside ``try`` when it lists a remote-code file's requirements, and
+    :mod:`helm.models.remote_code` copies only the modules reached by relative imports, so a saved model's code
+    needs neither ``triton`` nor the kernel files (which import triton at the top). Loaded as remote code, the
+    kernel is used where ``helm-zoo`` and ``triton`` are installed, and ``auto`` falls back to sdpa elsewhere."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return None, "impl='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
     try:
-        from kernels.lorentz_attention import lorentz_flash_attention
+        from helm.ops.lorentz_attention_triton import lorentz_flash_attention
     except ImportError as err:
         return None, f"impl='triton': the Lorentz attention kernel is not available ({err})"
     return lorentz_flash_attention, None
@@ -514,9 +519,13 @@ def _triton_available(device: torch.device) -> Optional[str]:
 
 
 def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                     alibi_slopes=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Fused Triton kernel (:func:`kernels.lorentz_attention.lorentz_flash_attention`); it reads the mask's
+                     alibi_slopes=None, value_centre: Optional[torch.Tensor] = None,
+                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Fused Triton kernel (:func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention`); it reads the mask's
     padding and segment ids and builds no dense mask.
+
+    ``value_centre``: as :func:`sdpa_attention`; without gradients the kernel reads the cache's ``[v | e]`` as it is
+    (no re-centring of the cache per decode step); with gradients the column is dropped and the values centred.
 
     ``dtype`` is not applied by the kernel: it reads each point's time coordinate from the same tensor as its space
     part, so it gets the points as they are (fp32 under autocast) and runs its dots in their dtype, a named
@@ -535,10 +544,14 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
             _AUTO_LOGGED.add("triton-static")
             logger.info("helm attention impl='triton': %r is not bottom-right aligned (a static cache or a 4-D "
                         "mask); using 'sdpa' for it", mask)
-        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes, dtype=dtype)
+        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes, dtype=dtype,
+                              value_centre=value_centre)
+    if value_centre is not None and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, tau, k, alibi_slopes)):
+        value, value_centre = value[..., :-1], None
     kernel, _ = _load_kernel()
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
-                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes)
+                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
 
 
 ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {
@@ -639,9 +652,10 @@ def lorentz_attention(
             ``causal``, ``attention_mask`` and ``segment_ids``.
         value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` of the values for which ``value`` carries one more
             column, ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` (statistics dtype): what a
-            cache computes once per token. ``sdpa`` then normalises from ``SDPA(·, ·, [v | e])`` with ``D = S - c``
-            instead of re-centring every value every call (a decode step's cost over the cache); ``eager`` and
-            ``triton`` drop the column and centre as usual. The same centroid (any centre gives it exactly).
+            cache computes once per token. ``sdpa`` and ``triton`` (without gradients) then normalise from
+            ``Σ ν [v | e]`` with ``D = S - c`` instead of re-centring every value every call (a decode step's cost
+            over the cache); ``eager`` drops the column and centres as usual. The same centroid (any centre gives
+            it exactly).
         dtype: the GEMM dtype of ``q·k`` and ``ν·v`` (:mod:`helm.precision`); default
             :func:`~helm.precision.compute_dtype` of ``query`` (the autocast dtype under autocast, else the
             query's dtype). Layers pass their projections' output dtype, so a bf16 model attends in bf16.
@@ -668,9 +682,9 @@ def lorentz_attention(
     name = _resolve_impl(impl, query.device, position_bias is not None or not mask.bottom_right)
     extra = {}
     if value_centre is not None:
-        if ATTENTION_IMPLS[name] is sdpa_attention:
+        if name in ("sdpa", "triton"):
             extra = {"value_centre": value_centre}
-        else:  # eager (the reference) and the kernel centre the values themselves
+        else:  # eager, the reference, centres the values itself
             value = value[..., :-1]
     return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
                                  alibi_slopes=alibi_slopes, dtype=dtype, **extra)

@@ -9,7 +9,8 @@ row ``i`` sits at position ``pos_i = Tk - Tq + i``)::
     D_i  = Σ_j P_ij w_j,  E_i = Σ_j P_ij e_j,  S_i = c_i + D_i   with  w_j = v_j - c_j,  e_j = <w_j, w_j>_L
 
 The kernels only ever see the centred values ``w`` (passed as ``V``), ``e`` and the row centres ``c``, all made by
-:func:`prepare` (:mod:`.centre` explains the centres and ``kernels/README.md`` the pairwise form of ``N``).
+:func:`prepare` (:func:`centre_values` explains the centres and ``README.md`` next to this file the pairwise form of
+``N``).
 
 The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
 ``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` (converted to fp32 at once) and
@@ -19,16 +20,19 @@ the space part ``[BT, BLOCK_D]``, so a head of ``1+64`` or ``1+128`` coordinates
 from __future__ import annotations
 
 import os
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from .centre import key_groups, value_centres
+# One centring rule for every attention path: the kernels centre the values with helm.ops.attention's functions,
+# which the eager and sdpa paths use, so a change to the rule cannot leave one path behind.
+from ..attention import _key_groups, _value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare", "centre_values"]
+           "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "autotune_configs",
+           "prune_configs"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
 # same decision so launchers choose interpreter-friendly blocks and fp32 dots consistently.
@@ -44,6 +48,72 @@ MAX_HEAD_DIM = 256  # space dims d, dv per head; larger blocks exhaust registers
 
 Tau = Union[float, torch.Tensor]
 Curv = Union[float, torch.Tensor]
+
+# --------------------------------------------------------------------------------------------------
+# Autotuning (sm90: H100 / H200)
+# --------------------------------------------------------------------------------------------------
+
+# Largest dynamic shared memory one block may use on sm90 (228 KB per SM, of which 227 KB per block).
+SM90_SMEM_BYTES = 227 * 1024
+# fp32 values per thread that the estimated live tiles may take (of 255 registers; the rest holds pointers,
+# offsets, row statistics): configurations above it would spill.
+REG_BUDGET = 160
+
+
+def autotune_configs(block_m, block_n, warps, stages) -> list:
+    """``triton.Config`` list over the product of the candidates; ONE config under the interpreter (where the
+    autotuner would run every candidate through the slow interpreter, and its benchmark timer needs a GPU)."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m in block_m for n in block_n for w in warps for s in stages]
+
+
+def estimate_resources(kind: str, block_m: int, block_n: int, block_d: int, block_dv: int, elem: int,
+                       warps: int, stages: int) -> Tuple[int, int]:
+    """``(shared memory bytes, fp32 registers per thread)`` a configuration is estimated to need (a model, not
+    what the compiler allocates; configurations that still do not fit fail to compile and the autotuner drops
+    them).
+
+    ``fwd`` / ``dq`` (a query block resident, key blocks streamed): ``stages`` buffered key + value tiles, the
+    query tile and one ``[BM, BN]`` probability tile in shared memory; live ``[BM, BN]`` scores and probabilities
+    (2 tiles) and the ``[BM, BLOCK_DV]`` (``dq``: ``[BM, BLOCK_D]``) accumulator in registers.
+    ``dkdv`` (a key block resident, query blocks streamed): the same with query and key roles swapped, four live
+    ``[BN, BM]`` tiles (scores, ``P``, ``dP``, ``dz``) and the ``dK``, ``dV`` accumulators."""
+    threads = 32 * warps
+    if kind == "fwd":
+        smem = (stages * block_n * (block_d + block_dv) + block_m * block_d + block_m * block_n) * elem
+        regs = (2 * block_m * block_n + block_m * block_dv) // threads
+    elif kind == "dq":
+        smem = (stages * block_n * (block_d + block_dv) + block_m * (block_d + block_dv) + block_m * block_n) * elem
+        regs = (3 * block_m * block_n + block_m * block_d) // threads
+    elif kind == "dkdv":
+        smem = (stages * block_m * (block_d + block_dv) + block_n * (block_d + block_dv) + block_m * block_n) * elem
+        regs = (4 * block_m * block_n + block_n * (block_d + block_dv)) // threads
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}")
+    return smem, regs
+
+
+def prune_configs(kind: str):
+    """``early_config_prune`` for ``triton.autotune``: drop the configurations estimated to exceed sm90's shared
+    memory or register budget (:func:`estimate_resources`), keeping at least the smallest one. ``BLOCK_M`` comes
+    from the configuration or, for the decoding kernel (fixed 16 rows), from the launch arguments."""
+    def prune(configs, named_args, **kwargs):
+        elem = named_args["Q"].element_size()
+        block_d, block_dv = kwargs["BLOCK_D"], kwargs["BLOCK_DV"]
+        fits = []
+        for cfg in configs:
+            block_m = cfg.kwargs.get("BLOCK_M", kwargs.get("BLOCK_M"))
+            smem, regs = estimate_resources(kind, block_m, cfg.kwargs["BLOCK_N"], block_d, block_dv, elem,
+                                            cfg.num_warps, cfg.num_stages)
+            if smem <= SM90_SMEM_BYTES and regs <= REG_BUDGET:
+                fits.append(cfg)
+        if fits:
+            return fits
+        return [min(configs, key=lambda c: (c.kwargs.get("BLOCK_M", 1) * c.kwargs["BLOCK_N"], c.num_stages,
+                                            -c.num_warps))]
+    return prune
 
 
 def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -67,9 +137,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 class Prepared:
     """Kernel-ready inputs (see :func:`prepare`)."""
 
-    __slots__ = ("q", "k", "v", "e", "c", "scale", "slopes", "kc", "qid", "kid", "causal", "out_dtype")
+    __slots__ = ("q", "k", "v", "e", "c", "scale", "slopes", "kc", "qid", "kid", "causal", "centred")
 
-    def __init__(self, **kw):
+    def __init__(self, centred: bool = True, **kw):
+        self.centred = centred
         for name, value in kw.items():
             setattr(self, name, value)
 
@@ -79,8 +150,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
-            alibi_slopes) -> Prepared:
+            alibi_slopes, value_centre: Optional[torch.Tensor] = None) -> Prepared:
     """Validate the public arguments and turn them into what the kernels read.
+
+    * The values are centred (:func:`centre_values`), unless ``value_centre`` ``[B, H, 1, 1+dv]`` is given: then
+      ``value`` is a cache's ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` for that one
+      centre ``c``, and the kernels take ``v`` as it is (``centred=False``: ``D = Σ P v - c``), so a decode
+      step does not re-centre the cache (forward only).
 
     * ``q, k, v`` share one dtype (fp16, bf16 or fp32; promoted like eager) and have unit last stride.
     * ``scale = 2/τ`` ``[H]`` fp32 and ``kc = k`` ``[1]`` fp32 stay in the autograd graph, so gradients of
@@ -93,6 +169,12 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a [B, H, T, 1+d] tensor, got {getattr(t, 'shape', type(t))}")
+    cached_norms = None
+    if value_centre is not None:
+        if value_centre.dim() != 4 or tuple(value_centre.shape) != (*value.shape[:2], 1, value.shape[3] - 1):
+            raise ValueError(f"value_centre must be [B, H, 1, 1+dv] for values [B, H, Tk, 1+dv+1], got "
+                             f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
+        value, cached_norms = value[..., :-1], value[..., -1]
     B, H, Tq, Dq = query.shape
     Tk = key.shape[2]
     if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
@@ -114,7 +196,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     device = query.device
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(f"the Lorentz attention kernel needs CUDA tensors (got {device.type!r}); set "
-                         "TRITON_INTERPRET=1 before importing kernels to run it in the Triton interpreter")
+                         "TRITON_INTERPRET=1 before triton is first imported to run it in the Triton interpreter")
     q, kk, v = (_last_dim_contiguous(t.to(dtype)) for t in (query, key, value))
 
     tau_t = torch.as_tensor(tau, dtype=torch.float32, device=device)
@@ -146,21 +228,31 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         qid = seg[:, Tk - Tq:].to(torch.int32).contiguous()
         kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
         kid = kid.to(torch.int32).contiguous()
-    out_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    w, e, c = centre_values(v, segment_ids, attention_mask, Tq)
+    if cached_norms is None:
+        w, e, c = centre_values(v, segment_ids, attention_mask, Tq)
+    else:
+        w, e = v, cached_norms.to(torch.float32).contiguous()
+        c = value_centre.detach().to(torch.float32).expand(B, H, Tq, 1 + dv).contiguous()
     return Prepared(q=q, k=kk, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
-                    causal=bool(causal), out_dtype=out_dtype)
+                    causal=bool(causal), centred=cached_norms is None)
 
 
 def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
     """``(w, e, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride), ``e_j = <w_j,
     w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64: the named exception of
     ``helm/precision.py``, see :func:`_centroid_normalise`) and the centre of each query row
-    ``c [B, H, Tq, 1+dv]`` fp32 (detached); see :mod:`.centre`. ``w`` and ``e`` stay in the autograd graph."""
+    ``c [B, H, Tq, 1+dv]`` fp32 (detached). ``w`` and ``e`` stay in the autograd graph.
+
+    The normaliser ``N = k + (E - <D, D>_L)`` does not depend on the centres as long as every key a row attends to
+    has the same one; only its rounding does. Keys are grouped by document (segment id) and padding flag
+    (:func:`helm.ops.attention._key_groups`), so packed documents stay bit-for-bit independent, and each group gets
+    :func:`helm.ops.attention._value_centres`: ``0`` for values spread around the origin (their ``e_j ≈ -k`` are
+    small and exact), about their mean for values clustered far from it (small centred values, small fp32 error of
+    their weighted sum). Sorts and segmented scans only: deterministic, no host synchronisation."""
     B, H, Tk, _ = v.shape
-    groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
+    groups = _key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
     vf = v.float()
-    c = value_centres(vf, groups)
+    c = _value_centres(vf, groups)
     w = _last_dim_contiguous((vf - c).to(v.dtype))
     wide = w.double() if w.device.type != "mps" else w.float()
     e = (wide[..., 1:].pow(2).sum(-1) - wide[..., 0].pow(2)).float().contiguous()

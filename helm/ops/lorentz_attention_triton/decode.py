@@ -1,15 +1,15 @@
 """Split-K ("flash-decoding") forward of Lorentz attention for a few query rows against a long cache.
 
-Layout: kernels -> launcher -> :func:`lorentz_decode_attention` (forward only: decoding needs no backward,
-so there is no autograd Function; training goes through :mod:`.fwd_bwd`).
+Layout: kernels -> launcher -> custom op ``helm::lorentz_attention_decode`` (``torch.library``, with a fake
+implementation; forward only: decoding needs no backward, training goes through :mod:`.fwd_bwd`) ->
+:func:`lorentz_decode_attention`.
 
 With ``Tq <= 16`` the forward kernel would run one program per batch·head, each walking the whole cache.
 Here the keys are cut into ``n_splits`` contiguous chunks; program ``(split, b·h)`` runs the online softmax
 of all query rows over its chunk and writes the partial state ``(m, l, acc_t, acc_s, acc_e)``; a combine kernel
 merges the chunks (``l = Σ_s l_s 2^(m_s - m)``, same for ``acc``) and applies the Lorentz normalisation.
-
-HMLA caches only its latent ``c_KV`` and the shared ``k^R``; the HMLA layer up-projects them to per-head
-keys and values before calling attention, so this kernel sees ordinary ``[B, H, Tk, 1+d]`` keys.
+Given a cache's values with their norms about one centre (``value_centre``), it reads them as they are
+(``CENTRED=False``) instead of re-centring the cache every step.
 """
 
 from __future__ import annotations
@@ -37,13 +37,26 @@ from .common import (
     launch_args,
     needs_grad,
     prepare,
+    prune_configs,
 )
 
-__all__ = ["lorentz_decode_attention", "DECODE_BLOCK_M"]
+__all__ = ["lorentz_decode_attention", "lorentz_attention_decode", "DECODE_BLOCK_M"]
 
 # Query rows handled by one program (and the largest Tq the decoding kernel accepts); 16 is the smallest
 # tl.dot tile.
 DECODE_BLOCK_M = 16
+# Key block candidates of the split kernel on sm90 (pruned like the forward's); one small block under the
+# interpreter, so its tests see several splits. Every split holds a multiple of SPLIT_KEYS keys, a multiple of
+# every candidate, so the split boundaries do not depend on the configuration the autotuner picks.
+if INTERPRET:
+    DECODE_CONFIGS = [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    SPLIT_KEYS = 32
+else:
+    DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+                      for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    SPLIT_KEYS = 128
+# Key block of the combine kernel's walk for rows whose mask kept nothing (rare: not tuned).
+COMBINE_BLOCK_N = 32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -51,6 +64,8 @@ DECODE_BLOCK_M = 16
 # --------------------------------------------------------------------------------------------------
 
 
+@triton.autotune(configs=DECODE_CONFIGS, key=["D", "DV", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_decode_split_kernel(
     Q, K, V, E, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S, ACC_E,
@@ -111,10 +126,10 @@ def lorentz_attention_decode_combine_kernel(
     H, Tq, Tk, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEG: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    CENTRED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid ``(B*H,)``. Merges the split states, handles rows whose mask kept no key, normalises, writes
-    the output ``OUT [B, H, Tq, 1+DV]``."""
+    the output ``OUT [B, H, Tq, 1+DV]``. Without ``CENTRED`` ``V`` holds plain values and ``D = Σ P v - c``."""
     i_bh = tl.program_id(0)
     i_b = (i_bh // H).to(tl.int64)
     i_h = i_bh % H
@@ -160,8 +175,12 @@ def lorentz_attention_decode_combine_kernel(
 
     l_safe = tl.where(l_g == 0.0, 1.0, l_g)
     b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
-    b_ot, b_os, b_n = _centroid_normalise(acc_t / l_safe, acc_s / l_safe[:, None], acc_e / l_safe, b_ct, b_cs,
-                                          tl.load(KC))
+    b_dt = acc_t / l_safe
+    b_ds = acc_s / l_safe[:, None]
+    if not CENTRED:
+        b_dt = b_dt - b_ct
+        b_ds = b_ds - b_cs
+    b_ot, b_os, b_n = _centroid_normalise(b_dt, b_ds, acc_e / l_safe, b_ct, b_cs, tl.load(KC))
     _store_points(OUT + i_b * stride_ob + i_h * stride_oh, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
 
 
@@ -175,15 +194,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _decode_config(d: int, dv: int, dtype: torch.dtype):
-    """``(BLOCK_N, num_warps)``: small key blocks so the interpreter's tests see several splits."""
-    if INTERPRET:
-        return 32, 4
-    if dtype == torch.float32 or max(d, dv) > 128:
-        return 32, 4
-    return 64, 4
-
-
 def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     """Launch the split and combine kernels on prepared inputs (``Tq <= DECODE_BLOCK_M``). Returns ``O``."""
     q, k, v = p.q, p.k, p.v
@@ -192,12 +202,11 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     if Tq > DECODE_BLOCK_M:
         raise ValueError(f"the decoding kernel takes at most {DECODE_BLOCK_M} query rows, got {Tq}")
     dev = q.device
-    BN, warps = _decode_config(D, DV, q.dtype)
-    n_blocks = triton.cdiv(Tk, BN)
+    n_chunks = triton.cdiv(Tk, SPLIT_KEYS)
     # Enough programs for about two waves over the GPU (4 splits in the interpreter), no empty split.
     target = 4 if INTERPRET or dev.type != "cuda" else triton.cdiv(2 * _num_sms(dev.index or 0), B * H)
-    n_splits = max(1, min(n_blocks, target, 256))
-    keys_per_split = triton.cdiv(n_blocks, n_splits) * BN
+    n_splits = max(1, min(n_chunks, target, 256))
+    keys_per_split = triton.cdiv(n_chunks, n_splits) * SPLIT_KEYS
     n_splits = triton.cdiv(Tk, keys_per_split)
 
     BM, BDV = DECODE_BLOCK_M, block_d(DV)
@@ -207,20 +216,43 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     acc_s = alloc((B * H, n_splits, BM, BDV), torch.float32, dev)
     acc_e = alloc((B * H, n_splits, BM), torch.float32, dev)
     slopes, qid, kid, kc = launch_args(p)
-    common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=BDV,
-                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
-                  PREC=dot_precision(q.dtype), num_warps=warps)
+    common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_D=block_d(D), BLOCK_DV=BDV, HAS_SEG=p.qid is not None,
+                  HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET, PREC=dot_precision(q.dtype))
     lorentz_attention_decode_split_kernel[(n_splits, B * H)](
         q, k, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,
         CAUSAL=p.causal, **common,
     )
-    o = alloc((B, H, Tq, 1 + DV), p.out_dtype, dev)
+    o = alloc((B, H, Tq, 1 + DV), torch.float32, dev)
     lorentz_attention_decode_combine_kernel[(B * H,)](
         q, k, v, p.e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits, **common,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits,
+        BLOCK_N=COMBINE_BLOCK_N, CENTRED=p.centred, num_warps=4, **common,
     )
     return o
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom op
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("helm::lorentz_attention_decode", mutates_args=())
+def lorentz_attention_decode(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
+                             scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
+                             qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], causal: bool,
+                             centred: bool) -> torch.Tensor:
+    """Split-K forward on prepared inputs (arguments as ``helm::lorentz_attention_fwd``, ``Tq <= 16``); returns
+    ``O [B, H, Tq, 1+dv]`` fp32. No autograd formula: decoding runs without gradients."""
+    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
+                 centred=centred)
+    return lorentz_attention_decode_fwd(p)
+
+
+@lorentz_attention_decode.register_fake
+def _lorentz_attention_decode_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred):
+    B, H, Tq, _ = q.shape
+    return q.new_empty((B, H, Tq, w.shape[3]), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,17 +271,19 @@ def lorentz_decode_attention(
     attention_mask: Optional[torch.Tensor] = None,
     segment_ids: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    value_centre: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Lorentz attention for decoding: ``Tq <= 16`` query rows against ``Tk`` cached keys, forward only.
 
-    Arguments, masks and result as :func:`kernels.lorentz_attention.lorentz_flash_attention` (queries are the
+    Arguments, masks and result as :func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention` (queries are the
     last ``Tq`` positions; ``query [B, H, Tq, 1+d]``, ``key [B, H, Tk, 1+d]``, ``value [B, H, Tk, 1+dv]``;
     fp16/bf16/fp32 in, fp32 ``[B, H, Tq, 1+dv]`` out; ``1 <= d, dv <= 256``). Raises ``ValueError`` for
     ``Tq > 16`` and ``RuntimeError`` when gradients are required (use ``lorentz_flash_attention``, which
     picks this kernel by itself when it applies).
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                segment_ids=segment_ids, alibi_slopes=alibi_slopes)
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
     if needs_grad(p):
         raise RuntimeError("lorentz_decode_attention is forward only; use lorentz_flash_attention for gradients")
-    return lorentz_attention_decode_fwd(p)
+    return lorentz_attention_decode(p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
+                                    p.centred)

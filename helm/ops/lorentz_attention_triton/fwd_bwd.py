@@ -1,7 +1,9 @@
 """FlashAttention-style forward and backward of Lorentz (distance-based) attention.
 
-Layout: kernels -> launchers -> :class:`LorentzFlashAttention` (autograd) -> :func:`lorentz_flash_attention`.
-The maths is derived in ``kernels/README.md``; :mod:`.common` fixes the notation (``z``, ``P``, ``S``, ``O``).
+Layout: kernels -> launchers -> custom ops ``helm::lorentz_attention_fwd`` / ``helm::lorentz_attention_bwd``
+(``torch.library``, with fake implementations and the backward registered as the forward's autograd formula, so
+``torch.compile`` traces around them) -> :func:`lorentz_flash_attention`. The maths is derived in this folder's
+``README.md``; :mod:`.common` fixes the notation (``z``, ``P``, ``S``, ``O``).
 
 * forward: one program per (block of ``BLOCK_M`` query rows, batch·head); online softmax over key blocks,
   causal blocks past the diagonal skipped, the Lorentz normalisation of ``S = c + D`` (pairwise form, see
@@ -35,17 +37,27 @@ from .common import (
     _load_rows,
     _store_points,
     alloc,
+    autotune_configs,
     block_d,
     dot_precision,
     launch_args,
     needs_grad,
     prepare,
+    prune_configs,
 )
+from .decode import lorentz_attention_decode
 
-__all__ = ["lorentz_flash_attention", "LorentzFlashAttention", "DECODE_MAX_Q"]
+__all__ = ["lorentz_flash_attention", "lorentz_attention_fwd", "lorentz_attention_bwd", "DECODE_MAX_Q"]
 
 # Without gradients, at most this many query rows go to the split-K decoding kernel (:mod:`.decode`).
 DECODE_MAX_Q = 16
+
+# sm90 candidates (README.md, "Autotuning"); pruned per call by estimated shared memory and registers, one
+# configuration under the interpreter. Keyed on the head dims, causality and (added by Triton) the input dtypes.
+FWD_CONFIGS = autotune_configs(block_m=(64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4))
+BWD_CONFIGS = autotune_configs(block_m=(32, 64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3))
+# The row-wise preprocess kernel of the backward reads O(Tq·dv) and is not tuned.
+PRE_BLOCK_M = 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,6 +65,8 @@ DECODE_MAX_Q = 16
 # --------------------------------------------------------------------------------------------------
 
 
+@triton.autotune(configs=FWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_fwd_kernel(
     Q, K, V, E, C, SCALE, SLOPES, KC, QID, KID, OUT, S, EBAR, LSE, FULL,
@@ -61,10 +75,12 @@ def lorentz_attention_fwd_kernel(
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, CENTRED: tl.constexpr, DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the centred values ``V`` (``w``), ``E [B*H, Tk]`` (``e``) and the row
-    centres ``C [B*H, Tq, 1+DV]``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the
+    centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's, with
+    ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``) and the epilogue takes ``D = Σ P v - c``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the
     centred sums ``D``, same layout, fp32), ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and
     ``FULL [B*H, Tq]`` (int8: the row attends to every key)."""
     i_m = tl.program_id(0)
@@ -120,7 +136,11 @@ def lorentz_attention_fwd_kernel(
     b_ss = acc_s / l_safe[:, None]
     b_e = acc_e / l_safe
     b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
-    b_ot, b_os, b_n = _centroid_normalise(b_st, b_ss, b_e, b_ct, b_cs.to(tl.float32), kc)
+    b_cs = b_cs.to(tl.float32)
+    if not CENTRED:
+        b_st = b_st - b_ct
+        b_ss = b_ss - b_cs
+    b_ot, b_os, b_n = _centroid_normalise(b_st, b_ss, b_e, b_ct, b_cs, kc)
     off_o = i_b * stride_ob + i_h * stride_oh
     _store_points(OUT + off_o, b_ot, b_os, o_m, m_q, stride_ot, o_dv, DV, BLOCK_DV)
     if STORE_S:
@@ -240,6 +260,8 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
     return dk_t, dk_s, dv_t, dv_s, de
 
 
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": prune_configs("dkdv")})
 @triton.jit
 def lorentz_attention_bwd_dkdv_kernel(
     Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DV_, DEK,
@@ -345,6 +367,8 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
     return dq_t, dq_s, b_dsc, b_dsl
 
 
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": prune_configs("dq")})
 @triton.jit
 def lorentz_attention_bwd_dq_kernel(
     Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DSCALE, DSLOPE,
@@ -419,40 +443,12 @@ def lorentz_attention_bwd_dq_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _fwd_config(d: int, dv: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward kernel (hand-picked, not autotuned).
-
-    Interpreter: the largest blocks that small test shapes still split into several (cost is per program
-    and loop step, not per element)."""
-    if INTERPRET:
-        return 64, 64, 4, 1
-    width = max(d, dv)
-    if dtype == torch.float32:
-        return 64, 32, 4 if width <= 64 else 8, 2
-    if width <= 64:
-        return 128, 64, 4, 3
-    if width <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 8, 2
-
-
-def _bwd_config(d: int, dv: int, dtype: torch.dtype) -> Tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the backward kernels."""
-    if INTERPRET:
-        return 64, 64, 4, 1
-    width = max(d, dv)
-    if dtype == torch.float32 or width > 128:
-        return 32, 32, 4 if width <= 64 else 8, 2
-    return 64, 64, 4 if width <= 64 else 8, 2
-
-
-def lorentz_attention_fwd(p: Prepared, store_s: bool):
+def _launch_fwd(p: Prepared, store_s: bool):
     """Launch the forward kernel. Returns ``(O, S, EBAR, LSE, FULL)``; the last four are None unless ``store_s``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, Dq = q.shape
     Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
-    BM, BN, warps, stages = _fwd_config(D, DV, q.dtype)
-    o = alloc((B, H, Tq, 1 + DV), p.out_dtype, q.device)
+    o = alloc((B, H, Tq, 1 + DV), OUT_DTYPE, q.device)
     s = ebar = lse = full = None
     if store_s:
         s = alloc((B, H, Tq, 1 + DV), torch.float32, q.device)
@@ -460,26 +456,28 @@ def lorentz_attention_fwd(p: Prepared, store_s: bool):
         lse = alloc((B * H, Tq), torch.float32, q.device)
         full = alloc((B * H, Tq), torch.int8, q.device)
     slopes, qid, kid, kc = launch_args(p)
-    grid = (triton.cdiv(Tq, BM), B * H)
+
+    def grid(meta):
+        return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
+
     lorentz_attention_fwd_kernel[grid](
         q, k, v, p.e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
         lse if store_s else kc, full if store_s else kc,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, Tq, Tk,
-        D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
-        HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, DOT_F32=INTERPRET,
-        PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
+        HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, CENTRED=p.centred,
+        DOT_F32=INTERPRET, PREC=dot_precision(q.dtype),
     )
     return o, s, ebar, lse, full
 
 
-def lorentz_attention_bwd(p: Prepared, s, ebar, lse, full, do):
+def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
     """Launch the three backward kernels. Returns ``(dq, dk, dw, de, dscale [H], dslopes [H] | None, dkc [1])``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, Dq = q.shape
     Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
     dev = q.device
-    BM, BN, warps, stages = _bwd_config(D, DV, q.dtype)
     if do.stride(-1) != 1:
         do = do.contiguous()
     ds_dtype = v.dtype  # dS_s only ever multiplies v (and P cast to its dtype)
@@ -488,25 +486,33 @@ def lorentz_attention_bwd(p: Prepared, s, ebar, lse, full, do):
     de_row = alloc((B * H, Tq), torch.float32, dev)
     delta = alloc((B * H, Tq), torch.float32, dev)
     dkc_row = alloc((B * H, Tq), torch.float32, dev)
-    lorentz_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BM), B * H)](
+    lorentz_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, PRE_BLOCK_M), B * H)](
         s, ebar, p.c, do, p.kc, ds_t, ds_s, de_row, delta, dkc_row, *s.stride()[:3], *do.stride()[:3], H, Tq,
-        DV=DV, BLOCK_M=BM, BLOCK_DV=block_d(DV), num_warps=warps,
+        DV=DV, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_d(DV), num_warps=4,
     )
     slopes, qid, kid, _ = launch_args(p)
-    flags = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
+    flags = dict(D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
-                 PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+                 PREC=dot_precision(q.dtype))
     dk = alloc(k.shape, k.dtype, dev)
     dv = alloc(v.shape, v.dtype, dev)
     de = alloc(p.e.shape, torch.float32, dev)
-    lorentz_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * H)](
+
+    def grid_kv(meta):
+        return triton.cdiv(Tk, meta["BLOCK_N"]), B * H
+
+    lorentz_attention_bwd_dkdv_kernel[grid_kv](
         q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dv, de,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, Tq, Tk, **flags,
     )
     dq = alloc(q.shape, q.dtype, dev)
     dscale_row = alloc((B * H, Tq), torch.float32, dev)
     dslope_row = alloc((B * H, Tq), torch.float32, dev) if p.slopes is not None else dscale_row
-    lorentz_attention_bwd_dq_kernel[(triton.cdiv(Tq, BM), B * H)](
+
+    def grid_q(meta):
+        return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
+
+    lorentz_attention_bwd_dq_kernel[grid_q](
         q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dscale_row, dslope_row,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], H, Tq, Tk, **flags,
     )
@@ -516,32 +522,96 @@ def lorentz_attention_bwd(p: Prepared, s, ebar, lse, full, do):
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd
+# Custom ops
 # --------------------------------------------------------------------------------------------------
 
+# The output is a point between layers: the statistics dtype of helm.precision (fp32) for every input dtype.
+OUT_DTYPE = torch.float32
+T = torch.Tensor
 
-class LorentzFlashAttention(torch.autograd.Function):
-    """Differentiable in ``q, k``, the centred values ``w`` and their ``e = <w, w>_L`` (both functions of the
-    values, made by :func:`~.common.prepare` in torch, so autograd carries their gradients back to ``v``),
-    ``scale = 2/τ`` ``[H]``, the ALiBi ``slopes`` ``[H]`` and ``kc`` ``[1]``; the row centres ``c`` are constants."""
 
-    @staticmethod
-    def forward(ctx, q, k, w, e, c, scale, slopes, kc, qid, kid, causal: bool, out_dtype: torch.dtype):
-        p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
-                     out_dtype=out_dtype)
-        o, s, ebar, lse, full = lorentz_attention_fwd(p, store_s=True)
-        ctx.save_for_backward(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
-        ctx.causal = causal
-        ctx.out_dtype = out_dtype
-        return o
+@torch.library.custom_op("helm::lorentz_attention_fwd", mutates_args=())
+def lorentz_attention_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
+                          scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
+                          qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], causal: bool,
+                          centred: bool, store_stats: bool) -> Tuple[T, T, T, T, T]:
+    """Forward kernel on prepared inputs (:func:`~.common.prepare`): ``q [B, H, Tq, 1+d]``, ``k [B, H, Tk, 1+d]``,
+    centred values ``w [B, H, Tk, 1+dv]`` (one dtype, unit last stride), ``e [B, H, Tk]``, row centres
+    ``c [B, H, Tq, 1+dv]``, ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids ``qid [B, Tq]``,
+    ``kid [B, Tk]`` (int32) or None. ``centred=False``: ``w`` holds plain values and ``e`` their norms about
+    one centre ``c`` (a cache's, forward only).
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
-        p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
-                     causal=ctx.causal, out_dtype=ctx.out_dtype)
-        dq, dk, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(p, s, ebar, lse, full, do)
-        return dq, dk, dw, de, None, dscale, dslopes, dkc, None, None, None, None
+    Returns ``(O, S, EBAR, LSE, FULL)``: ``O [B, H, Tq, 1+dv]`` fp32 and, with ``store_stats``, what the backward
+    reads: the centred sums ``S = D [B, H, Tq, 1+dv]``, ``EBAR = E``, base-2 ``LSE`` ``[B*H, Tq]`` fp32 and the
+    rows-attending-to-every-key flag ``FULL [B*H, Tq]`` int8; without, four empty tensors (a custom op returns
+    tensors, not None)."""
+    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
+                 centred=centred)
+    o, s, ebar, lse, full = _launch_fwd(p, store_s=store_stats)
+    if not store_stats:
+        return o, o.new_empty(0), o.new_empty(0), o.new_empty(0), o.new_empty(0, dtype=torch.int8)
+    return o, s, ebar, lse, full
+
+
+@lorentz_attention_fwd.register_fake
+def _lorentz_attention_fwd_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats):
+    B, H, Tq, _ = q.shape
+    o = q.new_empty((B, H, Tq, w.shape[3]), dtype=OUT_DTYPE)
+    if not store_stats:
+        empty = [q.new_empty(0, dtype=torch.float32) for _ in range(3)]
+        return o, *empty, q.new_empty(0, dtype=torch.int8)
+    rows = (B * H, Tq)
+    return (o, torch.empty_like(o, dtype=torch.float32), q.new_empty(rows, dtype=torch.float32),
+            q.new_empty(rows, dtype=torch.float32), q.new_empty(rows, dtype=torch.int8))
+
+
+@torch.library.custom_op("helm::lorentz_attention_bwd", mutates_args=())
+def lorentz_attention_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
+                          scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
+                          qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], s: torch.Tensor,
+                          ebar: torch.Tensor, lse: torch.Tensor, full: torch.Tensor, do: torch.Tensor,
+                          causal: bool) -> Tuple[T, T, T, T, T, T, T]:
+    """Backward kernels: inputs of :func:`lorentz_attention_fwd`, its saved ``S, EBAR, LSE, FULL`` and ``dO``
+    ``[B, H, Tq, 1+dv]``. Returns ``(dq, dk, dw, de, dscale [H], dslopes [H], dkc [1])`` (``dq, dk, dw`` in the
+    dtypes of ``q, k, w``, contiguous; the rest fp32; ``dslopes`` zeros without slopes)."""
+    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
+                 centred=True)
+    dq, dk, dw, de, dscale, dslopes, dkc = _launch_bwd(p, s, ebar, lse, full, do)
+    if dslopes is None:
+        dslopes = torch.zeros_like(dscale)
+    return dq, dk, dw, de, dscale, dslopes, dkc
+
+
+@lorentz_attention_bwd.register_fake
+def _lorentz_attention_bwd_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, causal):
+    H = q.shape[1]
+    return (q.new_empty(q.shape), k.new_empty(k.shape), w.new_empty(w.shape),
+            e.new_empty(e.shape, dtype=torch.float32), q.new_empty((H,), dtype=torch.float32),
+            q.new_empty((H,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats = inputs
+    o, s, ebar, lse, full = output
+    if not (store_stats and centred):
+        raise RuntimeError("helm::lorentz_attention_fwd is differentiable only with centred=True, store_stats=True")
+    ctx.save_for_backward(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
+    ctx.causal = causal
+    ctx.has_slopes = slopes is not None
+    ctx.mark_non_differentiable(s, ebar, lse, full)
+
+
+def _fwd_backward(ctx, do, *_stats):
+    """Gradients of ``q, k``, the centred values ``w`` and their ``e = <w, w>_L`` (both made from the values in
+    torch by :func:`~.common.prepare`, so autograd carries them back to ``v``), ``scale = 2/τ``, the ALiBi slopes
+    and ``kc``; the row centres ``c`` are constants (detached), the ids integers."""
+    q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
+    dq, dk, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar,
+                                                                 lse, full, do, ctx.causal)
+    return dq, dk, dw, de, None, dscale, dslopes if ctx.has_slopes else None, dkc, None, None, None, None, None
+
+
+lorentz_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,6 +630,7 @@ def lorentz_flash_attention(
     attention_mask: Optional[torch.Tensor] = None,
     segment_ids: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    value_centre: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
 
@@ -577,6 +648,9 @@ def lorentz_flash_attention(
         segment_ids: ``[B, Tk]`` integer document ids of packed rows; attention never crosses documents.
             The ids of one row must span less than ``2^31``.
         alibi_slopes: ``[H]``; adds ``-slope_h (i - j)`` to the logits (gradients flow).
+        value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` for which ``value`` is ``[B, H, Tk, 1+dv+1] = [v | e]``,
+            ``e_j = <v_j - c, v_j - c>_L`` (a cache's, :func:`helm.ops.lorentz_attention`): the kernels read the
+            values as they are instead of centring them (inference only: raises when gradients are required).
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
@@ -586,15 +660,16 @@ def lorentz_flash_attention(
     dtypes are promoted), scores and normalisation in fp32; ``1 <= d, dv <= 256`` (any size: the space part
     is padded to a power of two inside the kernel, the time coordinate is handled apart); no dense
     position bias (use ``impl="sdpa"``). Without gradients and with ``Tq <= 16`` the split-K decoding kernel
-    of :mod:`kernels.lorentz_attention.decode` runs instead of the forward kernel.
+    of :mod:`helm.ops.lorentz_attention_triton.decode` runs instead of the forward kernel.
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                segment_ids=segment_ids, alibi_slopes=alibi_slopes)
-    if not needs_grad(p):
-        if p.q.shape[2] <= DECODE_MAX_Q:
-            from .decode import lorentz_attention_decode_fwd
-
-            return lorentz_attention_decode_fwd(p)
-        return lorentz_attention_fwd(p, store_s=False)[0]
-    return LorentzFlashAttention.apply(p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
-                                       p.out_dtype)
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
+    args = (p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
+    if needs_grad(p):
+        if not p.centred:
+            raise ValueError("value_centre (a cache's centred norms) is for inference; pass plain values to "
+                             "differentiate")
+        return lorentz_attention_fwd(*args, True)[0]
+    if p.q.shape[2] <= DECODE_MAX_Q:
+        return lorentz_attention_decode(*args)
+    return lorentz_attention_fwd(*args, False)[0]

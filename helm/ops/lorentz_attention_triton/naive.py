@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .centre import key_groups, value_centres
+from ..attention import _key_groups, _value_centres
 
 
 def naive_lorentz_attention(query, key, value, *, k, tau, causal=True, attention_mask=None, segment_ids=None,
@@ -16,11 +16,11 @@ def naive_lorentz_attention(query, key, value, *, k, tau, causal=True, attention
     """``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))`` with ``S = P v``, ``P = softmax(2<q,k>_L/τ + bias)``.
 
     ``N = |<S,S>_L|`` in the pairwise form ``k + (P e - <D, D>_L)``, ``D = P w``, ``S = c + D``, for the centred
-    values ``w_j = v_j - c_j`` (one centre per document, :mod:`.centre`) and ``e_j = <w_j, w_j>_L``, the last two
-    Minkowski norms accumulated in fp64 (see ``kernels/README.md``). The exact ``N >= k``; the floor ``k/2`` never
-    binds for values on the manifold (see ``helm.ops``).
+    values ``w_j = v_j - c_j`` (one centre per document, :func:`.common.centre_values`) and ``e_j = <w_j, w_j>_L``,
+    the last two Minkowski norms accumulated in fp64 (see this folder's ``README.md``). The exact ``N >= k``; the
+    floor ``k/2`` never binds for values on the manifold (see ``helm.ops``).
 
-    Shapes as :func:`kernels.lorentz_attention.lorentz_flash_attention`; computes in fp32 (fp64 for fp64).
+    Shapes as :func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention`; computes in fp32 (fp64 for fp64).
     """
     dtype = torch.float64 if torch.float64 in (query.dtype, key.dtype, value.dtype) else torch.float32
     q, kk, v = query.to(dtype), key.to(dtype), value.to(dtype)
@@ -41,7 +41,7 @@ def naive_lorentz_attention(query, key, value, *, k, tau, causal=True, attention
     if segment_ids is not None:
         keep = keep & (segment_ids[:, Tk - Tq:].view(B, 1, Tq, 1) == segment_ids.view(B, 1, 1, Tk))
     keep = keep | ~keep.any(-1, keepdim=True)  # a row that keeps nothing attends to every key
-    c = value_centres(v, key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(),
+    c = _value_centres(v, _key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(),
                                     q.device))
     w = v - c
     c_rows = c.expand_as(v)[:, :, Tk - Tq:]

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels.device import ON_GPU
+from tests.ops.lorentz_attention_triton.device import ON_GPU
 
-KERNELS = "kernels.lorentz_attention"
+KERNELS = "helm.ops.lorentz_attention_triton"
 _CHILD_FLAG = "HELM_KERNEL_TESTS_INTERPRETED_CHILD"
 
 
@@ -60,7 +60,7 @@ def _import_for_this_machine():
 
 _MODULE, IN_PROCESS = _import_for_this_machine()
 if not IN_PROCESS and os.environ.get(_CHILD_FLAG):
-    raise RuntimeError("triton was imported before tests/kernels/conftest.py could enable its interpreter")
+    raise RuntimeError("triton was imported before tests/ops/lorentz_attention_triton/conftest.py could enable its interpreter")
 
 
 _SELECTED: list = []  # node ids of this folder's tests in the session
@@ -112,7 +112,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 @pytest.fixture(scope="session")
 def lk():
-    """The :mod:`kernels.lorentz_attention` package, runnable on this machine."""
+    """The :mod:`helm.ops.lorentz_attention_triton` package, runnable on this machine."""
     if _MODULE is None and IN_PROCESS:
         pytest.skip("triton is not installed")
     return _MODULE

@@ -7,7 +7,7 @@ import torch
 
 from helm.ops import lorentz_attention
 from tests.helpers import assert_close
-from tests.kernels.device import DEVICE
+from tests.ops.lorentz_attention_triton.device import DEVICE
 from tests.reliability.test_numerics import ATTN_KINDS, ATTN_TOL, K, NORM_IDS, NORMS, TAU, _attention_inputs
 
 

@@ -13,7 +13,7 @@ from tests.helpers import assert_close, tiny_config
 def test_static_cache_generation_with_the_triton_impl(lk, monkeypatch, family):
     calls = []
     kernel = lk.lorentz_flash_attention
-    monkeypatch.setattr("kernels.lorentz_attention.lorentz_flash_attention",
+    monkeypatch.setattr("helm.ops.lorentz_attention_triton.lorentz_flash_attention",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     torch.manual_seed(0)
     # HMLA's absorbed decoding attends in the latent space without the kernel: the plain path here

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 import helm
 from tests.helpers import relative_error
-from tests.kernels.device import DEVICE
+from tests.ops.lorentz_attention_triton.device import DEVICE
 
 
 def test_triton_model_built_on_cpu_saves_reloads_and_runs(lk, tmp_path, monkeypatch):
