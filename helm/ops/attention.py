@@ -13,7 +13,8 @@ centroid normalisation. Implementations:
 * ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
   to one head width, a multiple of 8, where that makes the flash / memory-efficient backends eligible:
   :func:`_pad_sdpa_heads`).
-* ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton interpreter).
+* ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton
+  interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
 
 **Normalisation far from the origin.** With ``Σ_j ν_ij = 1`` and ``S = Σ_j ν_j v_j``, the centroid identity for
@@ -236,7 +237,8 @@ def _floor(k):
     return k / 2
 
 
-# Per-key centres of the values, shared with the Triton kernels (helm/ops/lorentz_attention_triton/common.py imports them).
+# Per-key centres of the values, shared with the Triton kernels (helm/ops/lorentz_attention_triton/common.py
+# imports them).
 def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
                device) -> Optional[torch.Tensor]:
     """``[B, Tk]`` int64: for each key, the index of the first key of its group (same segment id, same padding

@@ -80,9 +80,10 @@ def lorentz_attention_fwd_kernel(
 ):
     """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the centred values ``V`` (``w``), ``E [B*H, Tk]`` (``e``) and the row
     centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's, with
-    ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``) and the epilogue takes ``D = Σ P v - c``. Writes the output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the
-    centred sums ``D``, same layout, fp32), ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and
-    ``FULL [B*H, Tq]`` (int8: the row attends to every key)."""
+    ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``) and the epilogue takes ``D = Σ P v - c``. Writes the
+    output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the centred sums ``D``, same layout, fp32),
+    ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and ``FULL [B*H, Tq]`` (int8: the row attends to every
+    key)."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -319,8 +320,8 @@ def lorentz_attention_bwd_dkdv_kernel(
             if tl.max(b_full.to(tl.int32), 0) > 0:
                 dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
                     dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qid,
-                    DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0, m0 + BLOCK_M, Tq, Tk,
-                    qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True,
+                    DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0,
+                    m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True,
                     DOT_F32, PREC)
 
     # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign.

@@ -60,7 +60,8 @@ def _import_for_this_machine():
 
 _MODULE, IN_PROCESS = _import_for_this_machine()
 if not IN_PROCESS and os.environ.get(_CHILD_FLAG):
-    raise RuntimeError("triton was imported before tests/ops/lorentz_attention_triton/conftest.py could enable its interpreter")
+    raise RuntimeError("triton was imported before tests/ops/lorentz_attention_triton/conftest.py could enable its "
+                       "interpreter")
 
 
 _SELECTED: list = []  # node ids of this folder's tests in the session

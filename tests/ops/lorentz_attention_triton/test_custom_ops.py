@@ -1,0 +1,167 @@
+"""The kernels as ``torch.library`` custom ops (issue 22 item 4): ``opcheck`` of ``helm::lorentz_attention_fwd``,
+``_bwd`` and ``_decode`` (schema, fake implementations against the real outputs, autograd registration, AOT
+dispatch), a ``torch.compile(fullgraph=True)`` training step of a tiny model with ``attn_impl="triton"`` against
+eager, the sm90 autotuning configurations and their pruning, and decoding from a cache's centred value norms.
+
+On CPU the kernels run in the Triton interpreter (conftest.py), so shapes are small and ragged (T = 63, 1+16 and a
+value head 1+32 against key heads 1+17 where it matters).
+"""
+
+import pytest
+import torch
+
+from helm.manifold import lift, sqnorm
+from helm.ops import lorentz_attention
+
+from tests.helpers import RTOL, assert_close, relative_error, tiny_model
+from tests.ops.lorentz_attention_triton.device import DEVICE, ON_GPU
+
+
+def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=True, seed=0):
+    """Kernel-ready inputs (:func:`~helm.ops.lorentz_attention_triton.common.prepare`) of a packed, padded, ALiBi
+    problem, as leaves where gradients flow (``q, k, w, e``, scale, slopes, curvature)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H = 2, 2
+    q = lift(torch.randn(B, H, Tq, d, generator=gen) * 0.4, k=0.7)
+    kk = lift(torch.randn(B, H, Tk, d, generator=gen) * 0.4, k=0.7)
+    v = lift(torch.randn(B, H, Tk, dv, generator=gen) * 0.4, k=0.7)
+    am = torch.ones(B, Tk, dtype=torch.long)
+    am[1, :5] = 0
+    seg = torch.zeros(B, Tk, dtype=torch.long)
+    seg[:, Tk // 2:] = 1
+    p = lk.common.prepare(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), k=torch.tensor([0.7], device=DEVICE),
+                          tau=torch.tensor([1.1, 0.9], device=DEVICE), causal=True, attention_mask=am.to(DEVICE),
+                          segment_ids=seg.to(DEVICE) if segments else None,
+                          alibi_slopes=torch.tensor([0.5, 0.25], device=DEVICE) if alibi else None)
+
+    def leaf(t):
+        return None if t is None else t.detach().clone().requires_grad_(grad)
+
+    return (leaf(p.q), leaf(p.k), leaf(p.v), leaf(p.e), p.c, leaf(p.scale), leaf(p.slopes), leaf(p.kc), p.qid, p.kid,
+            p.causal)
+
+
+def test_opcheck_forward_with_autograd(lk):
+    args = _prepared(lk)
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_fwd.default, (*args, True, True))
+
+
+def test_opcheck_forward_without_statistics_and_without_masks(lk):
+    args = _prepared(lk, segments=False, alibi=False, grad=False)
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_fwd.default, (*args, True, False))
+
+
+def test_opcheck_backward(lk):
+    args = _prepared(lk, grad=False)
+    o, s, ebar, lse, full = torch.ops.helm.lorentz_attention_fwd(*args, True, True)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default, (*args[:10], s, ebar, lse, full, do, args[10]))
+
+
+def test_opcheck_decode(lk):
+    args = _prepared(lk, Tq=3, Tk=63, grad=False)
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_decode.default, (*args, True))
+
+
+def _step(model, forward, ids, documents):
+    model.zero_grad(set_to_none=True)
+    loss = forward(input_ids=ids, labels=ids, segment_ids=documents, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_training_step_with_the_kernel_matches_eager(lk, monkeypatch):
+    """``fullgraph=True`` needs dynamo to trace around the kernel: the custom ops and their fake implementations.
+    Same loss and gradients as the eager step with the same kernel (fp32; both run the same kernels), and the
+    compiled step really launches the forward and backward kernels."""
+    launched = []
+    for name in ("_launch_fwd", "_launch_bwd"):
+        real = getattr(lk.fwd_bwd, name)
+        monkeypatch.setattr(lk.fwd_bwd, name,
+                            lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    model = tiny_model("helm_d", train=True, attn_impl="triton", num_hidden_layers=1, vocab_size=64)
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    documents = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
+    loss_e, grads_e = _step(model, model, ids, documents)
+    assert launched == ["_launch_fwd", "_launch_bwd"]
+    torch._dynamo.reset()
+    loss_c, grads_c = _step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, documents)
+    assert launched[2:] == ["_launch_fwd", "_launch_bwd"]
+    assert relative_error(loss_c, loss_e) <= RTOL[torch.float32]
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        assert relative_error(grads_c[name], grads_e[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("d", [16, 48, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sm90_configs_are_pruned_to_what_fits(lk, d, dtype):
+    """The GPU candidate lists (built here without the interpreter) keep, for every head width and dtype, at least
+    one configuration and only configurations estimated to fit sm90's shared memory and register budget."""
+    common = lk.common
+    configs = {
+        "fwd": [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)],
+        "dkdv": [(m, n, w, s) for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)],
+        "dq": [(m, n, w, s) for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)],
+    }
+    q = torch.empty(0, dtype=dtype)
+    bd = common.block_d(d)
+    for kind, candidates in configs.items():
+        cfgs = [pytest.importorskip("triton").Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                for m, n, w, s in candidates]
+        kept = common.prune_configs(kind)(cfgs, {"Q": q}, BLOCK_D=bd, BLOCK_DV=bd)
+        assert kept, (kind, d, dtype)
+        if len(kept) < len(cfgs):
+            for c in kept:
+                smem, regs = common.estimate_resources(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bd, bd,
+                                                       q.element_size(), c.num_warps, c.num_stages)
+                assert smem <= common.SM90_SMEM_BYTES and regs <= common.REG_BUDGET, (kind, c)
+    if dtype == torch.bfloat16 and d == 64:  # the head of the paper's models keeps the large tiles
+        kept = common.prune_configs("fwd")([pytest.importorskip("triton").Config(
+            {"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)], {"Q": q}, BLOCK_D=bd, BLOCK_DV=bd)
+        assert kept[0].kwargs == {"BLOCK_M": 128, "BLOCK_N": 64}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's single configuration")
+def test_one_configuration_under_the_interpreter(lk):
+    fwd_bwd, decode = lk.fwd_bwd, lk.decode
+    assert len(fwd_bwd.FWD_CONFIGS) == len(fwd_bwd.BWD_CONFIGS) == len(decode.DECODE_CONFIGS) == 1
+
+
+def test_decode_from_cached_centred_norms_matches_eager(lk):
+    """A cache's ``[v | e]`` with ``e = <v - c, v - c>_L`` for one centre ``c`` (helm.nn's KV cache): the kernels
+    read the values as they are (``D = Σ P v - c``), decoding (Tq <= 16) and a longer prefill alike, and give eager's
+    output, with the values clustered far from the origin where centring matters."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, Tk, d = 2, 2, 63, 16
+    v = lift(torch.randn(B, H, Tk, d, generator=gen) * 0.05 + 3.0, k=1.0)
+    keys = lift(torch.randn(B, H, Tk, d, generator=gen) * 0.4, k=1.0)
+    am = torch.ones(B, Tk, dtype=torch.long)
+    am[1, :4] = 0
+    centre = v[:, :, :1]
+    cached = torch.cat([v, sqnorm(v - centre, keepdim=True)], dim=-1)
+    for Tq in (1, 3, 40):
+        q = lift(torch.randn(B, H, Tq, d, generator=gen) * 0.4, k=1.0)
+        ref = lorentz_attention(q.double(), keys.double(), v.double(), k=1.0, tau=1.3, attention_mask=am,
+                                impl="eager")
+        with torch.no_grad():
+            out = lk.lorentz_flash_attention(q.to(DEVICE), keys.to(DEVICE), cached.to(DEVICE), k=1.0, tau=1.3,
+                                             attention_mask=am.to(DEVICE), value_centre=centre.to(DEVICE))
+            via_helm = lorentz_attention(q.to(DEVICE), keys.to(DEVICE), cached.to(DEVICE), k=1.0, tau=1.3,
+                                         attention_mask=am.to(DEVICE), value_centre=centre.to(DEVICE),
+                                         impl="triton")
+        assert_close(out, ref, rtol=1e-4, msg=f"Tq={Tq}")
+        assert torch.equal(out, via_helm)
+
+
+def test_cached_norms_with_gradients_are_refused_by_the_kernel_and_dropped_by_helm(lk):
+    gen = torch.Generator().manual_seed(4)
+    v = lift(torch.randn(1, 2, 20, 8, generator=gen), k=1.0)
+    q = lift(torch.randn(1, 2, 2, 8, generator=gen), k=1.0).to(DEVICE).requires_grad_()
+    centre = v[:, :, :1]
+    cached = torch.cat([v, sqnorm(v - centre, keepdim=True)], dim=-1).to(DEVICE)
+    with pytest.raises(ValueError, match="inference"):
+        lk.lorentz_flash_attention(q, v.to(DEVICE), cached, k=1.0, tau=1.0, value_centre=centre.to(DEVICE))
+    out = lorentz_attention(q, v.to(DEVICE), cached, k=1.0, tau=1.0, value_centre=centre.to(DEVICE), impl="triton")
+    ref = lorentz_attention(q.detach().double().cpu(), v.double(), v.double(), k=1.0, tau=1.0, impl="eager")
+    assert_close(out, ref, rtol=1e-4)
