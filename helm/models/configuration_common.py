@@ -44,6 +44,13 @@ from ..ops.attention import available_attention_impls
 
 logger = logging.get_logger(__name__)
 
+def untied(value) -> None:
+    """The rule of ``tie_word_embeddings``: HELM models cannot tie, so only ``False`` is accepted."""
+    if value is not False:
+        raise ValueError(f"must be False (tying is not supported: the token table holds points or space parts while "
+                         f"the LM head maps the full vector), got {value!r}")
+
+
 # Old field names read from saved configs: (old name -> new name). ``pe_options`` keys map to typed fields.
 _PE_OPTION_FIELDS = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base",
                      "theta_prime": "hope_boost_theta_prime", "angle_scale": "hope_boost_angle_scale",
@@ -75,14 +82,23 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     ``curvature``                   ``|K| in [1e-4, 1e4]``, ``K < 0``  ``k = -1/K``, ``sqrt(k)``, ``k·(Σw)²`` far from
                                                         fp32 limits; ``<x,x>_L = -k`` resolvable next to ``|x_s|²``
     ``rms_norm_eps``                ``(0, 1e-2]``       a regulariser, not a change of unit-scale outputs
-    ``initializer_range``           ``(0, 1]``          ``cosh(std·sqrt(n/k))`` of the wrapped-normal tables
-                                                        stays far from fp32 overflow
+    ``initializer_range``           ``(0, 1]``          and, with ``embedding_mode='lorentz'`` or
+                                                        ``lm_head_mode='distance'`` (wrapped-normal tables),
+                                                        ``(sqrt(n) + 5)·std/sqrt(k) <= 40``: ``cosh`` of it,
+                                                        squared, stays inside fp32 (``n = hidden_size - 1``)
     ``tau_init``                    ``[1e-3, 1e4]``     softmax of ``-d²/τ`` neither one-hot nor uniform
     ``residual_weight``             ``[1e-4, 1e4]``     both centroid terms above fp32 resolution
     ``residual_space_scale_factor`` ``[1e-2, 1e2]``     ``|x_s|²`` below ``k/ε₃₂``, above RMSNorm's eps
     ``rope_theta``, ``hope_boost_*``  ``> 0``, finite   (``rope3d_chunk_base > 1``)
     ``sinusoidal_scale``            ``> 0``, finite
     ==============================  ==================  ==================================================
+
+    One validation path for every source of a value: constructor keywords, ``config.json``, keywords of
+    ``from_pretrained`` / ``AutoConfig.from_pretrained`` (merged before the config is built, see :meth:`from_dict`),
+    ``helm.load_config`` presets and overrides, and train.py's ``model.overrides``. A field assigned after construction
+    is checked by its own rule (:meth:`__setattr__`). Boolean fields accept ``True`` / ``False`` only (``"false"``,
+    ``"no"``, ``0`` are refused, naming the field); ``tie_word_embeddings`` accepts only ``False``. With
+    ``positional='learned'`` the table of ``max_position_embeddings x hidden_size`` entries is at most ``2**31``.
 
     HELM-specific fields:
         curvature: the paper's ``K < 0`` of the whole model; ``config.k = -1/K`` is geoopt's parameter.
@@ -126,6 +142,12 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     """
 
     keys_to_ignore_at_inference = ["past_key_values"]
+    # A learned position table beyond this many entries (8 GiB in fp32) is refused before the allocator fails on it.
+    max_learned_positions_entries = 2**31
+    # Wrapped-normal tables (Lorentz token embeddings, distance-head prototypes) hold points expmap0(u) with
+    # x_t = sqrt(k)·cosh(|u|/sqrt(k)); their largest row, about (sqrt(n) + 5)·initializer_range in tangent norm,
+    # must keep its squared time coordinate (products, distances) inside fp32: radius |u|/sqrt(k) <= 40.
+    max_wrapped_normal_radius = 40.0
     # constructor keywords of older saved configs, read by :meth:`upgrade_old_fields` (not fields)
     legacy_kwargs = ("residual_space_scale", "pe_options")
 
@@ -139,15 +161,15 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     max_position_embeddings: int = field(integer(1), 2048)
     initializer_range: float = field(init_std, 0.02)
     rms_norm_eps: float = field(norm_eps, 1e-12)
-    use_cache: bool = True
+    use_cache: bool = field(boolean, True)
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = field(untied, False)
     rope_theta: float = field(positive, 10000.0)
     rope_parameters: dict | None = None
-    attention_bias: bool = True
-    mlp_bias: bool = True
+    attention_bias: bool = field(boolean, True)
+    mlp_bias: bool = field(boolean, True)
     curvature: float = field(negative, -1.0)
     embedding_mode: str = field(one_of(EMBEDDING_MODES), "space")
     positional: str = field(one_of(POSITIONAL_ENCODINGS), "hope")
@@ -317,6 +339,41 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         self.validate_rope_scaling()
         if self.positional == "hope_boost":
             check_decay_above(self.hope_boost_theta_prime, self.hope_boost_angle_scale, "hope_boost_theta_prime")
-        if self.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings is not supported: the token table holds points (or space parts) "
-                             "while the LM head maps the full vector")
+        wrapped = [name for name, on in (("embedding_mode='lorentz'", self.embedding_mode == "lorentz"),
+                                         ("lm_head_mode='distance'", self.lm_head_mode == "distance")) if on]
+        radius = self.initializer_range * (math.sqrt(self.hidden_size - 1) + 5) / math.sqrt(self.k)
+        if wrapped and radius > self.max_wrapped_normal_radius:
+            raise ValueError(f"initializer_range={self.initializer_range!r} with curvature={self.curvature!r} and "
+                             f"hidden_size={self.hidden_size} puts the wrapped-normal points of "
+                             f"{' and '.join(wrapped)} at radius (sqrt(hidden_size - 1) + 5)·initializer_range/sqrt(k)"
+                             f" = {radius:.3g}, beyond {self.max_wrapped_normal_radius:g}: their time coordinates "
+                             "sqrt(k)·cosh(radius) would overflow fp32 products at initialisation; lower "
+                             "initializer_range or |curvature|")
+        if self.positional == "learned" and \
+                self.max_position_embeddings * self.hidden_size > self.max_learned_positions_entries:
+            raise ValueError(f"max_position_embeddings={self.max_position_embeddings} with positional='learned' needs "
+                             f"a table of max_position_embeddings x hidden_size = "
+                             f"{self.max_position_embeddings * self.hidden_size:,} entries "
+                             f"({self.max_position_embeddings * self.hidden_size * 4 / 2**30:,.0f} GiB in fp32), more "
+                             f"than the {self.max_learned_positions_entries:,} allowed; lower max_position_embeddings "
+                             "or use a relative encoding (positional='hope', 'alibi', ...)")
+
+    def __setattr__(self, name, value):
+        """A field assigned after construction (``config.hidden_size = -3``) is checked by its own rule, so the
+        error names the field rather than the argument of the layer that would meet the value. Cross-field checks
+        run when the config is built (construction, ``from_pretrained`` with keywords, ``from_dict``)."""
+        if self.__dict__.get("_post_init_done"):
+            spec = type(self).__dataclass_fields__.get(name)
+            for rule in spec.metadata.get("validator", ()) if spec is not None else ():
+                check(value, name, rule)
+        super().__setattr__(name, value)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """``transformers``' ``from_dict``, with keyword fields (``from_pretrained(folder, curvature=-2.0)``,
+        ``AutoConfig.from_pretrained(..., **kwargs)``) merged into the dict before the config is built: they go
+        through the same field rules and cross-field checks as constructor keywords (``transformers`` would set
+        them afterwards, unchecked)."""
+        names = set(cls.__dataclass_fields__) | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"}
+        config_dict = {**config_dict, **{key: kwargs.pop(key) for key in list(kwargs) if key in names}}
+        return super().from_dict(config_dict, **kwargs)

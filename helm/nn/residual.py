@@ -42,8 +42,10 @@ class LorentzResidual(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():  # softplus^{-1}(w) so that the initial weight is exactly ``weight``
-            self.raw_weight.fill_(math.log(math.expm1(self.init_weight)))
+        # softplus^{-1}(w) = log(e^w - 1) = w + log(1 - e^-w), so that the initial weight is exactly ``weight``;
+        # the second form never evaluates e^w, which overflows a float from w = 710 on (the range reaches 1e4)
+        with torch.no_grad():
+            self.raw_weight.fill_(self.init_weight + math.log(-math.expm1(-self.init_weight)))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -7,7 +7,8 @@ config file works too, and keyword overrides are applied on top.
 Overrides are checked by name (``load_config("tiny-helm-d", hiden_size=64)`` is a ``ValueError`` suggesting
 ``hidden_size``), for the HELM configs and the Euclidean baselines alike: a key must be a field of the preset's
 config class (its dataclass fields, ``attribute_map`` aliases and declared legacy names), a standard
-``PreTrainedConfig`` attribute, or a key of the preset file itself. ``from_pretrained`` / ``AutoConfig`` loading
+``PreTrainedConfig`` attribute, or (Euclidean baselines only) a key of the preset file itself. The keys of a HELM
+preset file (shipped or a user's JSON path) are checked the same way, naming the file. ``from_pretrained`` / ``AutoConfig`` loading
 of saved configs is not affected (saved files carry extra keys such as ``auto_map``). The values are checked by the
 config class itself (field rules and ``validate_architecture`` for the HELM types).
 """
@@ -74,6 +75,7 @@ def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
     An override that is not a field of the config class (a typo such as ``hiden_size``, or an option the model
     does not have such as ``attention_dropout`` for HELM) raises ``ValueError`` naming it and the closest field."""
     from .. import models  # noqa: F401  (registers helm_d / helm_mice with AutoConfig)
+    from ..models.configuration_common import HelmConfigBase
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = preset_path(name_or_path)
@@ -86,7 +88,17 @@ def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
                          "(e.g. \"helm_d\"), like the files in helm/presets/")
     model_type = data.pop("model_type")
     if model_type in CONFIG_MAPPING:
-        check_overrides(CONFIG_MAPPING[model_type], overrides, preset_keys=data)
+        config_class = CONFIG_MAPPING[model_type]
+        # A HELM preset file's own keys pass the same check as keyword overrides (a typo there is no less a typo);
+        # the baselines' files may carry attributes their transformers class lacks but the zoo reads (DeepSeek-V3's
+        # aux_loss_alpha for helm.models.routing), so only their overrides are checked.
+        helm_type = issubclass(config_class, HelmConfigBase)
+        if helm_type:
+            try:
+                check_overrides(config_class, data)
+            except ValueError as error:
+                raise ValueError(f"preset file {str(path)!r}: {error}") from None
+        check_overrides(config_class, overrides, preset_keys=() if helm_type else data)
     return AutoConfig.for_model(model_type, **{**data, **overrides})
 
 

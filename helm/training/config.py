@@ -262,12 +262,15 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path),
-                                 OmegaConf.from_dotlist(list(overrides)))
+        recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
+        check_booleans(recipe, dotlist)
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"{missing[0]} is required but {path} does not set it")
         config = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
     except OmegaConfBaseException as error:
         raise ConfigError(_message(error)) from None
     except (ValueError, TypeError, yaml.YAMLError) as error:  # YAML syntax, or a recipe that is not a mapping
@@ -275,6 +278,26 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
                           f"{' '.join(str(error).split())}") from None
     validate(config)
     return config
+
+
+def boolean_keys() -> list[str]:
+    """The recipe keys typed ``bool`` (or ``Optional[bool]``)."""
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig) for f in dataclasses.fields(s.default_factory)
+            if f.type in ("bool", "Optional[bool]")]
+
+
+def check_booleans(*sources) -> None:
+    """Boolean keys hold YAML booleans (true/false, also yes/no/on/off unquoted) or null where optional: OmegaConf
+    would turn a quoted "false" or a 0 into a bool by itself, and the config classes refuse such values, so a recipe
+    refuses them as well, naming the key."""
+    for source in sources:
+        for key in boolean_keys():
+            try:
+                value = OmegaConf.select(source, key, default=None)
+            except OmegaConfBaseException:  # a section that is not a mapping: reported by the merge
+                continue
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,

@@ -83,6 +83,19 @@ OUT_OF_RANGE = [
     (HelmMiCEConfig, "final_proj", "no", "a bool"),
     (HelmDConfig, "head_merge", "concat", "one of"),
     (HelmMiCEConfig, "expert_combine", "sum", "one of"),
+    # issue 25 item 4: every boolean field, strings and ints that would read as true (or false) are refused
+    (HelmDConfig, "attention_bias", "false", "a bool"),
+    (HelmDConfig, "mlp_bias", "no", "a bool"),
+    (HelmDConfig, "use_cache", "no", "a bool"),
+    (HelmDConfig, "use_cache", 0, "a bool"),
+    (HelmDConfig, "hope_boost_learnable_decay", "true", "a bool"),
+    (HelmDConfig, "fused_lm_loss", 1, "a bool"),
+    (HelmMiCEConfig, "norm_topk_prob", "false", "a bool"),
+    (HelmMiCEConfig, "trainable_curvatures", "no", "a bool"),
+    (HelmMiCEConfig, "hmla_absorb", "False", "a bool"),
+    # issue 23 item 9: HELM models cannot tie the LM head to the token table
+    (HelmDConfig, "tie_word_embeddings", True, r"False \(tying is not supported"),
+    (HelmMiCEConfig, "tie_word_embeddings", "false", r"False \(tying is not supported"),
 ]
 
 
@@ -258,13 +271,100 @@ def test_layer_constructors_refuse_the_same_values(factory, match):
         factory()
 
 
-def test_a_config_edited_after_construction_is_refused_when_the_model_is_built(tiny_config):
+# Issue 25 item 5: one validation path for every source of a value. (field, value, message fragment after
+# "<field> must be"); each is refused the same way from every source in SOURCES, naming the field.
+EVERY_SOURCE = [
+    ("curvature", 2.0, "a negative finite number"),
+    ("hidden_size", -3, "an integer >= 2"),
+    ("rms_norm_eps", 0.5, r"positive finite number in \(0, 0.01\]"),
+    ("attention_bias", "false", "a bool"),
+    ("use_cache", "no", "a bool"),
+    ("tie_word_embeddings", True, "False"),
+    ("residual_weight", float("nan"), "finite"),
+]
+
+
+def _saved(tmp_path, family="helm_d"):
+    from tests.helpers import tiny_config
+
+    tiny_config(family).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edited_config_json(tmp_path, name, value):
+    import json
+
+    from transformers import AutoConfig
+
+    folder = _saved(tmp_path)
+    data = json.loads((folder / "config.json").read_text())
+    data[name] = value
+    (folder / "config.json").write_text(json.dumps(data))
+    return AutoConfig.from_pretrained(folder)
+
+
+def _preset_file(tmp_path, name, value):
+    import json
+
+    data = json.loads((helm.presets.preset_path("tiny-helm-d")).read_text())
+    data[name] = value
+    (tmp_path / "preset.json").write_text(json.dumps(data))
+    return helm.load_config(str(tmp_path / "preset.json"))
+
+
+def _model_from_pretrained(tmp_path, name, value):
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers import tiny_model
+
+    tiny_model("helm_d").save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, **{name: value})
+
+
+SOURCES = {
+    "constructor": lambda tmp_path, name, value: HelmDConfig(**{name: value}),
+    "load_config-override": lambda tmp_path, name, value: helm.load_config("tiny-helm-d", **{name: value}),
+    "preset-file": _preset_file,
+    "config.json": _edited_config_json,
+    "AutoConfig.from_pretrained-keyword": lambda tmp_path, name, value: __import__("transformers").AutoConfig
+    .from_pretrained(_saved(tmp_path), **{name: value}),
+    "model.from_pretrained-keyword": _model_from_pretrained,
+    "assigned-after-construction": lambda tmp_path, name, value: setattr(HelmDConfig(), name, value),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("name, value, fragment", EVERY_SOURCE, ids=[f"{n}={v!r}" for n, v, _ in EVERY_SOURCE])
+def test_every_source_of_a_value_is_validated_naming_the_field(source, name, value, fragment, tmp_path):
+    with pytest.raises(ValueError, match=rf"^{name} must be .*{fragment}"):
+        SOURCES[source](tmp_path, name, value)
+
+
+def test_a_preset_file_with_a_typo_key_is_refused_like_the_keyword(tmp_path):
+    import json
+
+    data = json.loads(helm.presets.preset_path("tiny-helm-d").read_text())
+    data["hiden_size"] = 65
+    (tmp_path / "preset.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"preset file .*preset\.json': unknown config field 'hiden_size' for "
+                                         r"HelmDConfig; did you mean 'hidden_size'"):
+        helm.load_config(str(tmp_path / "preset.json"))
+
+
+def test_keywords_of_from_pretrained_that_are_valid_are_kept(tmp_path):
+    from transformers import AutoConfig
+
+    config, unused = AutoConfig.from_pretrained(_saved(tmp_path), curvature=-2.0, use_cache=False,
+                                                return_unused_kwargs=True, not_a_field=3)
+    assert (config.curvature, config.use_cache, unused) == (-2.0, False, {"not_a_field": 3})
+
+
+def test_a_valid_assignment_after_construction_is_kept_and_a_bad_one_changes_nothing(tiny_config):
     config = tiny_config("helm_d")
-    config.rms_norm_eps = 0.5
-    with pytest.raises(ValueError, match=r"eps must be"):
-        AutoModelForCausalLM.from_config(config)
+    config.rms_norm_eps = 1e-6
+    with pytest.raises(ValueError, match=r"^rms_norm_eps must be"):
+        config.rms_norm_eps = 0.5
+    assert config.rms_norm_eps == 1e-6
 
 
 # MiCE expert curvatures: log k is mapped smoothly into the runtime range (identity on the config range), so
@@ -287,3 +387,44 @@ def test_expert_curvature_beyond_the_range_stays_valid_with_a_nonzero_gradient(l
     assert (float(k) > hi) if log_k > 0 else (float(k) < lo)
     k.backward()
     assert expert.log_k.grad is not None and float(expert.log_k.grad) != 0.0
+
+
+# Issue 25 item 6: documented ranges hold, or a cross-field check refuses the combination.
+# (config keywords, message fragment, or None: accepted, and the model's logits at initialisation are finite)
+CROSS_FIELD = [
+    (dict(initializer_range=1.0, curvature=-1e4, embedding_mode="lorentz", lm_head_mode="distance"),
+     r"initializer_range=1.0 with curvature=-10000.0 .*embedding_mode='lorentz' and lm_head_mode='distance' at radius"),
+    (dict(initializer_range=1.0, curvature=-1e2, embedding_mode="lorentz"), r"embedding_mode='lorentz' at radius"),
+    (dict(initializer_range=0.3, curvature=-1e4, lm_head_mode="distance"), r"lm_head_mode='distance' at radius"),
+    (dict(initializer_range=1.0, curvature=-1e4), None),  # no wrapped-normal table: every initialisation is fine
+    (dict(initializer_range=0.1, curvature=-1e3, embedding_mode="lorentz", lm_head_mode="distance"), None),
+    (dict(initializer_range=1.0, curvature=-10.0, embedding_mode="lorentz", lm_head_mode="distance"), None),
+    (dict(initializer_range=0.02, curvature=-1e4, embedding_mode="lorentz", lm_head_mode="distance"), None),
+    (dict(residual_weight=710.0), None),  # log(expm1(710)) overflowed in reset_parameters
+    (dict(residual_weight=1e4), None),
+    (dict(positional="learned", max_position_embeddings=2**27), r"max_position_embeddings=134217728 with "
+                                                               r"positional='learned' needs .*GiB in fp32"),
+    (dict(positional="hope", max_position_embeddings=2**27), None),  # no table
+]
+
+
+@pytest.mark.parametrize("overrides, match", CROSS_FIELD, ids=[str(o) for o, _ in CROSS_FIELD])
+def test_cross_field_ranges(overrides, match):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import tiny_config
+
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            tiny_config("helm_d", **overrides)
+        return
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("helm_d", **overrides))
+    logits = model(input_ids=torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("weight", [1e-4, 0.5, 1.0, 709.0, 710.0, 1e3, 1e4])
+def test_residual_weight_is_exact_over_its_documented_range(weight):
+    """Issue 25 item 6: the overflow-free inverse softplus gives the initial weight to fp32 rounding up to 1e4."""
+    assert float(LorentzResidual(weight=weight).weight.detach()) == pytest.approx(weight, rel=1e-6)

@@ -54,7 +54,7 @@ class HelmMiCEConfig(HelmConfigBase):
     n_shared_experts: int = field(integer(0), 1)
     num_experts_per_tok: int = field(integer(1), 2)
     first_k_dense_replace: int = field(integer(0), 1)
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = field(boolean, True)
     scoring_func: str = field(one_of(SCORING_FUNCS), "sigmoid")
     kv_lora_rank: int = field(integer(2), 65)
     q_lora_rank: int | None = field(optional(integer(0)), None)
@@ -63,7 +63,7 @@ class HelmMiCEConfig(HelmConfigBase):
     v_head_dim: int = field(integer(2), 33)
     routed_curvatures: list[float] | None = field(optional(negative_list), None)
     expert_curvature_range: list[float] | None = field(optional(curvature_pair), None)
-    trainable_curvatures: bool = True
+    trainable_curvatures: bool = field(boolean, True)
     attention_type: str = field(one_of(ATTENTION_TYPES), "hmla")
     aux_loss_alpha: float = field(non_negative, 1e-4)
     bias_update_speed: float = field(non_negative, 1e-3)
