@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import logging
 
 from ..manifest import MANIFEST, manifest_problem, read_manifest
 from ..manifold.lorentz import Lorentz
@@ -30,6 +31,8 @@ from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
 
 
+logger = logging.get_logger(__name__)
+
 # Checkpoints saved before the attention and MLP projections became plain linears under Llama's names
 # (``q_proj.linear.weight`` is now ``q_proj.weight``); ``final_proj`` is still a LorentzLinear.
 LEGACY_KEY_MAPPING = {r"\.(q|k|v|o|q_a|q_b|kv_a|kv_b|k_rope|gate|up|down)_proj\.linear\.": r".\1_proj."}
@@ -41,8 +44,9 @@ class HelmPreTrainedModel(PreTrainedModel):
     ``from_pretrained`` is strict: a checkpoint with weights missing (they would silently stay randomly
     initialised), weights the model does not use, or weights of the wrong shape raises ``RuntimeError`` instead
     of ``transformers``' logged load report. The only exceptions are ``transformers``' own: the LM head of a
-    causal-LM checkpoint loaded into the bare model (``_keys_to_ignore_on_load_unexpected``) and
-    ``ignore_mismatched_sizes=True``, which re-initialises mismatched weights on request. A missing
+    causal-LM checkpoint loaded into the bare model (``_keys_to_ignore_on_load_unexpected``), a head that the
+    checkpoint's class does not have (a base-model or other-head checkpoint into a head class: the head is newly
+    initialised with a warning, see :meth:`_allow_new_head`) and ``ignore_mismatched_sizes=True``, which re-initialises mismatched weights on request. A missing
     ``model.safetensors`` is ``transformers``' ``OSError``; a corrupt or truncated one (``SafetensorError`` or an
     ``OSError`` from reading it) is re-raised as an ``OSError`` naming the file, chained from the original.
 
@@ -166,12 +170,39 @@ class HelmPreTrainedModel(PreTrainedModel):
             raise OSError(f"{cls.__name__}.from_pretrained({str(where)!r}): the weights file "
                           f"{', '.join(str(f) for f in files)} is corrupted or truncated and cannot be read "
                           f"({type(err).__name__}: {err}); re-save or re-download the checkpoint") from err
+        info = model._allow_new_head(where, info)
         check_loading_info(cls.__name__, where, info, ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes"))
         # transformers re-saves a renamed checkpoint in its old layout; a migrated one is saved in the current one
         model._weight_conversions = [c for c in getattr(model, "_weight_conversions", None) or []
                                      if list(c.source_patterns) != list(LEGACY_KEY_MAPPING)]
         model.restore_geometry()
         return (model, info) if want_info else model
+
+    def _allow_new_head(self, where, info: dict) -> dict:
+        """The loading info with a missing head accepted, as ``transformers`` accepts it for Llama: from a checkpoint
+        saved from another class (a base model, or another head; ``config.architectures``) the head weights it lacks
+        are newly initialised, and a warning names them; the other head's weights it brings and this model does not
+        have are unused. A checkpoint of this very class stays strict (:func:`check_loading_info`: a missing head
+        weight there is a damaged checkpoint), and so do weights that exist but do not fit, and the decoder's."""
+        prefix = self.base_model_prefix + "."
+        if self.base_model_prefix not in dict(self.named_children()):
+            return info  # the bare model: it has no head
+        saved = list(getattr(self.config, "architectures", None) or [])
+        if not saved or type(self).__name__ in saved:
+            return info
+        head = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix))
+        if head:
+            logger.warning(f"{type(self).__name__}.from_pretrained({str(where)!r}): the checkpoint was saved from "
+                           f"{', '.join(saved)} and has no weights for {head}; they are newly initialised. Train the "
+                           "model on a downstream task before using it for predictions.")
+        other = {k for k in info.get("unexpected_keys", ()) if not k.startswith(prefix)}
+        return {**info, "missing_keys": set(info.get("missing_keys", ())) - set(head),
+                "unexpected_keys": set(info.get("unexpected_keys", ())) - other}
+
+    def balance_loss(self) -> Optional[torch.Tensor]:
+        """The training-time auxiliary loss of the last forward that heads add to theirs (None: the model has none;
+        HELM-MiCE sums its sequence-wise balance losses)."""
+        return None
 
     def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, pad_to_multiple_of: Optional[int] = None,
                                 mean_resizing: bool = True):
@@ -201,14 +232,24 @@ class HelmPreTrainedModel(PreTrainedModel):
         return sum(p.numel() for p in self.parameters()
                    if id(p) not in excluded and (p.requires_grad or not only_trainable))
 
+    def post_init(self):
+        """``transformers``' post-init, then every attention layer bound to this model's config
+        (:meth:`~helm.nn.attention.LorentzAttentionBase.bind_config`): ``config.attn_impl`` (or
+        ``config._attn_implementation``) assigned after the model is built reaches the layers at their next call."""
+        super().post_init()
+        self._bind_attention_to_config()
+
+    def _bind_attention_to_config(self) -> None:
+        for module in self.modules():
+            if isinstance(module, LorentzAttentionBase):
+                module.bind_config(self.config)
+
     def set_attn_implementation(self, attn_implementation, allow_all_kernels: bool = False) -> None:
         """``"eager"`` / ``"sdpa"`` (transformers' names) switch every attention layer to that implementation of
         :func:`helm.ops.lorentz_attention`; anything else is a ``ValueError`` (see
         :attr:`HelmConfigBase.attn_impl` for ``"triton"`` / ``"auto"``)."""
         self.config._attn_implementation = attn_implementation  # validated and mapped to attn_impl by the config
-        for module in self.modules():
-            if isinstance(module, LorentzAttentionBase):
-                module.attn_impl = self.config.attn_impl
+        self._bind_attention_to_config()  # the layers read config.attn_impl (also if self.config was replaced)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
@@ -218,8 +259,10 @@ class HelmPreTrainedModel(PreTrainedModel):
         layout, so this only validates the name and leaves saving to :mod:`.remote_code`.
         """
         name = auto_class if isinstance(auto_class, str) else auto_class.__name__
-        if name not in ("AutoModel", "AutoModelForCausalLM"):
-            raise ValueError(f"auto_class must be 'AutoModel' or 'AutoModelForCausalLM', got {auto_class!r}")
+        from .remote_code import AUTO_CLASSES
+
+        if name not in AUTO_CLASSES:
+            raise ValueError(f"auto_class must be one of {sorted(AUTO_CLASSES)}, got {auto_class!r}")
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``transformers``' save plus a flattened copy of the code and ``auto_map`` (see :mod:`.remote_code`), so

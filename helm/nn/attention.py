@@ -44,7 +44,10 @@ class LorentzAttentionBase(nn.Module):
     def attn_impl(self) -> str:
         """The requested implementation (``eager`` / ``sdpa`` / ``triton`` / ``auto``). Setting it (the model's
         ``set_attn_implementation`` does) validates it and drops the resolved choice: the implementation is decided
-        once, here and on the first call on each device (:meth:`attention_impl_for`), not on every call."""
+        once, here and on the first call on each device (:meth:`attention_impl_for`), not on every call. A layer
+        bound to its model's config (:meth:`bind_config`) follows ``config.attn_impl``, also when it is assigned
+        after the model was built (as ``transformers``' layers read ``config._attn_implementation``)."""
+        self._follow_config()
         return self._attn_impl
 
     @attn_impl.setter
@@ -53,10 +56,23 @@ class LorentzAttentionBase(nn.Module):
         self._attn_impl = value
         self._resolved_impl = {}  # (device type, index) -> eager / sdpa / triton
 
+    def bind_config(self, config) -> None:
+        """Read the implementation from ``config.attn_impl`` from now on (the model binds its layers to its config):
+        a new value there reaches this layer at its next call, validated and resolved once as by the setter."""
+        self._config = config
+        self._follow_config()
+
+    def _follow_config(self) -> None:
+        config = self.__dict__.get("_config")
+        requested = getattr(config, "attn_impl", None)
+        if requested is not None and requested != self._attn_impl:
+            self.attn_impl = requested
+
     def attention_impl_for(self, device: torch.device) -> str:
         """The concrete implementation on ``device``: ``attn_impl``, or for ``auto`` the Triton kernel on CUDA when it
         can run there, else ``sdpa`` (:func:`helm.ops.attention.resolve_attention_impl`), decided on the first call
         on ``device`` and cached until ``attn_impl`` changes."""
+        self._follow_config()
         key = (device.type, device.index)
         name = self._resolved_impl.get(key)
         if name is None:
