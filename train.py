@@ -43,10 +43,10 @@ from helm.evaluation import format_perplexity, perplexity, rows_nll
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
-                           TrainerState, best_checkpoint, cli_overrides, data_fingerprint, describe, find_checkpoint,
-                           fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
-                           pack_split, read_trainer_state, recipe_differences, refused_pickles, save_checkpoint,
-                           save_final, train_step, training_batches)
+                           TrainerState, best_checkpoint, check_no_links, cli_overrides, data_fingerprint, describe,
+                           find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
+                           output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
+                           save_checkpoint, save_final, train_step, training_batches)
 from helm.training.divergence import DivergenceMonitor
 
 
@@ -259,6 +259,7 @@ def demo_sample(cfg, model, tokenizer) -> str:
 
 def train(cfg, resume) -> dict:
     out = Path(cfg.train.output_dir)
+    check_no_links(out)
     checkpoint = find_checkpoint(resume, out)
     state = TrainerState(cfg.to_dict())
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
@@ -389,7 +390,8 @@ def train(cfg, resume) -> dict:
                 f"{format_perplexity(after_ppl)} after ({format_perplexity(before_ppl / after_ppl)}x lower; measured "
                 "on the reloaded model)")
         else:
-            say(f"[train] validation perplexity after training (reloaded model): {format_perplexity(perplexity(after))}")
+            say("[train] validation perplexity after training (reloaded model): "
+                f"{format_perplexity(perplexity(after))}")
         if cfg.demo.prompt:
             result["sample"] = demo_sample(cfg, reloaded, tokenizer)
             say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{result['sample']}")

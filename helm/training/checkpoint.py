@@ -169,6 +169,25 @@ def best_checkpoint(root: Path) -> Path | None:
     return min(scored)[2] if scored else None
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", ".tmp-final")
+
+
+def check_no_links(output_dir: Path) -> None:
+    """Refuse a run folder in which a file or folder that ``train.py`` writes, deletes or replaces
+    (:data:`RUN_FILES`, and the entries of ``checkpoints/``) is a symbolic link: writing in place through it would
+    change (or delete) what it points to, outside the run folder. ``output_dir`` itself may be a link."""
+    output_dir = Path(output_dir)
+    candidates = [output_dir / name for name in RUN_FILES]
+    if (output_dir / "checkpoints").is_dir() and not (output_dir / "checkpoints").is_symlink():
+        candidates += sorted((output_dir / "checkpoints").iterdir())
+    for path in candidates:
+        if path.is_symlink():
+            raise ConfigError(f"train.output_dir: {str(path)!r} is a symbolic link (to {os.readlink(path)!r}); "
+                              "train.py writes its run files in place, never through a link, which would change or "
+                              "delete what it points to: remove the link (copy its target there if you need it), "
+                              "or choose another output_dir")
+
+
 @contextlib.contextmanager
 def output_lock(output_dir: Path, enabled: bool = True):
     """Hold ``output_dir/train.lock`` (this pid) while training, creating ``output_dir``: a lock whose process is

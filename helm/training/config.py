@@ -353,7 +353,8 @@ RESUMABLE_CHANGES = frozenset({
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
     "train.divergence_factor", "train.divergence_patience", "train.logger",
     "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
-    "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens", "demo.do_sample",
+    "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens",
+    "demo.do_sample",
     "demo.temperature", "demo.top_k",
 })
 

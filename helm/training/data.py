@@ -93,8 +93,9 @@ def fingerprint_differences(saved: dict | None, current: dict) -> list[str]:
                 elif name not in before:
                     lines.append(f"data file {name} is new")
                 elif before[name] != now[name]:
-                    lines.append(f"data file {name} changed ({before[name]['bytes']:,} bytes in the checkpoint, "
-                                 f"{now[name]['bytes']:,} now{', same size, other content' * (before[name]['bytes'] == now[name]['bytes'])})")
+                    was, size = before[name]["bytes"], now[name]["bytes"]
+                    lines.append(f"data file {name} changed ({was:,} bytes in the checkpoint, {size:,} now"
+                                 f"{', same size, other content' * (was == size)})")
         elif key == "tokenizer":
             lines.append("the tokenizer's vocabulary, rules or special tokens changed")
         else:

@@ -154,6 +154,15 @@ CASES = [
      r"optim\.weight_decay must be a finite number, got nan"),
     ("divergence-factor-below-1", "tiny-helm-d", lambda t, r: [], ["--train.divergence_factor=0.5"], 2,
      r"train\.divergence_factor must be >= 1"),
+    # issue 25 item 4: booleans only, in the recipe's own keys and in model overrides
+    ("recipe-boolean-quoted-string", "tiny-helm-d", lambda t, r: [], ['--train.overwrite="false"'], 2,
+     r"train\.overwrite must be true or false, got 'false'"),
+    ("recipe-boolean-integer", "tiny-helm-d", lambda t, r: [], ["--data.shuffle=0"], 2,
+     r"data\.shuffle must be true or false, got 0"),
+    ("override-boolean-string", "tiny-helm-d", lambda t, r: [], ['--model.overrides.attention_bias="false"'], 2,
+     r"model\.preset: ValueError: attention_bias must be a bool, got 'false'"),
+    ("override-tie-word-embeddings", "tiny-helm-d", lambda t, r: [], ["--model.overrides.tie_word_embeddings=true"],
+     2, r"model\.preset: ValueError: tie_word_embeddings must be False"),
 ]
 
 
@@ -376,7 +385,8 @@ def test_finite_divergence_stops_with_exit_3_and_keeps_the_best_checkpoint(tmp_p
     run = tmp_path / "run"
     steps = [s for s, _ in list_checkpoints(run / "checkpoints")]
     assert steps[0] == 2 and len(steps) == 2 and steps[1] < 30 and not (run / "final").exists(), steps
-    losses = [json.loads((p / "manifest.json").read_text())["val_loss"] for _, p in list_checkpoints(run / "checkpoints")]
+    losses = [json.loads((path / "manifest.json").read_text())["val_loss"]
+              for _, path in list_checkpoints(run / "checkpoints")]
     assert losses[0] < losses[1], losses
 
 
@@ -453,8 +463,8 @@ CHANGED_DATA = [
     ("train-file-shortened", _shortened, [], 2, r"data file .*train\.jsonl changed \([\d,]+ bytes in the checkpoint, "
                                                  r"[\d,]+ now\).*--data\.resume_on_changed_data=true"),
     ("train-file-reshuffled", _reshuffled, [], 2, r"train\.jsonl changed \(.*same size, other content\)"),
-    ("validation-file-changed", lambda f: (f / "validation.jsonl").write_text((f / "validation.jsonl").read_text()[:-300]
-                                                                              + "\n"), [], 2, r"validation\.jsonl changed"),
+    ("validation-file-changed", lambda f: (f / "validation.jsonl").write_text(
+        (f / "validation.jsonl").read_text()[:-300] + "\n"), [], 2, r"validation\.jsonl changed"),
     ("tokenizer-changed", _other_tokenizer, [], 2, r"the tokenizer's vocabulary, rules or special tokens changed"),
     ("allowed-explicitly", _shortened, ["--data.resume_on_changed_data=true"], 0, None),
     ("unchanged", lambda f: None, [], 0, None),
@@ -483,3 +493,60 @@ def test_resume_on_a_changed_data_stream_is_refused_naming_the_change(case, chan
         [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
         assert re.search(message, error) and "step-00000002" in error, error
         assert "[train] data:" not in captured.out, "the data was read before the refusal"
+
+
+# Issue 25 item 7: (case, first run before the link is planted?, name in the run folder, link target is a folder,
+# extra arguments of the second run). Every case exits 2 naming the link and leaves its target as it was.
+SYMLINKS = [
+    ("metrics-on-resume", True, "metrics.jsonl", False, ["--resume"]),
+    ("tmp-final-on-overwrite", True, ".tmp-final", True, ["--train.overwrite=true"]),
+    ("final-on-resume", True, "final", True, ["--resume"]),
+    ("config-yaml-fresh-run", False, "config.yaml", False, []),
+    ("checkpoint-folder-on-resume", True, "checkpoints/step-00000002", True, ["--resume"]),
+    ("tensorboard-fresh-run", False, "tensorboard", True, []),
+]
+
+
+@pytest.mark.parametrize("case, first_run, name, folder, extra", SYMLINKS, ids=[c[0] for c in SYMLINKS])
+def test_a_symlink_in_the_run_folder_is_never_written_through(case, first_run, name, folder, extra, tmp_path,
+                                                              run_data, capsys):
+    import shutil
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    run = tmp_path / "run"
+    if first_run:
+        assert train_script.main(["--config", str(recipe), "--train.max_steps=2"]) == 0, capsys.readouterr()
+    run.mkdir(exist_ok=True)
+    outside = tmp_path / "outside"
+    if folder:
+        outside.mkdir()
+        (outside / "keep.txt").write_text("precious")
+    else:
+        outside.write_text("precious\n")
+    link = run / name
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    elif link.exists():
+        link.unlink()
+    link.symlink_to(outside, target_is_directory=folder)
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--train.max_steps=2", *extra])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert f"{str(link)!r} is a symbolic link" in error and "Traceback" not in captured.err, error
+    assert link.is_symlink()
+    if folder:
+        assert [p.name for p in outside.iterdir()] == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
+    else:
+        assert outside.read_text() == "precious\n"
+
+
+def test_an_output_dir_that_is_itself_a_link_is_fine(tmp_path, run_data, capsys):
+    """The user's choice of where the run folder lives (a link to scratch space) is not refused."""
+    real = tmp_path / "scratch-run"
+    real.mkdir()
+    (tmp_path / "run").symlink_to(real, target_is_directory=True)
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    assert (real / "final" / "manifest.json").is_file()
