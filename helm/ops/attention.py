@@ -529,9 +529,12 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
     ``value_centre``: as :func:`sdpa_attention`; without gradients the kernel reads the cache's ``[v | e]`` as it is
     (no re-centring of the cache per decode step); with gradients the column is dropped and the values centred.
 
-    ``dtype`` is not applied by the kernel: it reads each point's time coordinate from the same tensor as its space
-    part, so it gets the points as they are (fp32 under autocast) and runs its dots in their dtype, a named
-    exception of :mod:`helm.precision` (as is its fp64 per-row normaliser, which says why).
+    Precision as the other implementations (:mod:`helm.precision`): the space parts of ``q, k`` reach the kernel in
+    the compute dtype ``dtype`` (default :func:`~helm.precision.compute_dtype` of the query: bf16 under bf16
+    autocast), their time coordinates in fp32 (separate kernel inputs, so ``q_t k_t`` never passes through bf16), the
+    values in their own dtype (fp32 points: the value side ``ν·[w | e]`` in fp32, the named exception); softmax
+    statistics and the normalisation in fp32 (plus the kernel's fp64 row normaliser, named in the policy); the output
+    in the statistics dtype, fp32, as :func:`sdpa_attention` returns it.
 
     The kernel aligns the queries bottom-right (they are the last ``Tq`` keys), and centres each query row's values
     on the group of the key at its own position. A mask with a query offset or a 4-D mask (a static cache, whose
@@ -553,7 +556,8 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
         value, value_centre = value[..., :-1], None
     kernel, _ = _load_kernel()
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
-                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
+                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
+                  qk_dtype=compute_dtype(query) if dtype is None else dtype)
 
 
 ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {

@@ -137,7 +137,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 class Prepared:
     """Kernel-ready inputs (see :func:`prepare`)."""
 
-    __slots__ = ("q", "k", "v", "e", "c", "scale", "slopes", "kc", "qid", "kid", "causal", "centred")
+    __slots__ = ("q", "qt", "k", "kt", "v", "e", "c", "scale", "slopes", "kc", "qid", "kid", "causal", "centred")
 
     def __init__(self, centred: bool = True, **kw):
         self.centred = centred
@@ -150,8 +150,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
-            alibi_slopes, value_centre: Optional[torch.Tensor] = None) -> Prepared:
+            alibi_slopes, value_centre: Optional[torch.Tensor] = None,
+            qk_dtype: Optional[torch.dtype] = None) -> Prepared:
     """Validate the public arguments and turn them into what the kernels read.
+
+    * ``q, k`` in the GEMM dtype ``qk_dtype`` (default: the promoted dtype of the three inputs; the dots of their
+      space parts run in it), and their time coordinates apart, ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32, taken
+      from the inputs before any rounding: the time part of ``<q, k>_L`` (large and nearly the same for every key
+      far from the origin) never passes through a half-precision dtype (helm.precision). The kernels read the
+      space parts from columns ``1..d`` of ``q, k`` and never their column 0.
 
     * The values are centred (:func:`centre_values`), unless ``value_centre`` ``[B, H, 1, 1+dv]`` is given: then
       ``value`` is a cache's ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` for that one
@@ -197,7 +204,12 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(f"the Lorentz attention kernel needs CUDA tensors (got {device.type!r}); set "
                          "TRITON_INTERPRET=1 before triton is first imported to run it in the Triton interpreter")
-    q, kk, v = (_last_dim_contiguous(t.to(dtype)) for t in (query, key, value))
+    if qk_dtype is not None and qk_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"qk_dtype must be fp16, bf16 or fp32, got {qk_dtype}")
+    gemm = dtype if qk_dtype is None else qk_dtype
+    q, kk = (_last_dim_contiguous(t.to(gemm)) for t in (query, key))
+    qt, kt = (t[..., 0].to(torch.float32).reshape(B * H, t.shape[2]).contiguous() for t in (query, key))
+    v = _last_dim_contiguous(value.to(dtype))
 
     tau_t = torch.as_tensor(tau, dtype=torch.float32, device=device)
     if tau_t.numel() == 1:
@@ -233,7 +245,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     else:
         w, e = v, cached_norms.to(torch.float32).contiguous()
         c = value_centre.detach().to(torch.float32).expand(B, H, Tq, 1 + dv).contiguous()
-    return Prepared(q=q, k=kk, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+    return Prepared(q=q, qt=qt, k=kk, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
                     causal=bool(causal), centred=cached_norms is None)
 
 
@@ -264,7 +276,7 @@ def needs_grad(p: Prepared) -> bool:
     """Whether autograd will ask for gradients of any kernel input."""
     if not torch.is_grad_enabled():
         return False
-    return any(t is not None and t.requires_grad for t in (p.q, p.k, p.v, p.e, p.scale, p.slopes, p.kc))
+    return any(t is not None and t.requires_grad for t in (p.q, p.qt, p.k, p.kt, p.v, p.e, p.scale, p.slopes, p.kc))
 
 
 def launch_args(p: Prepared) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -329,6 +341,19 @@ def _load_points(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.cons
 
 
 @triton.jit
+def _load_split(p_x, p_xt, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``o_t`` of points stored apart: time ``[BT]`` fp32 from the contiguous ``p_xt``, space ``[BT, BLOCK_D]``
+    from columns ``1..D`` of the ``[T, 1+D]`` array ``p_x`` (in the GEMM dtype; its column 0 is not read)."""
+    b_t = tl.load(p_xt + o_t, mask=m_t, other=0.0)
+    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
+    if D == BLOCK_D:
+        b_s = tl.load(p_s, mask=m_t[:, None], other=0.0)
+    else:
+        b_s = tl.load(p_s, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
+    return b_t, b_s
+
+
+@triton.jit
 def _load_rows(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``o_t`` of a ``[T, D]`` array as a ``[BT, BLOCK_D]`` block (zero-padded)."""
     p = p_x + o_t[:, None] * stride_t + o_d[None, :]
@@ -375,16 +400,18 @@ def _centroid_normalise(b_dt, b_ds, b_e, b_ct, b_cs, kc):
 
 @triton.jit
 def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_rows,
-                   p_k, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+                   p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                   HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                   PREC_V: tl.constexpr):
     """Online softmax over the key blocks starting in ``[lo, hi)`` for one block of query rows.
 
     Carries, per row, the running max ``m_i`` and sum ``l_i`` of ``2^(z log2 e)`` and the unnormalised sums
-    ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) w`` and ``acc_e [BM]`` of ``2^(...) e``. Normal pass: keys kept by
-    the causal / segment mask. ``FALLBACK`` pass: only rows flagged in ``m_rows`` take part, and they attend
-    to every key (the convention for rows whose mask keeps nothing).
+    ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) w`` and ``acc_e [BM]`` of
+    ``2^(...) e``. The keys' time coordinates come from ``p_kt`` (fp32), their space parts from ``p_k``. Normal
+    pass: keys kept by the causal / segment mask. ``FALLBACK`` pass: only rows flagged in ``m_rows`` take part, and
+    they attend to every key (the convention for rows whose mask keeps nothing).
     """
     o_n0 = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
@@ -392,7 +419,7 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + o_n0
         m_n = o_n < Tk
-        b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+        b_kt, b_ks = _load_split(p_k, p_kt, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
         b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
@@ -409,7 +436,7 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
         l_i = l_i * b_alpha + tl.sum(b_p, 1)
         acc_t = acc_t * b_alpha + tl.sum(b_p * b_vt[None, :], 1)
         acc_e = acc_e * b_alpha + tl.sum(b_p * b_e[None, :], 1)
-        acc_s = acc_s * b_alpha[:, None] + _dot(b_p.to(b_vs.dtype), b_vs, DOT_F32, PREC)
+        acc_s = acc_s * b_alpha[:, None] + _dot(b_p.to(b_vs.dtype), b_vs, DOT_F32, PREC_V)
         m_i = m_new
     return acc_t, acc_s, acc_e, l_i, m_i
 

@@ -30,6 +30,7 @@ from .common import (
     _attend_blocks,
     _centroid_normalise,
     _load_points,
+    _load_split,
     _store_points,
     alloc,
     block_d,
@@ -68,12 +69,12 @@ COMBINE_BLOCK_N = 32
                  prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_decode_split_kernel(
-    Q, K, V, E, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S, ACC_E,
+    Q, QT, K, KT, V, E, SCALE, SLOPES, QID, KID, M_PART, L_PART, ACC_T, ACC_S, ACC_E,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, Tq, Tk, keys_per_split, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
 ):
     """Grid ``(n_splits, B*H)``. Partial softmax state of all ``Tq <= BLOCK_M`` rows over the keys
     ``[split * keys_per_split, (split+1) * keys_per_split)``, stored in ``[B*H, n_splits, BLOCK_M(, BLOCK_DV)]``
@@ -87,7 +88,8 @@ def lorentz_attention_decode_split_kernel(
     pos_q = o_m + (Tk - Tq)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    b_qt, b_qs = _load_split(Q + i_b * stride_qb + i_h * stride_qh, QT + i_bh.to(tl.int64) * Tq, o_m, m_q,
+                             stride_qt, o_d, D, BLOCK_D)
     qk_scale = tl.load(SCALE + i_h) * LOG2E
     slope = 0.0
     if HAS_ALIBI:
@@ -105,10 +107,10 @@ def lorentz_attention_decode_split_kernel(
     acc_e = tl.zeros([BLOCK_M], tl.float32)
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
         acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q,
-        K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh, E + i_bh.to(tl.int64) * Tk,
-        KID + i_b * Tk,
+        K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, V + i_b * stride_vb + i_h * stride_vh,
+        E + i_bh.to(tl.int64) * Tk, KID + i_b * Tk,
         stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
 
     o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
     tl.store(M_PART + o_part, m_i)
@@ -120,13 +122,13 @@ def lorentz_attention_decode_split_kernel(
 
 @triton.jit
 def lorentz_attention_decode_combine_kernel(
-    Q, K, V, E, C, SCALE, SLOPES, KC, M_PART, L_PART, ACC_T, ACC_S, ACC_E, OUT,
+    Q, QT, K, KT, V, E, C, SCALE, SLOPES, KC, M_PART, L_PART, ACC_T, ACC_S, ACC_E, OUT,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     H, Tq, Tk, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEG: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    CENTRED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    CENTRED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
 ):
     """Grid ``(B*H,)``. Merges the split states, handles rows whose mask kept no key, normalises, writes
     the output ``OUT [B, H, Tq, 1+DV]``. Without ``CENTRED`` ``V`` holds plain values and ``D = Σ P v - c``."""
@@ -160,18 +162,18 @@ def lorentz_attention_decode_combine_kernel(
         m_full = m_q & (l_g == 0.0)
         if tl.max(m_full.to(tl.int32), 0) > 0:
             o_d = tl.arange(0, BLOCK_D)
-            b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D,
-                                      BLOCK_D)
+            b_qt, b_qs = _load_split(Q + i_b * stride_qb + i_h * stride_qh, QT + i_bh.to(tl.int64) * Tq, o_m, m_q,
+                                     stride_qt, o_d, D, BLOCK_D)
             qk_scale = tl.load(SCALE + i_h) * LOG2E
             slope = 0.0
             if HAS_ALIBI:
                 slope = tl.load(SLOPES + i_h) * LOG2E
             acc_t, acc_s, acc_e, l_g, m_g = _attend_blocks(
                 acc_t, acc_s, acc_e, l_g, m_g, b_qt, b_qs, o_m + (Tk - Tq), m_q, o_m, m_full,
-                K + i_b * stride_kb + i_h * stride_kh, V + i_b * stride_vb + i_h * stride_vh,
-                E + i_bh.to(tl.int64) * Tk, K,
+                K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk,
+                V + i_b * stride_vb + i_h * stride_vh, E + i_bh.to(tl.int64) * Tk, K,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC)
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
 
     l_safe = tl.where(l_g == 0.0, 1.0, l_g)
     b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
@@ -217,15 +219,16 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     acc_e = alloc((B * H, n_splits, BM), torch.float32, dev)
     slopes, qid, kid, kc = launch_args(p)
     common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_D=block_d(D), BLOCK_DV=BDV, HAS_SEG=p.qid is not None,
-                  HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET, PREC=dot_precision(q.dtype))
+                  HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET, PREC=dot_precision(q.dtype),
+                  PREC_V=dot_precision(v.dtype))
     lorentz_attention_decode_split_kernel[(n_splits, B * H)](
-        q, k, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
+        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,
         CAUSAL=p.causal, **common,
     )
     o = alloc((B, H, Tq, 1 + DV), torch.float32, dev)
     lorentz_attention_decode_combine_kernel[(B * H,)](
-        q, k, v, p.e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
+        q, p.qt, k, p.kt, v, p.e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits,
         BLOCK_N=COMBINE_BLOCK_N, CENTRED=p.centred, num_warps=4, **common,
     )
@@ -238,19 +241,19 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
 
 
 @torch.library.custom_op("helm::lorentz_attention_decode", mutates_args=())
-def lorentz_attention_decode(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
-                             scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
-                             qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], causal: bool,
-                             centred: bool) -> torch.Tensor:
+def lorentz_attention_decode(q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor,
+                             w: torch.Tensor, e: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
+                             slopes: Optional[torch.Tensor], kc: torch.Tensor, qid: Optional[torch.Tensor],
+                             kid: Optional[torch.Tensor], causal: bool, centred: bool) -> torch.Tensor:
     """Split-K forward on prepared inputs (arguments as ``helm::lorentz_attention_fwd``, ``Tq <= 16``); returns
     ``O [B, H, Tq, 1+dv]`` fp32. No autograd formula: decoding runs without gradients."""
-    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
-                 centred=centred)
+    p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                 causal=causal, centred=centred)
     return lorentz_attention_decode_fwd(p)
 
 
 @lorentz_attention_decode.register_fake
-def _lorentz_attention_decode_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred):
+def _lorentz_attention_decode_fake(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, causal, centred):
     B, H, Tq, _ = q.shape
     return q.new_empty((B, H, Tq, w.shape[3]), dtype=torch.float32)
 
@@ -272,6 +275,7 @@ def lorentz_decode_attention(
     segment_ids: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     value_centre: Optional[torch.Tensor] = None,
+    qk_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Lorentz attention for decoding: ``Tq <= 16`` query rows against ``Tk`` cached keys, forward only.
 
@@ -282,8 +286,8 @@ def lorentz_decode_attention(
     picks this kernel by itself when it applies).
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype)
     if needs_grad(p):
         raise RuntimeError("lorentz_decode_attention is forward only; use lorentz_flash_attention for gradients")
-    return lorentz_attention_decode(p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal,
-                                    p.centred)
+    return lorentz_attention_decode(p.q, p.qt, p.k, p.kt, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid,
+                                    p.causal, p.centred)

@@ -34,6 +34,7 @@ from .common import (
     _centroid_normalise,
     _dot,
     _load_points,
+    _load_split,
     _load_rows,
     _store_points,
     alloc,
@@ -69,17 +70,18 @@ PRE_BLOCK_M = 64
                  prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_fwd_kernel(
-    Q, K, V, E, C, SCALE, SLOPES, KC, QID, KID, OUT, S, EBAR, LSE, FULL,
+    Q, QT, K, KT, V, E, C, SCALE, SLOPES, KC, QID, KID, OUT, S, EBAR, LSE, FULL,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, CENTRED: tl.constexpr, DOT_F32: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PREC_V: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the centred values ``V`` (``w``), ``E [B*H, Tk]`` (``e``) and the row
-    centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's, with
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the space parts of ``Q``, ``K`` (GEMM dtype) and their time
+    coordinates ``QT [B*H, Tq]``, ``KT [B*H, Tk]`` (fp32), the centred values ``V`` (``w``), ``E [B*H, Tk]``
+    (``e``) and the row centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's, with
     ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``) and the epilogue takes ``D = Σ P v - c``. Writes the
     output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the centred sums ``D``, same layout, fp32),
     ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and ``FULL [B*H, Tq]`` (int8: the row attends to every
@@ -92,6 +94,7 @@ def lorentz_attention_fwd_kernel(
     p_k = K + i_b * stride_kb + i_h * stride_kh
     p_v = V + i_b * stride_vb + i_h * stride_vh
     p_e = E + i_bh.to(tl.int64) * Tk
+    p_kt = KT + i_bh.to(tl.int64) * Tk
     p_kid = KID + i_b * Tk
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -99,7 +102,7 @@ def lorentz_attention_fwd_kernel(
     pos_q = o_m + (Tk - Tq)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    b_qt, b_qs = _load_points(p_q, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    b_qt, b_qs = _load_split(p_q, QT + i_bh.to(tl.int64) * Tq, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
     qk_scale = tl.load(SCALE + i_h) * LOG2E
     slope = 0.0
     if HAS_ALIBI:
@@ -119,18 +122,18 @@ def lorentz_attention_fwd_kernel(
     acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_e = tl.zeros([BLOCK_M], tl.float32)
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
-        acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_v, p_e, p_kid, stride_kt,
+        acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
         stride_vt, 0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
-        DOT_F32, PREC)
+        DOT_F32, PREC, PREC_V)
     # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
     # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
     m_full = m_q & (l_i == 0.0)
     if HAS_SEG:
         if tl.max(m_full.to(tl.int32), 0) > 0:
             acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
-                acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_v, p_e, p_kid,
+                acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_kt, p_v, p_e, p_kid,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
-                HAS_ALIBI, True, DOT_F32, PREC)
+                HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past Tq only
     b_st = acc_t / l_safe
@@ -210,10 +213,11 @@ def lorentz_attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid,
-                 p_q, p_qid, p_dst, p_dss, p_de, p_lse, p_delta, p_full, stride_qt, lo, hi, Tq, Tk, qk_scale, slope,
-                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 p_q, p_qt, p_qid, p_dst, p_dss, p_de, p_lse, p_delta, p_full, stride_qt, lo, hi, Tq, Tk, qk_scale,
+                 slope, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                 PREC_V: tl.constexpr):
     """``dK, dV`` of one key block from the query rows starting in ``[lo, hi)``, in transposed layout
     (``[BLOCK_N, BLOCK_M]`` tiles) so no product needs a transposed probability tile.
     ``FULL_ONLY``: only rows whose mask kept nothing (they attend to every key)."""
@@ -224,7 +228,7 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
         o_m = m0 + o_m0
         m_q = o_m < Tq
         pos_q = o_m + (Tk - Tq)
-        b_qt, b_qs = _load_points(p_q, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+        b_qt, b_qs = _load_split(p_q, p_qt, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
         b_dst = tl.load(p_dst + o_m, mask=m_q, other=0.0)
         b_dss = _load_rows(p_dss, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
         b_de = tl.load(p_de + o_m, mask=m_q, other=0.0)
@@ -250,10 +254,10 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
         b_pT = tl.exp2(tl.where(m_s, b_sT, float("-inf")) - b_lse[None, :])
 
         dv_t += tl.sum(b_pT * b_dst[None, :], 1)
-        dv_s += _dot(b_pT.to(b_dss.dtype), b_dss, DOT_F32, PREC)
+        dv_s += _dot(b_pT.to(b_dss.dtype), b_dss, DOT_F32, PREC_V)
         de += tl.sum(b_pT * b_de[None, :], 1)
         # dP_ij = dD_i · w_j + dE_i e_j (Euclidean: D and E are plain weighted sums of w and e).
-        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC) + b_vt[:, None] * b_dst[None, :] + \
+        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC_V) + b_vt[:, None] * b_dst[None, :] + \
             b_e[:, None] * b_de[None, :]
         b_dzT = b_pT * (b_dpT - b_delta[None, :])
         dk_t += tl.sum(b_dzT * b_qt[None, :], 1)
@@ -265,15 +269,16 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
                  prune_configs_by={"early_config_prune": prune_configs("dkdv")})
 @triton.jit
 def lorentz_attention_bwd_dkdv_kernel(
-    Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DV_, DEK,
+    Q, QT, K, KT, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DKT, DV_, DEK,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i``, ``dW = Σ_i P_ij dD_i`` and
+    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i`` (space part into columns ``1..D`` of ``DK``,
+    whose column 0 gets 0, time part into ``DKT [B*H, Tk]`` fp32), ``dW = Σ_i P_ij dD_i`` and
     ``de = Σ_i P_ij dE_i`` (``DEK [B*H, Tk]``) for one key block."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -283,7 +288,8 @@ def lorentz_attention_bwd_dkdv_kernel(
     m_n = o_n < Tk
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    b_kt, b_ks = _load_points(K + i_b * stride_kb + i_h * stride_kh, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+    b_kt, b_ks = _load_split(K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, o_n, m_n, stride_kt,
+                             o_d, D, BLOCK_D)
     b_vt, b_vs = _load_points(V + i_b * stride_vb + i_h * stride_vh, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
     b_e = tl.load(E + i_bh.to(tl.int64) * Tk + o_n, mask=m_n, other=0.0)
     b_kid = o_n
@@ -297,6 +303,7 @@ def lorentz_attention_bwd_dkdv_kernel(
     p_q = Q + i_b * stride_qb + i_h * stride_qh
     p_qid = QID + i_b * Tq
     p_row = i_bh.to(tl.int64) * Tq
+    p_qt = QT + p_row
     p_dss = DS_S + p_row * DV
 
     dk_t = tl.zeros([BLOCK_N], tl.float32)
@@ -309,9 +316,9 @@ def lorentz_attention_bwd_dkdv_kernel(
         # Query rows before this key block's first position cannot see it (causally).
         lo = (tl.maximum(i_n * BLOCK_N - (Tk - Tq), 0) // BLOCK_M) * BLOCK_M
     dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
-        dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qid, DS_T + p_row,
+        dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid, DS_T + p_row,
         p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
-        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
     if CAUSAL and HAS_SEG:
         # ... unless their mask kept nothing: such rows attend to every key, future ones included.
         o_m0 = tl.arange(0, BLOCK_M)
@@ -319,14 +326,16 @@ def lorentz_attention_bwd_dkdv_kernel(
             b_full = tl.load(FULL + p_row + m0 + o_m0, mask=m0 + o_m0 < Tq, other=0)
             if tl.max(b_full.to(tl.int32), 0) > 0:
                 dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
-                    dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qid,
+                    dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid,
                     DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0,
-                    m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True,
-                    DOT_F32, PREC)
+                    m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
+                    HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
 
-    # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign.
-    _store_points(DK + i_b * stride_dkb + i_h * stride_dkh, -c * dk_t, c * dk_s, o_n, m_n, stride_dkt, o_d, D,
+    # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input, and column 0
+    # of DK (never read by the forward) gets 0.
+    _store_points(DK + i_b * stride_dkb + i_h * stride_dkh, 0.0 * dk_t, c * dk_s, o_n, m_n, stride_dkt, o_d, D,
                   BLOCK_D)
+    tl.store(DKT + i_bh.to(tl.int64) * Tk + o_n, -c * dk_t, mask=m_n)
     _store_points(DV_ + i_b * stride_dvb + i_h * stride_dvh, dv_t, dv_s, o_n, m_n, stride_dvt, o_dv, DV,
                   BLOCK_DV)
     tl.store(DEK + i_bh.to(tl.int64) * Tk + o_n, de, mask=m_n)
@@ -334,10 +343,11 @@ def lorentz_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-                  p_k, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+                  p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                  HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                  PREC_V: tl.constexpr):
     """``dQ`` of one query block from the key blocks starting in ``[lo, hi)``, plus per-row
     ``Σ_j dz_ij <q_i, k_j>_L`` (for ``dτ``) and ``Σ_j dz_ij (j - pos_i)`` (for the ALiBi slope)."""
     o_n0 = tl.arange(0, BLOCK_N)
@@ -346,7 +356,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + o_n0
         m_n = o_n < Tk
-        b_kt, b_ks = _load_points(p_k, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
+        b_kt, b_ks = _load_split(p_k, p_kt, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
         b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
@@ -357,7 +367,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
             if HAS_SEG:
                 m_s = m_s | (b_full[:, None] & m_n[None, :])
         b_p = tl.exp2(tl.where(m_s, b_s, float("-inf")) - b_lse[:, None])
-        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC) + b_dst[:, None] * b_vt[None, :] + \
+        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC_V) + b_dst[:, None] * b_vt[None, :] + \
             b_de[:, None] * b_e[None, :]
         b_dz = b_p * (b_dp - b_delta[:, None])
         dq_t += tl.sum(b_dz * b_kt[None, :], 1)
@@ -372,15 +382,16 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
                  prune_configs_by={"early_config_prune": prune_configs("dq")})
 @triton.jit
 def lorentz_attention_bwd_dq_kernel(
-    Q, K, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DSCALE, DSLOPE,
+    Q, QT, K, KT, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DQT, DSCALE, DSLOPE,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dqb, stride_dqh, stride_dqt,
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j``; per-row ``dc`` and ALiBi-slope pieces
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j`` (space part into columns ``1..D`` of ``DQ``,
+    whose column 0 gets 0, time part into ``DQT [B*H, Tq]`` fp32); per-row ``dc`` and ALiBi-slope pieces
     into ``DSCALE, DSLOPE [B*H, Tq]`` (summed on the host)."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -392,7 +403,7 @@ def lorentz_attention_bwd_dq_kernel(
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     p_row = i_bh.to(tl.int64) * Tq
-    b_qt, b_qs = _load_points(Q + i_b * stride_qb + i_h * stride_qh, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
+    b_qt, b_qs = _load_split(Q + i_b * stride_qb + i_h * stride_qh, QT + p_row, o_m, m_q, stride_qt, o_d, D, BLOCK_D)
     b_dst = tl.load(DS_T + p_row + o_m, mask=m_q, other=0.0)
     b_dss = _load_rows(DS_S + p_row * DV, o_m, m_q, DV, o_dv, DV, BLOCK_DV)
     b_de = tl.load(DE + p_row + o_m, mask=m_q, other=0.0)
@@ -411,6 +422,7 @@ def lorentz_attention_bwd_dq_kernel(
     p_k = K + i_b * stride_kb + i_h * stride_kh
     p_v = V + i_b * stride_vb + i_h * stride_vh
     p_e = E + i_bh.to(tl.int64) * Tk
+    p_kt = KT + i_bh.to(tl.int64) * Tk
     p_kid = KID + i_b * Tk
     hi = Tk
     if CAUSAL:
@@ -422,18 +434,19 @@ def lorentz_attention_bwd_dq_kernel(
     b_dsl = tl.zeros([BLOCK_M], tl.float32)
     dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
         dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-        p_k, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC)
+        p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
     if CAUSAL and HAS_SEG:
         # Rows whose mask kept nothing also attend to the keys past the causal horizon.
         if tl.max(b_full.to(tl.int32), 0) > 0:
             dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
                 dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
-                m_q, p_k, p_v, p_e, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC)
+                m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
 
-    _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, -c * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
+    _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, 0.0 * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
                   BLOCK_D)
+    tl.store(DQT + p_row + o_m, -c * dq_t, mask=m_q)
     tl.store(DSCALE + p_row + o_m, b_dsc, mask=m_q)
     if HAS_ALIBI:
         tl.store(DSLOPE + p_row + o_m, b_dsl, mask=m_q)
@@ -462,19 +475,20 @@ def _launch_fwd(p: Prepared, store_s: bool):
         return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
 
     lorentz_attention_fwd_kernel[grid](
-        q, k, v, p.e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
+        q, p.qt, k, p.kt, v, p.e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
         lse if store_s else kc, full if store_s else kc,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, Tq, Tk,
         D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
         HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, CENTRED=p.centred,
-        DOT_F32=INTERPRET, PREC=dot_precision(q.dtype),
+        DOT_F32=INTERPRET, PREC=dot_precision(q.dtype), PREC_V=dot_precision(v.dtype),
     )
     return o, s, ebar, lse, full
 
 
 def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
-    """Launch the three backward kernels. Returns ``(dq, dk, dw, de, dscale [H], dslopes [H] | None, dkc [1])``."""
+    """Launch the three backward kernels. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H] | None,
+    dkc [1])``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, Dq = q.shape
     Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
@@ -494,8 +508,9 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
     slopes, qid, kid, _ = launch_args(p)
     flags = dict(D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
-                 PREC=dot_precision(q.dtype))
+                 PREC=dot_precision(q.dtype), PREC_V=dot_precision(v.dtype))
     dk = alloc(k.shape, k.dtype, dev)
+    dkt = alloc((B * H, Tk), torch.float32, dev)
     dv = alloc(v.shape, v.dtype, dev)
     de = alloc(p.e.shape, torch.float32, dev)
 
@@ -503,10 +518,11 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
         return triton.cdiv(Tk, meta["BLOCK_N"]), B * H
 
     lorentz_attention_bwd_dkdv_kernel[grid_kv](
-        q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dv, de,
+        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dkt, dv, de,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, Tq, Tk, **flags,
     )
     dq = alloc(q.shape, q.dtype, dev)
+    dqt = alloc((B * H, Tq), torch.float32, dev)
     dscale_row = alloc((B * H, Tq), torch.float32, dev)
     dslope_row = alloc((B * H, Tq), torch.float32, dev) if p.slopes is not None else dscale_row
 
@@ -514,12 +530,13 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
         return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
 
     lorentz_attention_bwd_dq_kernel[grid_q](
-        q, k, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dscale_row, dslope_row,
+        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dqt,
+        dscale_row, dslope_row,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], H, Tq, Tk, **flags,
     )
     dscale = dscale_row.view(B, H, Tq).sum(dim=(0, 2))
     dslopes = dslope_row.view(B, H, Tq).sum(dim=(0, 2)) if p.slopes is not None else None
-    return dq, dk, dv, de, dscale, dslopes, dkc_row.sum().reshape(1)
+    return dq, dqt, dk, dkt, dv, de, dscale, dslopes, dkc_row.sum().reshape(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,22 +549,22 @@ T = torch.Tensor
 
 
 @torch.library.custom_op("helm::lorentz_attention_fwd", mutates_args=())
-def lorentz_attention_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
-                          scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
-                          qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], causal: bool,
-                          centred: bool, store_stats: bool) -> Tuple[T, T, T, T, T]:
-    """Forward kernel on prepared inputs (:func:`~.common.prepare`): ``q [B, H, Tq, 1+d]``, ``k [B, H, Tk, 1+d]``,
-    centred values ``w [B, H, Tk, 1+dv]`` (one dtype, unit last stride), ``e [B, H, Tk]``, row centres
-    ``c [B, H, Tq, 1+dv]``, ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids ``qid [B, Tq]``,
-    ``kid [B, Tk]`` (int32) or None. ``centred=False``: ``w`` holds plain values and ``e`` their norms about
-    one centre ``c`` (a cache's, forward only).
+def lorentz_attention_fwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, slopes: Optional[T], kc: T,
+                          qid: Optional[T], kid: Optional[T], causal: bool, centred: bool,
+                          store_stats: bool) -> Tuple[T, T, T, T, T]:
+    """Forward kernel on prepared inputs (:func:`~.common.prepare`): ``q [B, H, Tq, 1+d]``, ``k [B, H, Tk, 1+d]``
+    in the GEMM dtype (columns ``1..d`` read) with their time coordinates ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32,
+    centred values ``w [B, H, Tk, 1+dv]`` (unit last stride), ``e [B, H, Tk]``, row centres ``c [B, H, Tq, 1+dv]``,
+    ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids ``qid [B, Tq]``, ``kid [B, Tk]`` (int32)
+    or None. ``centred=False``: ``w`` holds plain values and ``e`` their norms about one centre ``c`` (a cache's,
+    forward only).
 
     Returns ``(O, S, EBAR, LSE, FULL)``: ``O [B, H, Tq, 1+dv]`` fp32 and, with ``store_stats``, what the backward
     reads: the centred sums ``S = D [B, H, Tq, 1+dv]``, ``EBAR = E``, base-2 ``LSE`` ``[B*H, Tq]`` fp32 and the
     rows-attending-to-every-key flag ``FULL [B*H, Tq]`` int8; without, four empty tensors (a custom op returns
     tensors, not None)."""
-    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
-                 centred=centred)
+    p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                 causal=causal, centred=centred)
     o, s, ebar, lse, full = _launch_fwd(p, store_s=store_stats)
     if not store_stats:
         return o, o.new_empty(0), o.new_empty(0), o.new_empty(0), o.new_empty(0, dtype=torch.int8)
@@ -555,7 +572,7 @@ def lorentz_attention_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: 
 
 
 @lorentz_attention_fwd.register_fake
-def _lorentz_attention_fwd_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats):
+def _lorentz_attention_fwd_fake(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats):
     B, H, Tq, _ = q.shape
     o = q.new_empty((B, H, Tq, w.shape[3]), dtype=OUT_DTYPE)
     if not store_stats:
@@ -567,49 +584,51 @@ def _lorentz_attention_fwd_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, caus
 
 
 @torch.library.custom_op("helm::lorentz_attention_bwd", mutates_args=())
-def lorentz_attention_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, e: torch.Tensor, c: torch.Tensor,
-                          scale: torch.Tensor, slopes: Optional[torch.Tensor], kc: torch.Tensor,
-                          qid: Optional[torch.Tensor], kid: Optional[torch.Tensor], s: torch.Tensor,
-                          ebar: torch.Tensor, lse: torch.Tensor, full: torch.Tensor, do: torch.Tensor,
-                          causal: bool) -> Tuple[T, T, T, T, T, T, T]:
+def lorentz_attention_bwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, slopes: Optional[T], kc: T,
+                          qid: Optional[T], kid: Optional[T], s: T, ebar: T, lse: T, full: T, do: T,
+                          causal: bool) -> Tuple[T, T, T, T, T, T, T, T, T]:
     """Backward kernels: inputs of :func:`lorentz_attention_fwd`, its saved ``S, EBAR, LSE, FULL`` and ``dO``
-    ``[B, H, Tq, 1+dv]``. Returns ``(dq, dk, dw, de, dscale [H], dslopes [H], dkc [1])`` (``dq, dk, dw`` in the
-    dtypes of ``q, k, w``, contiguous; the rest fp32; ``dslopes`` zeros without slopes)."""
-    p = Prepared(q=q, k=k, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid, causal=causal,
-                 centred=True)
-    dq, dk, dw, de, dscale, dslopes, dkc = _launch_bwd(p, s, ebar, lse, full, do)
+    ``[B, H, Tq, 1+dv]``. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H], dkc [1])``: ``dq, dk, dw``
+    contiguous in the dtypes of ``q, k, w`` (column 0 of ``dq, dk`` is 0: the time gradients are ``dqt, dkt``);
+    the rest fp32; ``dslopes`` zeros without slopes."""
+    p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                 causal=causal, centred=True)
+    dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc = _launch_bwd(p, s, ebar, lse, full, do)
     if dslopes is None:
         dslopes = torch.zeros_like(dscale)
-    return dq, dk, dw, de, dscale, dslopes, dkc
+    return dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc
 
 
 @lorentz_attention_bwd.register_fake
-def _lorentz_attention_bwd_fake(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, causal):
+def _lorentz_attention_bwd_fake(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, causal):
     H = q.shape[1]
-    return (q.new_empty(q.shape), k.new_empty(k.shape), w.new_empty(w.shape),
+    return (q.new_empty(q.shape), torch.empty_like(qt, dtype=torch.float32), k.new_empty(k.shape),
+            torch.empty_like(kt, dtype=torch.float32), w.new_empty(w.shape),
             e.new_empty(e.shape, dtype=torch.float32), q.new_empty((H,), dtype=torch.float32),
             q.new_empty((H,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats = inputs
+    q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, causal, centred, store_stats = inputs
     o, s, ebar, lse, full = output
     if not (store_stats and centred):
         raise RuntimeError("helm::lorentz_attention_fwd is differentiable only with centred=True, store_stats=True")
-    ctx.save_for_backward(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
+    ctx.save_for_backward(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
     ctx.causal = causal
     ctx.has_slopes = slopes is not None
     ctx.mark_non_differentiable(s, ebar, lse, full)
 
 
 def _fwd_backward(ctx, do, *_stats):
-    """Gradients of ``q, k``, the centred values ``w`` and their ``e = <w, w>_L`` (both made from the values in
-    torch by :func:`~.common.prepare`, so autograd carries them back to ``v``), ``scale = 2/τ``, the ALiBi slopes
-    and ``kc``; the row centres ``c`` are constants (detached), the ids integers."""
-    q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
-    dq, dk, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(q, k, w, e, c, scale, slopes, kc, qid, kid, s, ebar,
-                                                                 lse, full, do, ctx.causal)
-    return dq, dk, dw, de, None, dscale, dslopes if ctx.has_slopes else None, dkc, None, None, None, None, None
+    """Gradients of ``q, k`` (space parts) and their time coordinates ``qt, kt``, the centred values ``w`` and their
+    ``e = <w, w>_L`` (all made from the inputs in torch by :func:`~.common.prepare`, so autograd carries them back to
+    the query, key and value points), ``scale = 2/τ``, the ALiBi slopes and ``kc``; the row centres ``c`` are
+    constants (detached), the ids integers."""
+    q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
+    dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(
+        q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, ctx.causal)
+    return (dq, dqt, dk, dkt, dw, de, None, dscale, dslopes if ctx.has_slopes else None, dkc, None, None, None, None,
+            None)
 
 
 lorentz_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -632,6 +651,7 @@ def lorentz_flash_attention(
     segment_ids: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     value_centre: Optional[torch.Tensor] = None,
+    qk_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
 
@@ -652,6 +672,9 @@ def lorentz_flash_attention(
         value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` for which ``value`` is ``[B, H, Tk, 1+dv+1] = [v | e]``,
             ``e_j = <v_j - c, v_j - c>_L`` (a cache's, :func:`helm.ops.lorentz_attention`): the kernels read the
             values as they are instead of centring them (inference only: raises when gradients are required).
+        qk_dtype: dtype of the ``q·k`` products' space parts (the compute dtype of helm.precision, e.g. bf16 under
+            autocast; default the promoted input dtype). The time coordinates enter in fp32 whatever it is, and the
+            values keep their own dtype (the value side, ``ν·[w | e]``, is fp32 for fp32 values).
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
@@ -664,8 +687,8 @@ def lorentz_flash_attention(
     of :mod:`helm.ops.lorentz_attention_triton.decode` runs instead of the forward kernel.
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre)
-    args = (p.q, p.k, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype)
+    args = (p.q, p.qt, p.k, p.kt, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
     if needs_grad(p):
         if not p.centred:
             raise ValueError("value_centre (a cache's centred norms) is for inference; pass plain values to "

@@ -19,7 +19,7 @@ from tests.ops.lorentz_attention_triton.device import DEVICE, ON_GPU
 
 def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=True, seed=0):
     """Kernel-ready inputs (:func:`~helm.ops.lorentz_attention_triton.common.prepare`) of a packed, padded, ALiBi
-    problem, as leaves where gradients flow (``q, k, w, e``, scale, slopes, curvature)."""
+    problem, as leaves where gradients flow (``q, qt, k, kt, w, e``, scale, slopes, curvature)."""
     gen = torch.Generator().manual_seed(seed)
     B, H = 2, 2
     q = lift(torch.randn(B, H, Tq, d, generator=gen) * 0.4, k=0.7)
@@ -37,8 +37,8 @@ def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=
     def leaf(t):
         return None if t is None else t.detach().clone().requires_grad_(grad)
 
-    return (leaf(p.q), leaf(p.k), leaf(p.v), leaf(p.e), p.c, leaf(p.scale), leaf(p.slopes), leaf(p.kc), p.qid, p.kid,
-            p.causal)
+    return (leaf(p.q), leaf(p.qt), leaf(p.k), leaf(p.kt), leaf(p.v), leaf(p.e), p.c, leaf(p.scale), leaf(p.slopes),
+            leaf(p.kc), p.qid, p.kid, p.causal)
 
 
 def test_opcheck_forward_with_autograd(lk):
@@ -55,7 +55,7 @@ def test_opcheck_backward(lk):
     args = _prepared(lk, grad=False)
     o, s, ebar, lse, full = torch.ops.helm.lorentz_attention_fwd(*args, True, True)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default, (*args[:10], s, ebar, lse, full, do, args[10]))
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default, (*args[:12], s, ebar, lse, full, do, args[12]))
 
 
 def test_opcheck_decode(lk):
@@ -165,3 +165,43 @@ def test_cached_norms_with_gradients_are_refused_by_the_kernel_and_dropped_by_he
     out = lorentz_attention(q, v.to(DEVICE), cached, k=1.0, tau=1.0, value_centre=centre.to(DEVICE), impl="triton")
     ref = lorentz_attention(q.detach().double().cpu(), v.double(), v.double(), k=1.0, tau=1.0, impl="eager")
     assert_close(out, ref, rtol=1e-4)
+
+
+def test_compute_dtype_space_parts_with_fp32_time_coordinates(lk):
+    """``qk_dtype=bf16`` (what helm passes under bf16 autocast): the space parts of ``q, k`` in bf16, their time
+    coordinates in fp32, fp32 values. Away from the origin (``q_t k_t`` ~ 40) the output and gradients are as
+    close to fp64 as helm's eager attention with the same compute dtype (flash-attention's rule: within twice its
+    error, plus fp32 rounding), and far closer than with the time coordinates rounded to bf16 too."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, d = 1, 2, 63, 64
+    q = lift(torch.randn(B, H, T, d, generator=gen) * 0.8, k=1.0)
+    kk = lift(torch.randn(B, H, T, d, generator=gen) * 0.8, k=1.0)
+    u = torch.randn(B, H, T, d, generator=gen) * 0.4
+    do = torch.randn(B, H, T, 1 + d, generator=torch.Generator().manual_seed(6))
+
+    def run(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, kk, u)]
+        out = fn(leaves[0], leaves[1], lift(leaves[2], k=1.0))
+        return (out, *torch.autograd.grad(out, leaves, do.to(out.device, out.dtype)))
+
+    ref = run(lambda a, b, v: lorentz_attention(a, b, v, k=1.0, tau=1.3, impl="eager"), torch.float64)
+    eager = run(lambda a, b, v: lorentz_attention(a, b, v, k=1.0, tau=1.3, impl="eager", dtype=torch.bfloat16),
+                torch.float32)
+
+    def kernel(a, b, v):
+        return lk.lorentz_flash_attention(a.to(DEVICE), b.to(DEVICE), v.to(DEVICE), k=1.0, tau=1.3,
+                                          qk_dtype=torch.bfloat16)
+
+    def kernel_bf16_time(a, b, v):  # the time coordinates rounded to bf16 with the space parts
+        return lk.lorentz_flash_attention(a.bfloat16().float().to(DEVICE), b.bfloat16().float().to(DEVICE),
+                                          v.to(DEVICE), k=1.0, tau=1.3, qk_dtype=torch.bfloat16)
+
+    ours = run(kernel, torch.float32)
+    coarse = run(kernel_bf16_time, torch.float32)
+    assert float(q[..., 0].max() * kk[..., 0].max()) > 20
+    for name, o, e, c, r in zip(["out", "dq", "dk", "du"], ours, eager, coarse, ref, strict=True):
+        assert o.dtype == torch.float32, name
+        err, bound = relative_error(o, r), 2 * relative_error(e, r) + RTOL[torch.float32]
+        assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"
+        if name == "out":
+            assert err < relative_error(c, r) / 4, (err, relative_error(c, r))
