@@ -6,7 +6,11 @@ Import as ``from tests.helpers import ...``; fixtures built from these live in `
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -140,6 +144,28 @@ def tiny_model(family: str = "helm_d", *, train: bool = False, seed: int = 0, mo
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **(model_kwargs or {}))
     return model.train(train)
+
+
+# prepended to a child's code: every import of helm fails there, whatever sys.path or installed finders hold
+NO_HELM = textwrap.dedent("""
+    import sys, importlib.abc
+    class NoHelm(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "helm" or name.startswith("helm."):
+                raise ImportError("helm is not installed here")
+            return None
+    sys.meta_path.insert(0, NoHelm())
+    sys.path = [p for p in sys.path if p not in ("", ".")]
+""")
+
+
+def run_without_helm(code: str, folder) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a fresh interpreter that cannot import helm, offline, with stdin closed (no
+    terminal), in ``folder`` (which also holds its remote-code module cache)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder / "modules")}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-c", NO_HELM + textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=folder, env=env, stdin=subprocess.DEVNULL, timeout=300)
 
 
 def paper_parameter_count(config) -> tuple[int, int]:

@@ -1,6 +1,24 @@
-"""The zoo's model families, registered with ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM``."""
+"""The zoo's model families, registered with ``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and the task-head
+Auto classes (sequence and token classification, extractive question answering)."""
 
-from .helm_d import HelmDConfig, HelmDForCausalLM, HelmDModel
-from .helm_mice import HelmMiCEConfig, HelmMiCEForCausalLM, HelmMiCEModel
+from .helm_d import (
+    HelmDConfig,
+    HelmDForCausalLM,
+    HelmDForQuestionAnswering,
+    HelmDForSequenceClassification,
+    HelmDForTokenClassification,
+    HelmDModel,
+)
+from .helm_mice import (
+    HelmMiCEConfig,
+    HelmMiCEForCausalLM,
+    HelmMiCEForQuestionAnswering,
+    HelmMiCEForSequenceClassification,
+    HelmMiCEForTokenClassification,
+    HelmMiCEModel,
+)
 
-__all__ = ["HelmDConfig", "HelmDForCausalLM", "HelmDModel", "HelmMiCEConfig", "HelmMiCEForCausalLM", "HelmMiCEModel"]
+__all__ = ["HelmDConfig", "HelmDForCausalLM", "HelmDForQuestionAnswering", "HelmDForSequenceClassification",
+           "HelmDForTokenClassification", "HelmDModel", "HelmMiCEConfig", "HelmMiCEForCausalLM",
+           "HelmMiCEForQuestionAnswering", "HelmMiCEForSequenceClassification", "HelmMiCEForTokenClassification",
+           "HelmMiCEModel"]

@@ -72,11 +72,19 @@ def _rewrite(module: str, flat: Dict[str, str]) -> str:
     return "".join(lines)
 
 
+# Auto class -> the suffix of the family's class it loads (``HelmD`` + suffix); every one the modeling module defines
+# goes into ``auto_map``, so a folder saved from any of them loads into any other with ``trust_remote_code=True``
+AUTO_CLASSES = {"AutoModel": "Model", "AutoModelForCausalLM": "ForCausalLM",
+                "AutoModelForSequenceClassification": "ForSequenceClassification",
+                "AutoModelForTokenClassification": "ForTokenClassification",
+                "AutoModelForQuestionAnswering": "ForQuestionAnswering"}
+
+
 def write_remote_code(save_directory, model_class) -> list:
     """Write the flattened code for ``model_class`` into ``save_directory`` and set ``auto_map`` there.
 
-    Returns the written file names. ``model_class`` is a HELM ``*Model`` or ``*ForCausalLM``; both, and its
-    ``config_class``, are mapped (they live in the same modeling module).
+    Returns the written file names. ``model_class`` is any HELM model class (``*Model``, ``*ForCausalLM`` or a task
+    head); its ``config_class`` and every class of :data:`AUTO_CLASSES` in its modeling module are mapped.
     """
     save_directory = Path(save_directory)
     modeling = model_class.__module__
@@ -89,13 +97,11 @@ def write_remote_code(save_directory, model_class) -> list:
         (save_directory / f"{stem}.py").write_text(_rewrite(module, flat))
         written.append(f"{stem}.py")
     modeling_stem, config_stem = entries[modeling], entries[configuration]
-    name = model_class.__name__
-    causal_name = name if name.endswith("ForCausalLM") else name[: -len("Model")] + "ForCausalLM"
-    auto_map = {
-        "AutoConfig": f"{config_stem}.{config_class.__name__}",
-        "AutoModel": f"{modeling_stem}.{causal_name.replace('ForCausalLM', 'Model')}",
-        "AutoModelForCausalLM": f"{modeling_stem}.{causal_name}",
-    }
+    family = config_class.__name__[: -len("Config")]
+    classes = vars(importlib.import_module(modeling))
+    auto_map = {"AutoConfig": f"{config_stem}.{config_class.__name__}"}
+    auto_map.update({auto: f"{modeling_stem}.{family}{suffix}" for auto, suffix in AUTO_CLASSES.items()
+                     if f"{family}{suffix}" in classes})
     config_path = save_directory / "config.json"
     config = json.loads(config_path.read_text())
     config["auto_map"] = auto_map
@@ -103,4 +109,4 @@ def write_remote_code(save_directory, model_class) -> list:
     return written
 
 
-__all__ = ["write_remote_code"]
+__all__ = ["AUTO_CLASSES", "write_remote_code"]

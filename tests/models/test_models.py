@@ -286,7 +286,8 @@ def test_remote_code_loads_without_helm(tmp_path, family):
     type(model.config).register_for_auto_class()
     model.save_pretrained(tmp_path)
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
-    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                             "AutoModelForTokenClassification", "AutoModelForQuestionAnswering"}
     prompt = [[5, 6, 7, 8]]
     expected = model.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False, eos_token_id=None)
     code = textwrap.dedent(f"""

@@ -7,29 +7,13 @@ Each check runs in a fresh interpreter whose imports of ``helm`` fail (a meta-pa
 neither the working tree nor an installed copy is reachable) and whose stdin is closed."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import helm
-from tests.helpers import tiny_model
-
-# blocks every import of helm in the child, whatever sys.path or installed finders hold
-NO_HELM = textwrap.dedent("""
-    import sys, importlib.abc
-    class NoHelm(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "helm" or name.startswith("helm."):
-                raise ImportError("helm is not installed here")
-            return None
-    sys.meta_path.insert(0, NoHelm())
-    sys.path = [p for p in sys.path if p not in ("", ".")]
-""")
+from tests.helpers import run_without_helm, tiny_model
 
 PROMPT = "the cat sat on"
 
@@ -47,13 +31,6 @@ def saved_folder(family, tokenizer, folder):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
-
-
-def run_without_helm(code, folder):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder / "modules")}
-    env.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, "-c", NO_HELM + textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=folder, env=env, stdin=subprocess.DEVNULL, timeout=300)
 
 
 @pytest.mark.parametrize("family", ["helm_d", "helm_mice", "helm_d_paper_width", "llama"])

@@ -34,6 +34,7 @@ from ..modeling_common import (
     resolve_cache,
     positional_encoding,
 )
+from ..task_heads import QuestionAnsweringHead, SequenceClassificationHead, TokenClassificationHead
 from .configuration_helm_d import HelmDConfig
 
 
@@ -178,4 +179,23 @@ class HelmDForCausalLM(HelmDPreTrainedModel, GenerationMixin):
                                       hidden_states=outputs.hidden_states)
 
 
-__all__ = ["HelmDPreTrainedModel", "HelmDModel", "HelmDForCausalLM", "HelmDDecoderLayer"]
+class HelmDForSequenceClassification(SequenceClassificationHead, HelmDPreTrainedModel):
+    """HELM-D with a sequence-classification head (:class:`helm.models.task_heads.SequenceClassificationHead`)."""
+
+    base_model_class = HelmDModel
+
+
+class HelmDForTokenClassification(TokenClassificationHead, HelmDPreTrainedModel):
+    """HELM-D with a token-classification head (:class:`helm.models.task_heads.TokenClassificationHead`)."""
+
+    base_model_class = HelmDModel
+
+
+class HelmDForQuestionAnswering(QuestionAnsweringHead, HelmDPreTrainedModel):
+    """HELM-D with an extractive question-answering head (:class:`helm.models.task_heads.QuestionAnsweringHead`)."""
+
+    base_model_class = HelmDModel
+
+
+__all__ = ["HelmDPreTrainedModel", "HelmDModel", "HelmDForCausalLM", "HelmDDecoderLayer",
+           "HelmDForSequenceClassification", "HelmDForTokenClassification", "HelmDForQuestionAnswering"]

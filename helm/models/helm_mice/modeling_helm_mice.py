@@ -36,6 +36,7 @@ from ..modeling_common import (
     resolve_cache,
     positional_encoding,
 )
+from ..task_heads import QuestionAnsweringHead, SequenceClassificationHead, TokenClassificationHead
 from .configuration_helm_mice import HelmMiCEConfig
 
 
@@ -99,6 +100,11 @@ class HelmMiCEPreTrainedModel(HelmPreTrainedModel):
         """DeepSeek-V3 aux-loss-free balancing step; the training loop calls it after each optimiser step."""
         for m in self.mice_layers():
             m.update_bias()
+
+    def balance_loss(self) -> Optional[torch.Tensor]:
+        """The summed sequence-wise balance losses of the last forward's MiCE layers, in training (else None)."""
+        balance = [m.aux_loss for m in self.mice_layers() if m.aux_loss is not None]
+        return torch.stack(balance).sum() if self.training and balance else None
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed to each expert in the last forward, ``[num MiCE layers, n_routed_experts]``."""
@@ -207,9 +213,7 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
         # in training with labels (config.fused_lm_loss) the loss is fused and logits is None: lm_logits_and_loss
         kept = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
         logits, loss = lm_logits_and_loss(self, kept, labels, skip_logits, **kwargs)
-        # the sequence-wise balance losses of this forward's MiCE layers (set only in training)
-        balance = [m.aux_loss for m in self.model.mice_layers() if m.aux_loss is not None]
-        aux_loss = torch.stack(balance).sum() if self.training and balance else None
+        aux_loss = self.balance_loss()
         if loss is not None and aux_loss is not None:
             loss = loss + aux_loss
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
@@ -217,4 +221,24 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
                                          hidden_states=outputs.hidden_states)
 
 
-__all__ = ["HelmMiCEPreTrainedModel", "HelmMiCEModel", "HelmMiCEForCausalLM", "HelmMiCEDecoderLayer"]
+class HelmMiCEForSequenceClassification(SequenceClassificationHead, HelmMiCEPreTrainedModel):
+    """HELM-MiCE with a sequence-classification head (:class:`helm.models.task_heads.SequenceClassificationHead`);
+    in training the balance loss is added to ``loss``."""
+
+    base_model_class = HelmMiCEModel
+
+
+class HelmMiCEForTokenClassification(TokenClassificationHead, HelmMiCEPreTrainedModel):
+    """HELM-MiCE with a token-classification head (:class:`helm.models.task_heads.TokenClassificationHead`)."""
+
+    base_model_class = HelmMiCEModel
+
+
+class HelmMiCEForQuestionAnswering(QuestionAnsweringHead, HelmMiCEPreTrainedModel):
+    """HELM-MiCE with an extractive question-answering head (:class:`helm.models.task_heads.QuestionAnsweringHead`)."""
+
+    base_model_class = HelmMiCEModel
+
+
+__all__ = ["HelmMiCEPreTrainedModel", "HelmMiCEModel", "HelmMiCEForCausalLM", "HelmMiCEDecoderLayer",
+           "HelmMiCEForSequenceClassification", "HelmMiCEForTokenClassification", "HelmMiCEForQuestionAnswering"]
