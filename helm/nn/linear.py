@@ -25,10 +25,21 @@ def space_linear(in_features: int, out_features: int, *, bias: bool = True) -> n
     return nn.Linear(in_features, out_features - 1, bias=bias)
 
 
+def linear_input(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype ``linear`` multiplies in: its floating-point weight's (a bf16 model's GEMMs in bf16; autocast
+    then casts as it does for any ``nn.Linear``). A linear whose ``weight`` is not a floating-point tensor (a
+    dynamically quantised ``torch.ao`` linear, whose ``weight`` is a method returning int8 weights) takes ``x``
+    as it is: such modules quantise a float input themselves."""
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and x.dtype != weight.dtype:
+        return x.to(weight.dtype)
+    return x
+
+
 def linear_space(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``W x + b`` on the full input (time coordinate included), ``[..., 1+n] -> [..., m]``, in the compute dtype of
     :mod:`helm.precision` (the weight's, or autocast's): the GEMM's output, which ``lift`` completes in fp32."""
-    return linear(x.to(linear.weight.dtype))
+    return linear(linear_input(linear, x))
 
 
 def lorentz_linear(linear: nn.Module, x: torch.Tensor, *, k: Curv, k_out: Optional[Curv] = None) -> torch.Tensor:

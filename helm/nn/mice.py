@@ -20,6 +20,7 @@ from .validation import (
     negative_list,
     non_negative,
 )
+from .linear import linear_input
 from .mlp import LorentzSwiGLU
 
 # The config range of log k (identity there) and the margin, in log k, the parametrisation may add beyond it.
@@ -287,7 +288,7 @@ class MiCE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple:
         """Dense routing weights ``[B, T, N_r]`` (zero off the top-k), scores, and the selection mask."""
         # through the gate's own forward, so that accelerate's offload hooks load its weight
-        logits = to_stat(self.gate(x[..., 1:].to(self.gate.weight.dtype)))  # the GEMM in the compute dtype
+        logits = to_stat(self.gate(linear_input(self.gate, x[..., 1:])))  # the GEMM in the compute dtype
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(-1)
         chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
         selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
