@@ -63,34 +63,42 @@ def test_opcheck_decode(lk):
     torch.library.opcheck(torch.ops.helm.lorentz_attention_decode.default, (*args, True))
 
 
-def _step(model, forward, ids, documents):
+def _step(model, forward, ids, documents, autocast=False):
     model.zero_grad(set_to_none=True)
-    loss = forward(input_ids=ids, labels=ids, segment_ids=documents, use_cache=False).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = forward(input_ids=ids, labels=ids, segment_ids=documents, use_cache=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_compiled_training_step_with_the_kernel_matches_eager(lk, monkeypatch):
+@pytest.mark.parametrize("autocast", [False, pytest.param(True, marks=pytest.mark.skipif(
+    ON_GPU, reason="CPU autocast; the GPU runs the fp32 case"))], ids=["fp32", "bf16-autocast"])
+def test_compiled_training_step_with_the_kernel_matches_eager(lk, monkeypatch, autocast):
     """``fullgraph=True`` needs dynamo to trace around the kernel: the custom ops and their fake implementations.
-    Same loss and gradients as the eager step with the same kernel (fp32; both run the same kernels), and the
-    compiled step really launches the forward and backward kernels."""
+    Same loss and gradients as the eager step with the same kernel (both run the same kernels; under CPU bf16
+    autocast the kernel gets bf16 space parts of ``q, k``), and the compiled step really launches the forward and
+    backward kernels."""
     launched = []
     for name in ("_launch_fwd", "_launch_bwd"):
         real = getattr(lk.fwd_bwd, name)
         monkeypatch.setattr(lk.fwd_bwd, name,
-                            lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+                            lambda p, *a, _real=real, _name=name, **kw: launched.append((_name, p.q.dtype))
+                            or _real(p, *a, **kw))
     model = tiny_model("helm_d", train=True, attn_impl="triton", num_hidden_layers=1, vocab_size=64)
     ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     documents = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
-    loss_e, grads_e = _step(model, model, ids, documents)
-    assert launched == ["_launch_fwd", "_launch_bwd"]
+    loss_e, grads_e = _step(model, model, ids, documents, autocast)
+    qk = torch.bfloat16 if autocast else torch.float32
+    assert launched == [("_launch_fwd", qk), ("_launch_bwd", qk)]
     torch._dynamo.reset()
-    loss_c, grads_c = _step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, documents)
-    assert launched[2:] == ["_launch_fwd", "_launch_bwd"]
+    with torch._functorch.config.patch(backward_pass_autocast="off"):  # eager's backward runs without autocast
+        loss_c, grads_c = _step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), ids, documents,
+                                autocast)
+    assert launched[2:] == [("_launch_fwd", qk), ("_launch_bwd", qk)]
     assert relative_error(loss_c, loss_e) <= RTOL[torch.float32]
     assert grads_c.keys() == grads_e.keys()
     for name in grads_e:
-        assert relative_error(grads_c[name], grads_e[name]) <= 1e-4, name
+        assert relative_error(grads_c[name], grads_e[name]) <= (2e-3 if autocast else 1e-4), name
 
 
 @pytest.mark.parametrize("d", [16, 48, 64, 128, 256])
