@@ -42,9 +42,9 @@ into the fp32 accumulation where one bf16 number carries 8.
   widths) and only ``q·k`` runs in half precision. The Triton kernel has fp32 accumulators and outputs.
 * the fused LM loss in ``distance`` mode keeps the time coordinates out of its half-precision GEMMs: ``x_0 p_0``
   and its gradients are fp32 rank-1 and matrix-vector products (:mod:`helm.ops.lm_loss`).
-* the Triton kernel (``impl="triton"``, CUDA) gets the points as they are (fp32 under autocast) and runs its
-  dots in their dtype: it reads a point's time coordinate from the same tensor as its space part, so half-precision
-  dots need a separate fp32 time input (pending kernel work). Its per-row normaliser accumulates ``<D, D>_L``, and
+* the Triton kernel (``impl="triton"``) takes the space parts of ``q, k`` in the compute dtype and their time
+  coordinates as separate fp32 inputs (so ``q_t k_t`` never passes through half precision), the values in their own
+  dtype (fp32 points: fp32 value-side products, as above). Its per-row normaliser accumulates ``<D, D>_L``, and
   its host-side ``e_j``, in fp64 (``O(T·d_v)`` per head, off the tensor cores): a one-hot row needs
   ``E - <D, D>_L = 0`` to ``u·k`` from two terms of size ``|v|²`` summed in different orders (on the host and in the
   kernel), which fp32 misses by ``u·|v|²`` (7e-4 output error at ``|v| = 100``); ``helm.ops`` gets it in fp32

@@ -1,6 +1,7 @@
 """A model built on the CPU with ``attn_impl="triton"`` is a valid model (issue 22 item 3B): it builds, saves and
 reloads there; its forward on CPU tensors without the Triton interpreter raises one clear error naming
-``attn_impl``, the device and the alternatives. (With the interpreter it runs: tests/kernels/test_triton_model_on_cpu.py.)"""
+``attn_impl``, the device and the alternatives.
+(With the interpreter it runs: tests/ops/lorentz_attention_triton/test_triton_model_on_cpu.py.)"""
 
 from __future__ import annotations
 
