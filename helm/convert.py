@@ -31,7 +31,9 @@ MODELS = ("helm_d", "helm_mice")
 _ALIAS = re.compile(r"(^|\.)(c|manifold(_in|_hidden|_out)?\.(k|c)|expert_manifold\.c)$")
 
 
-def _read(path_or_state_dict) -> dict:
+def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
+    """``(state_dict, args)``: the tensors in fp64 (integers as they are) and the official argparse fields stored
+    beside them under ``"args"`` (None when the file holds none)."""
     if isinstance(path_or_state_dict, Mapping):
         state = dict(path_or_state_dict)
     else:
@@ -43,6 +45,7 @@ def _read(path_or_state_dict) -> dict:
         except Exception as error:
             raise ValueError(f"cannot read the official checkpoint {path!r} as tensors ({type(error).__name__}: "
                              f"{error})") from None
+    args = dict(state["args"]) if isinstance(state.get("args"), Mapping) else None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(state.get(key), Mapping):
             state = dict(state[key])
@@ -51,7 +54,7 @@ def _read(path_or_state_dict) -> dict:
                          "'state_dict' / 'model')")
     # DistributedDataParallel and torch.compile prefixes
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v.detach().to(torch.float64) if v.is_floating_point() else v
-            for k, v in state.items()}
+            for k, v in state.items()}, args
 
 
 def _positive_log(value: torch.Tensor, key: str, what: str) -> torch.Tensor:
@@ -128,25 +131,30 @@ def _helm_d(state: dict, used: set) -> tuple[dict, dict]:
 def _helm_mice(state: dict, used: set) -> tuple[dict, dict]:
     from .nn.mice import LOG_K_RANGE  # where log_k is stored as is (bounded_log_k is the identity there)
 
-    space = state["embed.weight"].shape[1]
-    width = space + 1
+    # the token table: official project_emb=True (space parts, embed.weight) or the default False (points)
+    lorentz = "embed.embedding" in state
+    table = state["embed.embedding" if lorentz else "embed.weight"]
+    width = table.shape[1] + (0 if lorentz else 1)
     layers = 1 + max(int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key)))
     dense = [i for i in range(layers) if f"layers.{i}.ffn.w1.linear.weight" in state]
     if dense != list(range(len(dense))):
         raise ValueError(f"dense layers {dense} must come first (first_k_dense_replace)")
+    _refuse_unrepresentable_mice(state, layers, dense)
     latent = state["layers.0.attn.kv_norm.weight"].shape[0]  # space dims of c_KV
     rope = state["layers.0.attn.wkv_a.linear.weight"].shape[0] - latent + 1
     config = dict(vocab_size=state["head.weight"].shape[0], hidden_size=width, num_hidden_layers=layers,
                   first_k_dense_replace=len(dense), kv_lora_rank=latent + 1, qk_rope_head_dim=rope,
-                  embedding_mode="space", residual_space_scale_factor=math.sqrt(width / (width - 1)),
+                  embedding_mode="lorentz" if lorentz else "space",
+                  residual_space_scale_factor=math.sqrt(width / (width - 1)),
                   scoring_func="softmax", norm_topk_prob=False, expert_combine="lresnet_official")
     if dense:
         config["intermediate_size"] = state[f"layers.{dense[0]}.ffn.w1.linear.weight"].shape[0] + 1
     if "attn_mask" in state:
         config["max_position_embeddings"] = state["attn_mask"].shape[-1]
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
+    out = {"model.embed_tokens.weight": table, "model.norm.weight": state["norm.weight"],
            "lm_head.weight": state["head.weight"]}
-    used |= {"embed.weight", "norm.weight", "head.weight", "attn_mask"}
+    used |= {"embed.weight", "embed.embedding", "norm.weight", "head.weight", "attn_mask"}
+    used |= {key for key in state if key.startswith("embed.add_pos.")}  # built, never called (as in HELM-D)
     _linear(out, "model.final_proj.linear", state, "final_proj.linear", used)
     for i in range(layers):
         o, p = f"layers.{i}.", f"model.layers.{i}."
@@ -202,31 +210,107 @@ def _helm_mice(state: dict, used: set) -> tuple[dict, dict]:
     return config, out
 
 
+def _refuse_unrepresentable_mice(state: dict, layers: int, dense: list) -> None:
+    """Official HELM-MiCE settings that leave weights but no model the zoo (or the official forward) computes, each
+    refused naming the official flag; read off the keys, so a bare state_dict is checked too."""
+    if any(key.startswith("layers.0.attn.wq_a.") for key in state):
+        raise ValueError("official q_lora_rank > 0 (attn.wq_a / wq_b / q_norm) cannot be converted: the official "
+                         "query compression feeds its q_lora_rank-1 space dims to a q_lora_rank-wide RMSNorm, so its "
+                         "forward fails and there is no function to reproduce; train with q_lora_rank 0")
+    if "layers.0.attn.softmax_scale" not in state and "layers.0.attn.wq.linear.weight" in state:
+        raise ValueError("official max_seq_len > original_seq_len (rope_factor / YaRN frequencies and mscale): the "
+                         "attention scale is then a constant the checkpoint does not hold (attn.softmax_scale is "
+                         "missing) and the zoo has no DeepSeek-YaRN HoPE; convert a run with max_seq_len <= "
+                         "original_seq_len")
+    for i in range(len(dense), layers):
+        o = f"layers.{i}.ffn."
+        if o + "add_experts.w_y" not in state:
+            raise ValueError(f"{o}add_experts is missing: official n_activated_experts != 2, whose MoE forward "
+                             "has no expert combination (add_experts exists only for n_activated_experts=2), "
+                             "cannot be converted")
+        shared = state.get(o + "shared_experts.w1.linear.weight")
+        routed = state.get(o + "experts.0.w1.linear.weight")
+        if shared is None or routed is None or shared.shape != routed.shape or \
+                not any(key.startswith(o + "weighted_sum.") for key in state):
+            raise ValueError(f"{o}shared_experts: official n_shared_experts != 1 cannot be converted (its forward "
+                             "combines the experts through an attribute the official LorentzMoE lacks); the zoo's "
+                             "expert_combine='lresnet_official' is the n_shared_experts=1 model")
+
+
+def _official_flags(args: Optional[Mapping], model: str, state: dict) -> dict:
+    """Config fields from the official argparse flags that are not in the weights, and refusals naming the flags
+    the zoo cannot represent. ``args`` None: the official defaults (documented in
+    :func:`convert_official_checkpoint`)."""
+    if not args:
+        return {}
+    lorentz = "token_embed.embedding" in state or "embed.embedding" in state
+    if model == "helm_mice" and "project_emb" in args and bool(args["project_emb"]) == lorentz:
+        raise ValueError(f"official project_emb={args['project_emb']!r} disagrees with the checkpoint's token table "
+                         f"({'embed.embedding: Lorentz points' if lorentz else 'embed.weight: space parts'})")
+    if model != "helm_mice":
+        return {}
+    fields = {}
+    if float(args.get("route_scale", 1.0)) != 1.0:
+        raise ValueError(f"official route_scale={args['route_scale']!r} cannot be converted: the zoo's HELM-MiCE "
+                         "has no routed-weight scale (route_scale 1)")
+    if int(args.get("n_expert_groups", 1)) != 1:
+        raise ValueError(f"official n_expert_groups={args['n_expert_groups']!r} cannot be converted: the zoo's "
+                         "routing has no expert groups (n_expert_groups 1)")
+    if int(args.get("n_activated_experts", 2)) != 2:
+        raise ValueError(f"official n_activated_experts={args['n_activated_experts']!r} cannot be converted: the "
+                         "official MoE combines experts only for n_activated_experts=2")
+    if int(args.get("n_shared_experts", 1)) != 1:
+        raise ValueError(f"official n_shared_experts={args['n_shared_experts']!r} cannot be converted: the "
+                         "official MoE combines experts only for n_shared_experts=1")
+    if "score_func" in args:
+        if args["score_func"] not in ("softmax", "sigmoid"):
+            raise ValueError(f"official score_func={args['score_func']!r} is neither 'softmax' nor 'sigmoid'")
+        # the official gate renormalises the selected weights for sigmoid scores only
+        fields.update(scoring_func=args["score_func"], norm_topk_prob=args["score_func"] == "sigmoid")
+    if "train_curv" in args:
+        fields["trainable_curvatures"] = bool(args["train_curv"])
+    return fields
+
+
 def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapping], model: Optional[str] = None,
-                                **overrides):
+                                *, official_args: Optional[Mapping] = None, **overrides):
     """An official HELM checkpoint as a ``HelmDForCausalLM`` / ``HelmMiCEForCausalLM`` computing the same logits.
 
     ``path_or_state_dict``: a ``torch.save`` file (read with ``weights_only=True``) or a state dict, bare or under
     ``"state_dict"`` / ``"model"``. ``model``: ``"helm_d"`` (official ``LTransformerDecoder``) or ``"helm_mice"``
-    (``LorentzDeepSeekV3``); None detects it from the keys. The shapes are read from the weights; ``overrides``
-    are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``). Two
-    settings of the official MiCE are not in its weights and keep the official defaults unless overridden:
-    ``num_experts_per_tok`` (``n_activated_experts``, 2) and ``trainable_curvatures`` (``train_curv``, true); the
-    official ``route_scale`` must be 1 and ``n_expert_groups`` 1 (the zoo has neither). Returns the model in
-    fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
+    (``LorentzDeepSeekV3``); None detects it from the keys. The shapes are read from the weights, and so is the
+    token table (HELM-D: Lorentz points; HELM-MiCE: points under ``embed.embedding``, the official default
+    ``project_emb=False``, or space parts under ``embed.weight`` with ``project_emb=True``), the dense and MoE layer
+    counts and the expert curvatures.
+
+    ``official_args``: the official argparse fields (a dict); by default the ``"args"`` stored beside the state dict
+    when the file holds them. They supply what the weights do not say: ``score_func`` (``softmax``: weights not
+    renormalised; ``sigmoid``: renormalised), ``train_curv`` (``trainable_curvatures``), and are checked against the
+    weights (``project_emb``). Without them the official defaults hold (``softmax``, trained curvatures).
+    Official settings that cannot be represented are refused naming the flag: ``route_scale != 1``,
+    ``n_expert_groups > 1``, ``n_activated_experts != 2`` and ``n_shared_experts != 1`` (the official MoE forward
+    combines experts only for 2 and 1), ``q_lora_rank > 0`` (the official query compression does not run), and
+    ``max_seq_len > original_seq_len`` (DeepSeek-YaRN frequencies and an unsaved attention scale).
+
+    ``overrides`` are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``).
+    Returns the model in fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
     """
     import helm  # noqa: F401  (registers the model types)
 
-    state = _read(path_or_state_dict)
-    detected = "helm_d" if "token_embed.embedding" in state else "helm_mice" if "embed.weight" in state else None
+    state, stored_args = _read(path_or_state_dict)
+    args = stored_args if official_args is None else dict(official_args)
+    detected = ("helm_d" if "token_embed.embedding" in state
+                else "helm_mice" if "embed.weight" in state or "embed.embedding" in state else None)
     model = model or detected
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}" + (
-            "" if detected else " (the keys look like neither official model: no token_embed.embedding / embed.weight)"))
+            "" if detected else " (the keys look like neither official model: no token_embed.embedding / "
+                                "embed.embedding / embed.weight)"))
     if detected != model:
         raise ValueError(f"model={model!r}, but the checkpoint's keys are those of the official {detected!r}")
     k = _curvature(state)
     used = {"manifold_in.k", "manifold_hidden.k", "manifold_out.k"}
+    flags = _official_flags(args, model, state)
     config_fields, weights = (_helm_d if model == "helm_d" else _helm_mice)(state, used)
     unknown = sorted(key for key in state if key not in used and not _ALIAS.search(key))
     if unknown:
@@ -235,7 +319,7 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     config = helm.load_config(f"helm-{'d-115m' if model == 'helm_d' else 'mice-120m'}", **{
         "curvature": -1.0 / k, "positional": "hope", "lm_head_mode": "linear", "tie_word_embeddings": False,
         "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-8, "head_merge": "flatten",
-        "final_proj": "model.final_proj.linear.weight" in weights, **config_fields, **overrides})
+        "final_proj": "model.final_proj.linear.weight" in weights, **config_fields, **flags, **overrides})
     from transformers import AutoModelForCausalLM
 
     converted = AutoModelForCausalLM.from_config(config).to(torch.float64)

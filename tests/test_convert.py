@@ -155,3 +155,113 @@ def test_fidelity_table_names_real_config_fields():
     configs = [HelmDConfig(), HelmMiCEConfig(), helm.load_config("deepseek-v3-120m")]
     missing = [name for name in names if not any(hasattr(c, name) for c in configs)]
     assert not missing, missing
+
+
+# Issue 23 item 11: every official configuration that leaves weights converts; what the zoo (or the official forward)
+# cannot compute is refused naming the official flag.
+LORENTZ_MICE = FIXTURES / "helm_mice_tiny_lorentz.pt"
+
+
+def test_official_default_lorentz_token_table_converts_to_the_official_logits(tmp_path):
+    """The official HELM-MiCE default ``project_emb=False``: a table of Lorentz points (``embed.embedding``)."""
+    import geoopt
+
+    data = torch.load(LORENTZ_MICE, weights_only=True)
+    assert data["args"]["project_emb"] is False and "embed.embedding" in data["state_dict"]
+    convert_official_checkpoint(LORENTZ_MICE, attn_impl="eager").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.embedding_mode == "lorentz"
+    assert isinstance(loaded.model.embed_tokens.weight, geoopt.ManifoldParameter)
+    with torch.no_grad():
+        logits = loaded(data["input_ids"]).logits
+    assert_close(logits, data["logits"], rtol=1e-5)
+
+
+def _layers(state, keep):
+    """The official MiCE state with only the layers ``keep`` (renumbered from 0)."""
+    out = {}
+    for key, value in state.items():
+        m = re.match(r"layers\.(\d+)\.(.*)", key)
+        if m is None:
+            out[key] = value
+        elif int(m.group(1)) in keep:
+            out[f"layers.{keep.index(int(m.group(1)))}.{m.group(2)}"] = value
+    return out
+
+
+@pytest.mark.parametrize("table", ["helm_mice_tiny.pt", "helm_mice_tiny_lorentz.pt"])
+@pytest.mark.parametrize("layout,keep,dense", [("dense and MoE", [0, 1, 2], 1), ("dense only", [0], 1),
+                                               ("MoE only", [1, 2], 0)])
+def test_layer_layouts_and_token_tables_convert(table, layout, keep, dense):
+    """Official ``n_dense_layers`` from 0 to ``n_layers``, with either token table: the weights land where the
+    converted model reads them (every tensor copied or mapped as documented), and it computes finite points."""
+    data = torch.load(FIXTURES / table, weights_only=True)
+    state = _layers(data["state_dict"], keep)
+    model = convert_official_checkpoint(state, attn_impl="eager")
+    c = model.config
+    assert (c.num_hidden_layers, c.first_k_dense_replace) == (len(keep), dense)
+    assert c.embedding_mode == ("lorentz" if "embed.embedding" in state else "space")
+    table_key = "embed.embedding" if "embed.embedding" in state else "embed.weight"
+    assert torch.equal(model.model.embed_tokens.weight.detach(), state[table_key].float())
+    last = f"layers.{len(keep) - 1}."
+    ours = model.model.layers[-1]
+    assert torch.equal(ours.self_attn.o_proj.weight.detach(), state[last + "attn.wo.linear.weight"].float())
+    if dense < len(keep):
+        assert torch.equal(ours.mlp.experts[3].mlp.down_proj.weight.detach(),
+                           state[last + "ffn.experts.3.w2.linear.weight"].float())
+    with torch.no_grad():
+        out = model(data["input_ids"], output_hidden_states=True)
+    assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("train_curv", [True, False])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_official_flags_outside_the_weights_come_from_the_stored_args(score_func, train_curv):
+    """``score_func`` (sigmoid weights are renormalised by the official gate, softmax ones are not) and
+    ``train_curv`` (fixed or trained expert curvatures) are read from the ``args`` stored with the weights."""
+    data = torch.load(LORENTZ_MICE, weights_only=True)
+    args = {**data["args"], "score_func": score_func, "train_curv": train_curv}
+    model = convert_official_checkpoint({"state_dict": data["state_dict"], "args": args})
+    c = model.config
+    assert (c.scoring_func, c.norm_topk_prob, c.trainable_curvatures) == (score_func, score_func == "sigmoid",
+                                                                          train_curv)
+    curvatures = [p for n, p in model.named_parameters() if n.endswith("log_k")]
+    assert curvatures and all(p.requires_grad == train_curv for p in curvatures)
+    if score_func == "softmax" and train_curv:  # the fixture's own flags: its logits
+        with torch.no_grad():
+            assert_close(model(data["input_ids"]).logits, data["logits"], rtol=1e-5)
+
+
+def _drop(prefix):
+    return lambda sd, args: [sd.pop(k) for k in [k for k in sd if k.startswith(prefix)]]
+
+
+def _set_arg(name, value):
+    return lambda sd, args: args.__setitem__(name, value)
+
+
+UNREPRESENTABLE = [
+    ("route_scale", _set_arg("route_scale", 2.5), r"official route_scale=2\.5 cannot be converted"),
+    ("n_expert_groups", _set_arg("n_expert_groups", 2), r"official n_expert_groups=2 cannot be converted"),
+    ("n_activated_experts arg", _set_arg("n_activated_experts", 3), r"official n_activated_experts=3"),
+    ("n_shared_experts arg", _set_arg("n_shared_experts", 2), r"official n_shared_experts=2"),
+    ("project_emb", _set_arg("project_emb", True), r"official project_emb=True disagrees"),
+    ("n_activated_experts weights", _drop("layers.2.ffn.add_experts."), r"n_activated_experts != 2"),
+    ("n_shared_experts weights", _drop("layers.1.ffn.weighted_sum."), r"n_shared_experts != 1"),
+    ("q_lora_rank", lambda sd, args: sd.__setitem__("layers.0.attn.wq_a.linear.weight", torch.zeros(8, 66)),
+     r"official q_lora_rank > 0"),
+    ("YaRN", lambda sd, args: [sd.pop(f"layers.{i}.attn.softmax_scale") for i in range(3)],
+     r"official max_seq_len > original_seq_len"),
+]
+
+
+@pytest.mark.parametrize("case,damage,match", UNREPRESENTABLE, ids=[u[0] for u in UNREPRESENTABLE])
+def test_unrepresentable_official_flags_are_refused_naming_the_flag(case, damage, match):
+    data = torch.load(LORENTZ_MICE, weights_only=True)
+    state, args = dict(data["state_dict"]), dict(data["args"])
+    damage(state, args)
+    with pytest.raises(ValueError, match=match):
+        convert_official_checkpoint({"state_dict": state, "args": args})
+    if case.endswith("weights") or case in ("q_lora_rank", "YaRN"):  # read off the keys: no args needed
+        with pytest.raises(ValueError, match=match):
+            convert_official_checkpoint(state)
