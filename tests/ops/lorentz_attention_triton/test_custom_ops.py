@@ -213,3 +213,35 @@ def test_compute_dtype_space_parts_with_fp32_time_coordinates(lk):
         assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"
         if name == "out":
             assert err < relative_error(c, r) / 4, (err, relative_error(c, r))
+
+
+def test_decoding_with_bf16_products_matches_the_forward_kernel(lk):
+    """The split-K decoding kernel reads the fp32 time inputs and bf16 space parts as the forward kernel does: the
+    same rows (the last 3 of 63) come out of both to fp32 rounding."""
+    gen = torch.Generator().manual_seed(7)
+    q = lift(torch.randn(1, 2, 63, 64, generator=gen) * 0.8, k=1.0).to(DEVICE)
+    kk = lift(torch.randn(1, 2, 63, 64, generator=gen) * 0.8, k=1.0).to(DEVICE)
+    v = lift(torch.randn(1, 2, 63, 64, generator=gen) * 0.4, k=1.0).to(DEVICE)
+    with torch.no_grad():
+        full = lk.lorentz_flash_attention(q, kk, v, k=1.0, tau=1.3, qk_dtype=torch.bfloat16)
+        last = lk.lorentz_decode_attention(q[:, :, -3:], kk, v, k=1.0, tau=1.3, qk_dtype=torch.bfloat16)
+    assert_close(last, full[:, :, -3:], rtol=1e-5)
+
+
+def test_model_decoding_reads_the_cached_norms(lk, monkeypatch):
+    """A HELM-D model generating with ``attn_impl="triton"`` and a dynamic cache hands the kernel the cache's
+    ``[v | e]`` and centre on every decoding step (no re-centring of the cache) and gives the sdpa model's logits."""
+    seen = []
+    kernel = lk.lorentz_flash_attention
+    monkeypatch.setattr("helm.ops.lorentz_attention_triton.lorentz_flash_attention",
+                        lambda *a, **kw: seen.append(kw.get("value_centre") is not None) or kernel(*a, **kw))
+    model = tiny_model("helm_d", attn_impl="triton", num_hidden_layers=1, vocab_size=64)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    triton = model.generate(ids, **kw)
+    assert len(seen) == 4 and all(seen), seen  # prefill and three decoding steps, each with the cache's norms
+    model.set_attn_implementation("sdpa")
+    sdpa = model.generate(ids, **kw)
+    assert torch.equal(triton.sequences, sdpa.sequences)
+    assert_close(torch.stack(triton.logits), torch.stack(sdpa.logits), rtol=1e-5)
