@@ -3,7 +3,11 @@
 For T in {512, 2048, 8192} and heads of 1+64 and 1+128 coordinates, bf16, causal, it measures forward and
 forward+backward time (median of ``triton.testing.do_bench``) and throughput of
 
-* ``triton``: :func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention` (the time coordinate apart, no padding);
+* ``triton``: :func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention` on bf16 points (the time coordinate
+  apart, no padding);
+* ``triton-model``: the kernel as a HELM model under bf16 autocast calls it: fp32 points (cast from the bf16
+  inputs inside the timed call), ``q·k`` space parts in bf16 (``qk_dtype``) with fp32 time coordinates, the value
+  side in fp32 (the precision policy's named exception), fp32 out;
 * ``sdpa``:   ``torch.nn.functional.scaled_dot_product_attention`` on ``(J q · 2/τ, k, v)`` with the head dim
   zero-padded to a multiple of 8 (65 -> 72, 129 -> 136) so the fused FlashAttention backend accepts it, then
   the Lorentz normalisation in fp32. Note it forms ``<q, k>_L`` in bf16, which the kernel avoids;
@@ -87,6 +91,10 @@ def main(argv=None) -> int:
     def triton_impl(q, k, v, tau):
         return lorentz_flash_attention(q, k, v, k=1.0, tau=tau, causal=True)
 
+    def triton_model_impl(q, k, v, tau):
+        return lorentz_flash_attention(q.float(), k.float(), v.float(), k=1.0, tau=tau, causal=True,
+                                       qk_dtype=torch.bfloat16)
+
     def sdpa_impl(q, k, v, tau):
         width = 8 * math.ceil(q.shape[-1] / 8)
         width_v = 8 * math.ceil(v.shape[-1] / 8)
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
     def eager_impl(q, k, v, tau):
         return lorentz_attention(q, k, v, k=1.0, tau=tau, causal=True, impl="eager")
 
-    impls = {"triton": triton_impl, "sdpa": sdpa_impl}
+    impls = {"triton": triton_impl, "triton-model": triton_model_impl, "sdpa": sdpa_impl}
     if not args.no_eager:
         impls["eager"] = eager_impl
 

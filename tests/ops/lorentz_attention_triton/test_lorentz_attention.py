@@ -294,4 +294,4 @@ def test_gpu_benchmark_dry_run_on_cpu():
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = [line for line in proc.stdout.splitlines() if line.startswith("ratio ")]
-    assert len(ratios) == 6, proc.stdout  # (fwd, fwd+bwd, decode) x (sdpa, eager)
+    assert len(ratios) == 9, proc.stdout  # (fwd, fwd+bwd, decode) x (triton-model, sdpa, eager)
