@@ -6,7 +6,9 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
 from ..manifold.math import lift
 from ..ops.attention import AttentionMask, _normalise, alibi_bias
@@ -135,7 +137,9 @@ class HMLA(LorentzAttentionBase):
         # a wrapped kv_b_proj (PEFT's LoRA, a quantised linear) is not W c + b with the weight we could absorb, and
         # an offloaded one (accelerate) holds its weight only inside its own forward (meta outside it)
         # (not in training mode: a training forward with a cache stays the plain one, outputs and gradients)
-        absorbed = (self.absorb and not self.training and past_key_values is not None
+        foreign = past_key_values is not None and foreign_static_layer(past_key_values, self.layer_idx,
+                                                                         latent=L, rope=k_rope.shape[-1])
+        absorbed = (self.absorb and not self.training and past_key_values is not None and not foreign
                     and type(self.kv_b_proj) is nn.Linear and self.kv_b_proj.weight.device.type != "meta"
                     and extends_cache(past_key_values, self.layer_idx, values=False, plain_width=L))
         if absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
@@ -143,7 +147,9 @@ class HMLA(LorentzAttentionBase):
             centre = lift(self._kv_heads(first)[..., dn:], k=self.k)
             scalars = self._token_scalars(c_kv, k_rope, first, centre)
             c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
-        if past_key_values is not None:
+        if foreign:
+            c_kv, k_rope = update_packed(past_key_values, self.layer_idx, c_kv, k_rope)
+        elif past_key_values is not None:
             c_kv, k_rope = past_key_values.update(c_kv, k_rope, self.layer_idx)
         if absorbed and T <= self.absorb_max_query:
             out = self._attend_absorbed(q_s, c_kv, k_rope, first, centre, pos, attention_mask)
@@ -241,6 +247,47 @@ class HMLA(LorentzAttentionBase):
             # Σ_j a_hj [u | e]_j,h': every head against every head's scalars (2H columns), then the diagonal h' = h
             ue = torch.bmm(a, scalars[..., H:]).view(B, H, Tq, 2, H).diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)
         return _normalise(torch.cat([ue[..., :1], d_s, ue[..., 1:]], dim=-1), centre.to(acc), self.k)
+
+
+def foreign_static_layer(cache, layer_idx: int, *, latent: int, rope: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cache`` is a ``StaticLayer`` allocated before HMLA wrote to it with a shape
+    that is not HMLA's (``keys [B, 1, T, latent (+ scalars)]``, ``values [B, 1, T, rope]``): the ``[B, h, T, D]`` of
+    ``transformers.configuration_utils.get_head_shapes`` that ``StaticCache.early_initialization`` gives every layer,
+    which ``transformers``' ExecuTorch export calls (keys and values of one width, the config's heads). HMLA then
+    stores its two latents packed in those slots (:func:`update_packed`)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or layer_idx >= len(layers):
+        return False
+    layer = layers[layer_idx]
+    if type(layer) is not StaticLayer or not layer.is_initialized:
+        return False
+    keys, values = layer.keys, layer.values
+    return not (keys.shape[1] == 1 and values.shape[1] == 1 and keys.shape[-1] >= latent and values.shape[-1] == rope)
+
+
+def update_packed(cache, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple:
+    """Write ``c_kv [B, 1, T, W_k]`` and ``k_rope [B, 1, T, W_r]`` into a foreign static layer's keys and values
+    ``[B, h, T_max, D]`` (:func:`foreign_static_layer`), each token's latent zero-padded to ``h·D`` numbers and laid
+    out over the ``h`` rows, and read the whole cache back in HMLA's layout ``[B, 1, T_max, W]``."""
+    layer = cache.layers[layer_idx]
+    keys, values = cache.update(_to_rows(c_kv, layer.keys, "kv_lora_rank"),
+                                _to_rows(k_rope, layer.values, "qk_rope_head_dim"), layer_idx)
+    return _from_rows(keys, c_kv.shape[-1]), _from_rows(values, k_rope.shape[-1])
+
+
+def _to_rows(x: torch.Tensor, stored: torch.Tensor, name: str) -> torch.Tensor:
+    B, _, T, W = x.shape
+    h, D = stored.shape[1], stored.shape[-1]
+    if W > h * D:
+        raise ValueError(f"the static cache was allocated with {h} heads x head_dim {D} = {h * D} numbers per token, "
+                         f"but HMLA stores {W} per token for its latent ({name}); allocate it with "
+                         f"num_heads x head_dim >= {W}")
+    return F.pad(x, (0, h * D - W)).to(stored.dtype).view(B, T, h, D).transpose(1, 2)
+
+
+def _from_rows(stored: torch.Tensor, width: int) -> torch.Tensor:
+    B, h, T, D = stored.shape
+    return stored.transpose(1, 2).reshape(B, T, h * D)[..., :width].unsqueeze(1)
 
 
 def _pack(scalars: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
