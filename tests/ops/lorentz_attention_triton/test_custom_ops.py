@@ -245,3 +245,72 @@ def test_model_decoding_reads_the_cached_norms(lk, monkeypatch):
     sdpa = model.generate(ids, **kw)
     assert torch.equal(triton.sequences, sdpa.sequences)
     assert_close(torch.stack(triton.logits), torch.stack(sdpa.logits), rtol=1e-5)
+
+
+def test_multi_config_autotuning_path_in_the_interpreter(lk, monkeypatch):
+    """The GPU's autotuning path (several candidates: pruning with the launch arguments, a timing per candidate,
+    grids sized by the chosen block) run in the interpreter with a wall-clock timer in place of CUDA events: the
+    tuned kernels, each given two candidates with different blocks, still match fp64 eager in outputs and gradients
+    (causal, packed, padded, ALiBi, T = 63 against 32- and 64-wide blocks; decoding with 32- and 64-key blocks)."""
+    import time
+
+    triton = pytest.importorskip("triton")
+
+    def wall_clock(fn, quantiles=None, **_):
+        start = time.perf_counter()
+        fn()
+        ms = 1e3 * (time.perf_counter() - start)
+        return [ms, ms, ms] if quantiles else ms
+
+    pruned = []
+
+    def tuned(module, name, kind, candidates):
+        kernel = getattr(module, name)
+        prune = lk.common.prune_configs(kind)
+
+        def recording_prune(configs, named_args, **kwargs):
+            pruned.append(name)
+            return prune(configs, named_args, **kwargs)
+
+        configs = [triton.Config(c, num_warps=4, num_stages=1) for c in candidates]
+        autotune = triton.autotune(configs=configs, key=["D", "DV", "CAUSAL"], do_bench=wall_clock,
+                                   prune_configs_by={"early_config_prune": recording_prune})
+        monkeypatch.setattr(module, name, autotune(kernel.fn))
+
+    blocks = [{"BLOCK_M": 32, "BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 32}]
+    tuned(lk.fwd_bwd, "lorentz_attention_fwd_kernel", "fwd", blocks)
+    tuned(lk.fwd_bwd, "lorentz_attention_bwd_dkdv_kernel", "dkdv", blocks)
+    tuned(lk.fwd_bwd, "lorentz_attention_bwd_dq_kernel", "dq", blocks)
+    tuned(lk.decode, "lorentz_attention_decode_split_kernel", "fwd", [{"BLOCK_N": 32}, {"BLOCK_N": 64}])
+
+    gen = torch.Generator().manual_seed(8)
+    B, H, T, d = 2, 2, 63, 16
+    q = lift(torch.randn(B, H, T, d, generator=gen) * 0.4, k=1.0)
+    kk = lift(torch.randn(B, H, T, d, generator=gen) * 0.4, k=1.0)
+    u = torch.randn(B, H, T, d, generator=gen) * 0.4
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :6] = 0
+    seg = torch.zeros(B, T, dtype=torch.long)
+    seg[:, 40:] = 1
+    slopes = torch.tensor([0.5, 0.25])
+    do = torch.randn(B, H, T, 1 + d, generator=gen)
+
+    def run(fn, dtype, device):
+        leaves = [t.detach().to(device, dtype).requires_grad_() for t in (q, kk, u)]
+        out = fn(*leaves[:2], lift(leaves[2], k=1.0), am.to(device), seg.to(device), slopes.to(device, dtype))
+        return (out, *torch.autograd.grad(out, leaves, do.to(device, out.dtype)))
+
+    ref = run(lambda a, b, v, m, s, sl: lorentz_attention(a, b, v, k=1.0, tau=1.3, attention_mask=m, segment_ids=s,
+                                                          alibi_slopes=sl, impl="eager"), torch.float64, "cpu")
+    ours = run(lambda a, b, v, m, s, sl: lk.lorentz_flash_attention(a, b, v, k=1.0, tau=1.3, attention_mask=m,
+                                                                    segment_ids=s, alibi_slopes=sl),
+               torch.float32, DEVICE)
+    for name, o, r in zip(["out", "dq", "dk", "du"], ours, ref, strict=True):
+        assert_close(o, r, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        dec = lk.lorentz_decode_attention(q[:, :, -2:].to(DEVICE), kk.to(DEVICE), lift(u, k=1.0).to(DEVICE), k=1.0,
+                                          tau=1.3, attention_mask=am.to(DEVICE), segment_ids=seg.to(DEVICE),
+                                          alibi_slopes=slopes.to(DEVICE))
+    assert_close(dec, ref[0][:, :, -2:], rtol=1e-4)
+    assert sorted(set(pruned)) == ["lorentz_attention_bwd_dkdv_kernel", "lorentz_attention_bwd_dq_kernel",
+                                   "lorentz_attention_decode_split_kernel", "lorentz_attention_fwd_kernel"]
