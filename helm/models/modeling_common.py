@@ -29,9 +29,13 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
+from .peft_targets import register_peft_targets
 
 
 logger = logging.get_logger(__name__)
+
+# LoraConfig() without target_modules picks HELM's projections, as it picks Llama's (also in remote code)
+register_peft_targets()
 
 # Checkpoints saved before the attention and MLP projections became plain linears under Llama's names
 # (``q_proj.linear.weight`` is now ``q_proj.weight``); ``final_proj`` is still a LorentzLinear.
