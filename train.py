@@ -46,7 +46,7 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            TrainerState, best_checkpoint, check_no_links, cli_overrides, data_fingerprint, describe,
                            find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
                            output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
-                           save_checkpoint, save_final, train_step, training_batches)
+                           save_checkpoint, save_final, train_step, training_batches, unloadable_files)
 from helm.training.divergence import DivergenceMonitor
 
 
@@ -309,7 +309,7 @@ def train(cfg, resume) -> dict:
         if cfg.train.compile else model
     if checkpoint is not None:
         # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
-        with refused_pickles(checkpoint):
+        with refused_pickles(checkpoint), unloadable_files(checkpoint):
             accelerator.load_state(str(checkpoint))
         say(f"[train] resumed from {checkpoint} at step {start_step}")
     accelerator.init_trackers("tensorboard", init_kwargs={

@@ -15,11 +15,12 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
 from accelerate.utils import load as accelerate_load
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from ..manifest import MANIFEST, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
@@ -48,13 +49,33 @@ class TrainerState:
         self.config, self.step, self.data, self.divergence = config, step, data, divergence
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "config": self.config, "data": self.data,
-                "divergence": None if self.divergence is None else self.divergence.state_dict()}
+        state = {"step": self.step, "config": self.config}
+        if self.data is not None:
+            state["data"] = self.data
+        if self.divergence is not None:
+            state["divergence"] = self.divergence.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         if self.divergence is not None:
             self.divergence.load_state_dict(state.get("divergence"))
+
+
+@contextlib.contextmanager
+def unloadable_files(checkpoint: Path):
+    """Turn what ``accelerator.load_state`` raises for readable files that do not fit this run (another model's
+    weights, an optimiser state of other parameter groups) into a :class:`CheckpointError` naming the file."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, EOFError, SafetensorError) as error:
+        text = " ".join(str(error).split())
+        name = ("model.safetensors" if re.search(r"state_dict|size mismatch|[Mm]issing key|[Uu]nexpected key", text)
+                else "optimizer.bin" if re.search(r"parameter group|optimizer", text)
+                else "scheduler.bin" if "scheduler" in text else "one of its files")
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r}: {name} cannot be loaded into this run "
+                              f"({type(error).__name__}: {text[:300]}); was it written by another model or "
+                              "recipe? Resume from another checkpoint") from None
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -86,7 +107,41 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     problem = manifest_problem(path, manifest)
     if problem:
         raise CheckpointError(f"checkpoint {str(path)!r} {problem}; {advice}")
+    unlisted = sorted(p.relative_to(path).as_posix() for p in path.rglob("*")
+                      if p.is_file() and p.name != MANIFEST and p.relative_to(path).as_posix() not in files)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds {unlisted[0]}, which its manifest does not list, so it "
+                              f"was not written with the checkpoint; remove it, or {advice}")
+    extra = sorted(name for name in files if _CUSTOM.match(name) and name != STATE_FILE)
+    if extra:  # accelerate would fail on it: train.py registers one object (its TrainerState)
+        raise CheckpointError(f"checkpoint {str(path)!r} holds {extra[0]}, which train.py never writes (it saves one "
+                              f"custom object, {STATE_FILE}); {advice}")
+    for name in files:
+        reason = _unreadable(path / name)
+        if reason:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} matches its manifest but cannot be read "
+                                  f"({reason}): it was damaged before its manifest was written; {advice}")
     return manifest
+
+
+_CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
+
+
+def _unreadable(file: Path) -> str | None:
+    """Why ``file`` (a checkpoint file) cannot be read, or None: safetensors headers are parsed, torch.save's zip
+    archives (``.bin``, ``.pkl``, ``.pt``) checked member by member (CRCs), without loading any tensor."""
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as handle:
+                handle.keys()
+        elif file.suffix in (".bin", ".pkl", ".pt"):
+            with zipfile.ZipFile(file) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                return f"its member {bad} is corrupted"
+    except (OSError, SafetensorError, zipfile.BadZipFile, ValueError) as error:
+        return " ".join(str(error).split()) or type(error).__name__
+    return None
 
 
 def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from helm.training import list_checkpoints, verify_checkpoint
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
@@ -550,3 +550,69 @@ def test_an_output_dir_that_is_itself_a_link_is_fine(tmp_path, run_data, capsys)
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
     assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
     assert (real / "final" / "manifest.json").is_file()
+
+
+def _truncate(name):
+    def damage(checkpoint):
+        data = (checkpoint / name).read_bytes()
+        (checkpoint / name).write_bytes(data[: len(data) // 2])
+    return damage
+
+
+def _other_model_weights(checkpoint):
+    weights = load_file(checkpoint / "model.safetensors")
+    key = next(iter(weights))
+    weights[key] = torch.cat([weights[key], weights[key]])
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+def _other_optimizer_groups(checkpoint):
+    state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+    state["param_groups"] = state["param_groups"][:1]
+    torch.save(state, checkpoint / "optimizer.bin")
+
+
+def _extra_custom_checkpoint(checkpoint):
+    (checkpoint / "custom_checkpoint_1.pkl").write_bytes((checkpoint / "custom_checkpoint_0.pkl").read_bytes())
+
+
+# Issue 25 item 8: (case, damage, manifest rewritten after the damage?, message). Every case is one line, exit 2,
+# naming the file; a file the manifest does not list is refused whether or not it could be loaded.
+UNREADABLE = [
+    ("optimizer-truncated", _truncate("optimizer.bin"), True, r"optimizer\.bin matches its manifest but cannot be read"),
+    ("model-truncated", _truncate("model.safetensors"), True,
+     r"model\.safetensors matches its manifest but cannot be read \(.*incomplete metadata"),
+    ("rng-garbage", lambda c: (c / "random_states_0.pkl").write_bytes(b"not a pickle"), True,
+     r"random_states_0\.pkl matches its manifest but cannot be read"),
+    ("scheduler-empty", lambda c: (c / "scheduler.bin").write_bytes(b""), True, r"scheduler\.bin matches its manifest"),
+    ("another-models-weights", _other_model_weights, True,
+     r"model\.safetensors cannot be loaded into this run \(RuntimeError: .*size mismatch"),
+    ("another-optimizer-state", _other_optimizer_groups, True,
+     r"optimizer\.bin cannot be loaded into this run \(ValueError: .*parameter groups"),
+    ("extra-custom-checkpoint-listed", _extra_custom_checkpoint, True,
+     r"holds custom_checkpoint_1\.pkl, which train\.py never writes"),
+    ("extra-file-unlisted", _extra_custom_checkpoint, False,
+     r"holds custom_checkpoint_1\.pkl, which its manifest does not list"),
+    ("notes-file-unlisted", lambda c: (c / "notes.txt").write_text("mine"), False,
+     r"holds notes\.txt, which its manifest does not list"),
+]
+
+
+@pytest.mark.parametrize("case, damage, rehash, message", UNREADABLE, ids=[c[0] for c in UNREADABLE])
+def test_checkpoint_files_that_cannot_be_loaded_are_named(case, damage, rehash, message, tmp_path, run_data, capsys):
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    damage(checkpoint)
+    if rehash:  # the damage happened before the manifest was written, so the manifest matches it
+        (checkpoint / "manifest.json").unlink()
+        write_manifest(checkpoint, 2)
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]) and "step-00000002" in errors[0], captured.err
+    assert "Traceback" not in captured.err
