@@ -31,8 +31,8 @@ import triton.language as tl
 from ..attention import _key_groups, _value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "autotune_configs",
-           "prune_configs"]
+           "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
+           "autotune_configs", "estimate_resources", "prune_configs"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
 # same decision so launchers choose interpreter-friendly blocks and fp32 dots consistently.
@@ -55,40 +55,49 @@ Curv = Union[float, torch.Tensor]
 
 # Largest dynamic shared memory one block may use on sm90 (228 KB per SM, of which 227 KB per block).
 SM90_SMEM_BYTES = 227 * 1024
-# fp32 values per thread that the estimated live tiles may take (of 255 registers; the rest holds pointers,
-# offsets, row statistics): configurations above it would spill.
-REG_BUDGET = 160
+# fp32 values per thread that the estimated live tiles may take (3/4 of the 255 registers; the rest holds
+# pointers, offsets, row statistics): configurations above it would spill.
+REG_BUDGET = 192
+# HELM_TRITON_AUTOTUNE=0: no timing, the first candidate of each list that fits the budget (the lists start with
+# the hand-picked blocks); for test runs on a GPU, where every new key would otherwise compile and time dozens of
+# candidates. Read when this module is imported.
+AUTOTUNE = os.environ.get("HELM_TRITON_AUTOTUNE", "1") != "0"
 
 
-def autotune_configs(block_m, block_n, warps, stages) -> list:
-    """``triton.Config`` list over the product of the candidates; ONE config under the interpreter (where the
-    autotuner would run every candidate through the slow interpreter, and its benchmark timer needs a GPU)."""
+def autotune_configs(preferred, block_m, block_n, warps, stages) -> list:
+    """``triton.Config`` list: the ``preferred`` ``(BLOCK_M, BLOCK_N, warps, stages)`` first, in order, then the rest
+    of the product of the candidates; ONE config under the interpreter (where the autotuner would run every
+    candidate through the slow interpreter, and its benchmark timer needs a GPU)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m in block_m for n in block_n for w in warps for s in stages]
+    order = list(preferred) + [(m, n, w, s) for m in block_m for n in block_n for w in warps for s in stages
+                               if (m, n, w, s) not in preferred]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in order]
 
 
-def estimate_resources(kind: str, block_m: int, block_n: int, block_d: int, block_dv: int, elem: int,
-                       warps: int, stages: int) -> Tuple[int, int]:
+def estimate_resources(kind: str, block_m: int, block_n: int, block_d: int, block_dv: int, elem_qk: int,
+                       elem_v: int, warps: int, stages: int) -> Tuple[int, int]:
     """``(shared memory bytes, fp32 registers per thread)`` a configuration is estimated to need (a model, not
     what the compiler allocates; configurations that still do not fit fail to compile and the autotuner drops
-    them).
+    them). ``elem_qk``, ``elem_v``: bytes per element of ``q, k`` and of the values.
 
     ``fwd`` / ``dq`` (a query block resident, key blocks streamed): ``stages`` buffered key + value tiles, the
-    query tile and one ``[BM, BN]`` probability tile in shared memory; live ``[BM, BN]`` scores and probabilities
-    (2 tiles) and the ``[BM, BLOCK_DV]`` (``dq``: ``[BM, BLOCK_D]``) accumulator in registers.
-    ``dkdv`` (a key block resident, query blocks streamed): the same with query and key roles swapped, four live
-    ``[BN, BM]`` tiles (scores, ``P``, ``dP``, ``dz``) and the ``dK``, ``dV`` accumulators."""
+    query tile and one ``[BM, BN]`` probability tile (value dtype) in shared memory; live ``[BM, BN]`` scores and
+    probabilities (2 tiles; ``dq``: 3 with ``dP``) and the ``[BM, BLOCK_DV]`` (``dq``: ``[BM, BLOCK_D]``)
+    accumulator in registers. ``dkdv`` (a key block resident, query blocks streamed): the same with query and key
+    roles swapped, the ``dS`` tiles in the value dtype, four live ``[BN, BM]`` tiles (scores, ``P``, ``dP``,
+    ``dz``) and the ``dK``, ``dV`` accumulators."""
     threads = 32 * warps
+    stream_kv = block_n * (block_d * elem_qk + block_dv * elem_v)
+    stream_q = block_m * (block_d * elem_qk + block_dv * elem_v)
     if kind == "fwd":
-        smem = (stages * block_n * (block_d + block_dv) + block_m * block_d + block_m * block_n) * elem
+        smem = stages * stream_kv + block_m * block_d * elem_qk + block_m * block_n * elem_v
         regs = (2 * block_m * block_n + block_m * block_dv) // threads
     elif kind == "dq":
-        smem = (stages * block_n * (block_d + block_dv) + block_m * (block_d + block_dv) + block_m * block_n) * elem
+        smem = stages * stream_kv + stream_q + block_m * block_n * elem_v
         regs = (3 * block_m * block_n + block_m * block_d) // threads
     elif kind == "dkdv":
-        smem = (stages * block_m * (block_d + block_dv) + block_n * (block_d + block_dv) + block_m * block_n) * elem
+        smem = stages * stream_q + stream_kv + block_m * block_n * elem_v
         regs = (4 * block_m * block_n + block_n * (block_d + block_dv)) // threads
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
@@ -97,22 +106,23 @@ def estimate_resources(kind: str, block_m: int, block_n: int, block_d: int, bloc
 
 def prune_configs(kind: str):
     """``early_config_prune`` for ``triton.autotune``: drop the configurations estimated to exceed sm90's shared
-    memory or register budget (:func:`estimate_resources`), keeping at least the smallest one. ``BLOCK_M`` comes
-    from the configuration or, for the decoding kernel (fixed 16 rows), from the launch arguments."""
+    memory or register budget (:func:`estimate_resources`), keeping at least the smallest one; with
+    :data:`AUTOTUNE` off, only the first that fits (one candidate: the autotuner then times nothing). ``BLOCK_M``
+    comes from the configuration or, for the decoding kernel (fixed 16 rows), from the launch arguments."""
     def prune(configs, named_args, **kwargs):
-        elem = named_args["Q"].element_size()
+        elem_qk, elem_v = named_args["Q"].element_size(), named_args["V"].element_size()
         block_d, block_dv = kwargs["BLOCK_D"], kwargs["BLOCK_DV"]
         fits = []
         for cfg in configs:
             block_m = cfg.kwargs.get("BLOCK_M", kwargs.get("BLOCK_M"))
-            smem, regs = estimate_resources(kind, block_m, cfg.kwargs["BLOCK_N"], block_d, block_dv, elem,
+            smem, regs = estimate_resources(kind, block_m, cfg.kwargs["BLOCK_N"], block_d, block_dv, elem_qk, elem_v,
                                             cfg.num_warps, cfg.num_stages)
             if smem <= SM90_SMEM_BYTES and regs <= REG_BUDGET:
                 fits.append(cfg)
-        if fits:
-            return fits
-        return [min(configs, key=lambda c: (c.kwargs.get("BLOCK_M", 1) * c.kwargs["BLOCK_N"], c.num_stages,
-                                            -c.num_warps))]
+        if not fits:
+            fits = [min(configs, key=lambda c: (c.kwargs.get("BLOCK_M", 1) * c.kwargs["BLOCK_N"], c.num_stages,
+                                                -c.num_warps))]
+        return fits if AUTOTUNE else fits[:1]
     return prune
 
 

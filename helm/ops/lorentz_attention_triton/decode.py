@@ -53,8 +53,9 @@ if INTERPRET:
     DECODE_CONFIGS = [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
     SPLIT_KEYS = 32
 else:
+    # the earlier hand-picked 64-key block first (HELM_TRITON_AUTOTUNE=0 takes the first that fits)
     DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-                      for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+                      for n in (64, 32, 128) for w in (4, 8) for s in (2, 3, 4)]
     SPLIT_KEYS = 128
 # Key block of the combine kernel's walk for rows whose mask kept nothing (rare: not tuned).
 COMBINE_BLOCK_N = 32

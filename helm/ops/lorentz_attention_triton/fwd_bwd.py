@@ -55,8 +55,11 @@ DECODE_MAX_Q = 16
 
 # sm90 candidates (README.md, "Autotuning"); pruned per call by estimated shared memory and registers, one
 # configuration under the interpreter. Keyed on the head dims, causality and (added by Triton) the input dtypes.
-FWD_CONFIGS = autotune_configs(block_m=(64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4))
-BWD_CONFIGS = autotune_configs(block_m=(32, 64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3))
+# The hand-picked blocks of earlier versions come first: HELM_TRITON_AUTOTUNE=0 takes the first that fits.
+FWD_CONFIGS = autotune_configs(preferred=[(128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
+                               block_m=(64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4))
+BWD_CONFIGS = autotune_configs(preferred=[(64, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
+                               block_m=(32, 64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3))
 # The row-wise preprocess kernel of the backward reads O(Tq·dv) and is not tuned.
 PRE_BLOCK_M = 64
 

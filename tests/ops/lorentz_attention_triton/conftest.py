@@ -10,6 +10,9 @@ If an earlier test module already imported triton for the GPU (``transformers`` 
 triton cannot be re-imported in this process; the kernel tests selected in this session then run together in
 one child pytest process that enables the interpreter from the start (one start-up, not one per test), and
 each test passes, fails or skips with its outcome there.
+
+On a GPU the tests switch autotuning off (``common.AUTOTUNE``, unless ``HELM_TRITON_AUTOTUNE=1``): each kernel takes
+the first of its sm90 candidates that fits instead of compiling and timing them all for every new shape key.
 """
 
 import importlib
@@ -121,8 +124,11 @@ def lk():
 
 @pytest.fixture(autouse=True)
 def _kernel_env(monkeypatch, lk):
-    """Interpreter flag for helm's dispatcher, and NaN-filled kernel buffers to expose unwritten reads."""
+    """Interpreter flag for helm's dispatcher, NaN-filled kernel buffers to expose unwritten reads, and on a GPU
+    one configuration per kernel (module docstring)."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     if lk is not None:
         monkeypatch.setattr(lk.common, "DEBUG_NAN_FILL", True)
+        if ON_GPU and os.environ.get("HELM_TRITON_AUTOTUNE") != "1":
+            monkeypatch.setattr(lk.common, "AUTOTUNE", False)

@@ -102,32 +102,41 @@ def test_compiled_training_step_with_the_kernel_matches_eager(lk, monkeypatch, a
 
 
 @pytest.mark.parametrize("d", [16, 48, 64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sm90_configs_are_pruned_to_what_fits(lk, d, dtype):
-    """The GPU candidate lists (built here without the interpreter) keep, for every head width and dtype, at least
-    one configuration and only configurations estimated to fit sm90's shared memory and register budget."""
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.float32)], ids=["bf16", "bf16-qk-fp32-v", "fp32"])
+def test_sm90_configs_are_pruned_to_what_fits(lk, d, dtypes, monkeypatch):
+    """The GPU candidate lists (built here as on a GPU) keep, for every head width and dtype pair, at least one
+    configuration and only configurations estimated to fit sm90's shared memory and register budget; with
+    HELM_TRITON_AUTOTUNE=0 exactly one, the first that fits (the hand-picked blocks lead the lists)."""
     common = lk.common
-    configs = {
-        "fwd": [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)],
-        "dkdv": [(m, n, w, s) for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)],
-        "dq": [(m, n, w, s) for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)],
+    monkeypatch.setattr(common, "INTERPRET", False)
+    lists = {
+        "fwd": common.autotune_configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
+                                       (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
+        "dkdv": common.autotune_configs([(64, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)],
+                                        (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     }
-    q = torch.empty(0, dtype=dtype)
+    lists["dq"] = lists["dkdv"]
+    assert len(lists["fwd"]) == len(lists["dkdv"]) == 36  # the preferred blocks are counted once
+    q, v = torch.empty(0, dtype=dtypes[0]), torch.empty(0, dtype=dtypes[1])
     bd = common.block_d(d)
-    for kind, candidates in configs.items():
-        cfgs = [pytest.importorskip("triton").Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                for m, n, w, s in candidates]
-        kept = common.prune_configs(kind)(cfgs, {"Q": q}, BLOCK_D=bd, BLOCK_DV=bd)
-        assert kept, (kind, d, dtype)
-        if len(kept) < len(cfgs):
-            for c in kept:
-                smem, regs = common.estimate_resources(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bd, bd,
-                                                       q.element_size(), c.num_warps, c.num_stages)
-                assert smem <= common.SM90_SMEM_BYTES and regs <= common.REG_BUDGET, (kind, c)
-    if dtype == torch.bfloat16 and d == 64:  # the head of the paper's models keeps the large tiles
-        kept = common.prune_configs("fwd")([pytest.importorskip("triton").Config(
-            {"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)], {"Q": q}, BLOCK_D=bd, BLOCK_DV=bd)
-        assert kept[0].kwargs == {"BLOCK_M": 128, "BLOCK_N": 64}
+    for kind, cfgs in lists.items():
+        kept = common.prune_configs(kind)(cfgs, {"Q": q, "V": v}, BLOCK_D=bd, BLOCK_DV=bd)
+        assert kept, (kind, d, dtypes)
+        fitting = []
+        for c in cfgs:
+            smem, regs = common.estimate_resources(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bd, bd,
+                                                   q.element_size(), v.element_size(), c.num_warps, c.num_stages)
+            if smem <= common.SM90_SMEM_BYTES and regs <= common.REG_BUDGET:
+                fitting.append(c)
+        assert kept == (fitting or kept), (kind, d, dtypes)
+        monkeypatch.setattr(common, "AUTOTUNE", False)
+        assert common.prune_configs(kind)(cfgs, {"Q": q, "V": v}, BLOCK_D=bd, BLOCK_DV=bd) == kept[:1]
+        monkeypatch.setattr(common, "AUTOTUNE", True)
+    if dtypes == (torch.bfloat16, torch.bfloat16) and d == 64:  # the paper's head: the hand-picked blocks fit
+        assert lists["fwd"][0] in common.prune_configs("fwd")(lists["fwd"], {"Q": q, "V": v}, BLOCK_D=bd,
+                                                               BLOCK_DV=bd)
+        assert lists["dkdv"][0].kwargs == {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's single configuration")
