@@ -4,8 +4,8 @@ for space-part norms up to 1e4 in fp32.
 Every case builds its inputs in fp64, rounds them to fp32 once, and compares the function evaluated in fp32
 with the *same* function evaluated in fp64 on the fp32-rounded inputs (so input rounding is not counted, only
 the arithmetic). Errors are relative to the largest entry of the fp64 result (``tests.helpers.relative_error``).
-The Triton kernel gets the same sweep in ``tests/kernels/test_far_from_origin.py`` (it needs the interpreter
-set up by that folder's conftest).
+The Triton kernel gets the same sweep in ``tests/ops/lorentz_attention_triton/test_far_from_origin.py`` (it needs
+the interpreter set up by that folder's conftest).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ K = 0.7  # a curvature other than 1 so a missing k would show
 #   dozen roundings of the result's own scale -> 1e-5 as well.
 # * Attention: a softmax over 16 keys (scores up to 2|q||k|/tau ~ 1e8 at 1e4, whose own fp32 rounding moves the
 #   weights by at most a few ulps relative), a weighted sum of 16 values and the normalisation -> 1e-4, the
-#   kernel tests' fp32 bound (tests/kernels/test_lorentz_attention.py::FP32_TOL).
+#   kernel tests' fp32 bound (tests/ops/lorentz_attention_triton/test_lorentz_attention.py::FP32_TOL).
 TOL = 1e-5
 ATTN_TOL = 1e-4
 # * Ill-conditioned forms (issue 22: nothing is widened to fp64 any more): the plain Minkowski product of nearby
