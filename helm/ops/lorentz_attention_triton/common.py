@@ -8,13 +8,15 @@ row ``i`` sits at position ``pos_i = Tk - Tq + i``)::
     O_i  = lift(sqrt(k) S_i,s / sqrt(max(N_i, k/2)))      N_i = k + (E_i - <D_i, D_i>_L)   (= |<S_i, S_i>_L|)
     D_i  = Σ_j P_ij w_j,  E_i = Σ_j P_ij e_j,  S_i = c_i + D_i   with  w_j = v_j - c_j,  e_j = <w_j, w_j>_L
 
-The kernels only ever see the centred values ``w`` (passed as ``V``), ``e`` and the row centres ``c``, all made by
-:func:`prepare` (:func:`centre_values` explains the centres and ``README.md`` next to this file the pairwise form of
-``N``).
+The kernels only ever see the centred values ``w`` (passed as ``V``), ``e`` and the row centres ``c`` (or, from a
+cache, plain values with their norms about one centre), all made by :func:`prepare` (:func:`centre_values` explains
+the centres and ``README.md`` next to this file the pairwise form of ``N``).
 
 The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
-``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` (converted to fp32 at once) and
-the space part ``[BT, BLOCK_D]``, so a head of ``1+64`` or ``1+128`` coordinates needs no padding.
+``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` in fp32 (for queries and keys from
+their separate fp32 inputs ``qt``, ``kt``; for values converted at once) and the space part ``[BT, BLOCK_D]`` (for
+queries and keys in the GEMM dtype), so a head of ``1+64`` or ``1+128`` coordinates needs no padding and ``q_t k_t``
+never passes through half precision.
 """
 
 from __future__ import annotations
