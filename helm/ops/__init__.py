@@ -1,5 +1,8 @@
 """Attention entry point: one function, implementations registered by name, one mask object per forward; and the
-fused, chunked LM-head cross-entropy (:mod:`helm.ops.lm_loss`)."""
+fused, chunked LM-head cross-entropy (:mod:`helm.ops.lm_loss`).
+
+The Triton kernels of ``impl="triton"`` live in :mod:`helm.ops.lorentz_attention_triton`, which this package does not
+import (it imports triton): :mod:`helm.ops.attention` loads it on first use."""
 
 from .attention import (
     ATTENTION_IMPLS,
