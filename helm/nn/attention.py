@@ -14,11 +14,12 @@ from ..ops.attention import AttentionMask, available_attention_impls, lorentz_at
 from .linear import linear_space, lorentz_linear, space_linear
 from .positional import PositionalTables
 from .validation import HEAD_MERGES, check, check_choice, check_dim, check_k, temperature
+from .storage import RealignAfterLoading
 
 _NO_POSITIONS = PositionalTables()
 
 
-class LorentzAttentionBase(nn.Module):
+class LorentzAttentionBase(RealignAfterLoading, nn.Module):
     """What both attention layers share: the temperature, the call into :func:`helm.ops.lorentz_attention` and
     the merge of the heads before the output projection.
 

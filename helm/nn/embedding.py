@@ -9,6 +9,7 @@ from torch import nn
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import expmap0, lift, normalize
 from .validation import EMBEDDING_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule
+from .storage import RealignAfterLoading
 
 
 def wrapped_normal_(weight: torch.Tensor, *, k: float, std: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ def replace_table(module: nn.Module, name: str, table: torch.Tensor) -> None:
     setattr(module, name, new)
 
 
-class LorentzEmbedding(nn.Module):
+class LorentzEmbedding(RealignAfterLoading, nn.Module):
     """Lookup table of points of ``H^n_k``.
 
     Modes:

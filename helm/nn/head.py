@@ -14,9 +14,10 @@ from ..ops.lm_loss import linear_cross_entropy
 from ..precision import autocast_dtype
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
+from .storage import RealignAfterLoading
 
 
-class LorentzLMHead(nn.Module):
+class LorentzLMHead(RealignAfterLoading, nn.Module):
     """Logits from points ``x`` of ``H^n_k`` (apply the final ``LorentzRMSNorm`` before it).
 
     Modes:

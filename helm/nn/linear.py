@@ -9,6 +9,7 @@ from torch import nn
 
 from ..manifold.math import lift
 from .validation import check_dim, check_k
+from .storage import RealignAfterLoading
 
 Curv = Union[float, torch.Tensor]
 
@@ -51,7 +52,7 @@ def lorentz_linear(linear: nn.Module, x: torch.Tensor, *, k: Curv, k_out: Option
     return lift(y_s * (k_out / k) ** 0.5, k=k_out)
 
 
-class LorentzLinear(nn.Module):
+class LorentzLinear(RealignAfterLoading, nn.Module):
     """Hyperbolic linear transformation ``H^{n}_{k_in} -> H^{m}_{k_out}``.
 
     ``y_s = W x + b`` on the *full* input vector (time coordinate included), then

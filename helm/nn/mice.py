@@ -22,6 +22,7 @@ from .validation import (
 )
 from .linear import linear_input
 from .mlp import LorentzSwiGLU
+from .storage import RealignAfterLoading, realign_
 
 # The config range of log k (identity there) and the margin, in log k, the parametrisation may add beyond it.
 LOG_K_RANGE = (math.log(CURVATURE_RANGE[0]), math.log(CURVATURE_RANGE[1]))
@@ -147,7 +148,9 @@ class CurvatureExpert(nn.Module):
         self.log_k.requires_grad_(self.trainable)
 
     def restore_frozen(self) -> None:
-        """Loading may flip ``requires_grad``; a fixed curvature must stay fixed."""
+        """Loading may flip ``requires_grad``; a fixed curvature must stay fixed. Realigns the expert's tensors too
+        (:func:`helm.nn.storage.realign_`)."""
+        realign_(self)
         self.log_k.requires_grad_(self.trainable)
 
     @property
@@ -180,7 +183,7 @@ class CurvatureExpert(nn.Module):
         return self.mlp(x * up, k=kj) * down
 
 
-class MiCE(nn.Module):
+class MiCE(RealignAfterLoading, nn.Module):
     """Gate, bias-adjusted top-k routing, curvature experts, shared experts, one centroid (paper Eq. 5–6).
 
     * scores ``s_j = act(x_s · y_j)`` (``act``: sigmoid as in DeepSeek-V3, or softmax);

@@ -11,9 +11,10 @@ from ..manifold.math import lift
 from .validation import check_dim, check_k
 from .activation import get_activation
 from .linear import linear_space, lorentz_linear, space_linear
+from .storage import RealignAfterLoading
 
 
-class LorentzSwiGLU(nn.Module):
+class LorentzSwiGLU(RealignAfterLoading, nn.Module):
     """``y = act(HLT_gate(x)_s) ⊙ HLT_up(x)_s``, ``out = HLT_down(lift(y))``.
 
     The space part of a lifted HLT output is ``W x + b`` itself, so the gate and up projections are

@@ -11,9 +11,10 @@ from torch import nn
 from ..manifold.math import lift
 from ..precision import to_stat
 from .validation import check, check_dim, check_k, norm_eps
+from .storage import RealignAfterLoading
 
 
-class LorentzRMSNorm(nn.Module):
+class LorentzRMSNorm(RealignAfterLoading, nn.Module):
     """``RMSNorm_L(x) = lift(g ⊙ x_s / sqrt(mean(x_s²) + eps))``.
 
     The space part is normalised in fp32 and the time coordinate recomputed, so the output lies on
