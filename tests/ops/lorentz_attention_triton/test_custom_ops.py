@@ -17,7 +17,7 @@ from tests.helpers import RTOL, assert_close, relative_error, tiny_model
 from tests.ops.lorentz_attention_triton.device import DEVICE, ON_GPU
 
 
-def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=True, seed=0):
+def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=True, seed=0, qk_dtype=None):
     """Kernel-ready inputs (:func:`~helm.ops.lorentz_attention_triton.common.prepare`) of a packed, padded, ALiBi
     problem, as leaves where gradients flow (``q, qt, k, kt, w, e``, scale, slopes, curvature)."""
     gen = torch.Generator().manual_seed(seed)
@@ -32,7 +32,8 @@ def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=
     p = lk.common.prepare(q.to(DEVICE), kk.to(DEVICE), v.to(DEVICE), k=torch.tensor([0.7], device=DEVICE),
                           tau=torch.tensor([1.1, 0.9], device=DEVICE), causal=True, attention_mask=am.to(DEVICE),
                           segment_ids=seg.to(DEVICE) if segments else None,
-                          alibi_slopes=torch.tensor([0.5, 0.25], device=DEVICE) if alibi else None)
+                          alibi_slopes=torch.tensor([0.5, 0.25], device=DEVICE) if alibi else None,
+                          qk_dtype=qk_dtype)
 
     def leaf(t):
         return None if t is None else t.detach().clone().requires_grad_(grad)
@@ -41,8 +42,9 @@ def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=
             leaf(p.kc), p.qid, p.kid, p.causal)
 
 
-def test_opcheck_forward_with_autograd(lk):
-    args = _prepared(lk)
+@pytest.mark.parametrize("qk_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-qk"])
+def test_opcheck_forward_with_autograd(lk, qk_dtype):
+    args = _prepared(lk, qk_dtype=qk_dtype)
     torch.library.opcheck(torch.ops.helm.lorentz_attention_fwd.default, (*args, True, True))
 
 
@@ -51,8 +53,9 @@ def test_opcheck_forward_without_statistics_and_without_masks(lk):
     torch.library.opcheck(torch.ops.helm.lorentz_attention_fwd.default, (*args, True, False))
 
 
-def test_opcheck_backward(lk):
-    args = _prepared(lk, grad=False)
+@pytest.mark.parametrize("qk_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-qk"])
+def test_opcheck_backward(lk, qk_dtype):
+    args = _prepared(lk, grad=False, qk_dtype=qk_dtype)
     o, s, ebar, lse, full = torch.ops.helm.lorentz_attention_fwd(*args, True, True)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default, (*args[:12], s, ebar, lse, full, do, args[12]))
