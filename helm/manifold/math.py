@@ -7,8 +7,11 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   ``K = -1/k`` (see :func:`curvature_to_k`, the only place the two are converted).
 * ``k`` is keyword-only everywhere. It is a Python float or a tensor broadcastable against ``x[..., :1]``.
   Every public function refuses a Python-number ``k`` that is not positive and finite (``ValueError`` naming
-  ``k``, :func:`check_k`: no device work). Tensor ``k`` is *not* checked: reading it would synchronise with the
-  device; tensors come from parametrisations that keep them positive (MiCE experts).
+  ``k``, :func:`check_k`: no device work). A tensor ``k`` is checked the same way where reading it is free: a
+  plain CPU tensor outside ``torch.compile`` tracing (:func:`readable_for_free`). A tensor on an accelerator, a
+  DTensor (FSDP) or one met while compiling is *not* checked: reading it would synchronise with the device (or
+  run a collective, or break the graph); tensors come from parametrisations that keep them positive (MiCE
+  experts). :func:`centroid`'s weights follow the same rule.
 * Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
   fp32/bf16/fp16 inputs and fp64 for fp64 ones; bf16/fp16 inputs are promoted, so points returned by
   :func:`lift` and friends are fp32 under autocast. Nothing is widened to fp64 (except the diagnostic
@@ -35,6 +38,7 @@ __all__ = [
     "curvature_to_k",
     "k_to_curvature",
     "check_k",
+    "readable_for_free",
     "inner",
     "sqnorm",
     "lift",
@@ -83,15 +87,27 @@ def _sqrt(k: Union[float, torch.Tensor]):
     return k.sqrt() if isinstance(k, torch.Tensor) else math.sqrt(k)
 
 
+def readable_for_free(t: torch.Tensor) -> bool:
+    """Whether the values of ``t`` can be read with no device synchronisation, collective or graph break: a plain
+    CPU tensor (or ``Parameter``) outside ``torch.compile`` tracing. Domain checks of tensor arguments run only
+    then."""
+    return t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter) and \
+        not torch.compiler.is_compiling()
+
+
 def check_k(k: Curv, name: str = "k") -> None:
     """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite number.
 
-    The single domain check of ``k`` used by every public function of this module (a Python comparison, no
-    device work). Tensors pass unchecked: they come from a parametrisation that keeps them positive, and reading
-    them would synchronise with the device. Layers additionally require the documented range
-    (:func:`helm.nn.validation.k_parameter`)."""
+    The single domain check of ``k`` used by every public function of this module: a Python comparison for a
+    number, and for a tensor every entry where that is free (:func:`readable_for_free`); elsewhere tensors pass
+    unchecked: they come from a parametrisation that keeps them positive, and reading them would synchronise
+    with the device. Layers additionally require the documented range (:func:`helm.nn.validation.k_parameter`)."""
     if isinstance(k, torch.Tensor):
-        return  # tensors come from a parametrisation that keeps them positive; never synchronise on them
+        if readable_for_free(k) and k.numel() and not bool(torch.isfinite(k).all() & (k > 0).all()):
+            values = k.detach().float()
+            raise ValueError(f"{name} must be positive and finite (geoopt's k = -1/K > 0), got a tensor with values "
+                             f"in [{float(values.min()):g}, {float(values.max()):g}]")
+        return
     if not (isinstance(k, numbers.Real) and not isinstance(k, bool) and math.isfinite(k) and k > 0):
         raise ValueError(f"{name} must be a positive finite number (geoopt's k = -1/K > 0), got {k!r}")
 
@@ -255,6 +271,12 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     There the point is ``s · [|d|, d]`` with ``s = exp(θ - log 2 + log sqrt k)`` and ``d = u_s / |u_s|`` (no square
     of a large number), so it is finite (with finite gradients) whenever it is representable; beyond the dtype's
     range its time and non-zero coordinates are ``±inf`` and its zero coordinates 0, never ``nan``.
+
+    Exact range: the result is finite, to a few roundings, for ``θ = |u_s|/sqrt(k) < log(2·max/sqrt(k))``, ``max``
+    the largest number of the statistics dtype: fp32 (also for bf16/fp16 inputs) ``θ < 89.41 - ½ log k`` (so a
+    tangent of norm 200 at ``k = 1`` is past it: ``inf`` coordinates, the point ``e^200`` away is not an fp32
+    number), fp64 ``θ < 710.47 - ½ log k``. Layers never come near it (their tables sit at ``θ <= 40``, see
+    ``HelmConfigBase``).
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
     u_s = to_stat(u[..., 1:])
@@ -318,7 +340,10 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     """Weighted Lorentz centroid (paper Eq. 3): ``sqrt(k) · s / sqrt(|<s, s>_L|)``, ``s = Σ w_i x_i``.
 
     ``x``: points ``[..., N, ..., 1+n]`` stacked along ``dim``; ``w``: non-negative weights broadcastable to
-    ``x``'s shape minus the last dim (default: uniform ``1/N``).
+    ``x``'s shape minus the last dim (default: uniform ``1/N``), summing to a positive number for every centroid:
+    ``ValueError`` otherwise where the weights can be read for free (:func:`readable_for_free`: CPU tensors
+    outside compilation); on an accelerator they are not read (no synchronisation) and such weights give
+    non-finite points.
 
     For points of ``H_k``, ``<x_i, x_j>_L = -k - d²_ij / 2``, hence
     ``|<s, s>_L| = k (Σ w)² + ½ Σ_ij w_i w_j d²(x_i, x_j)``. That form is used: it is exact for points on the
@@ -335,6 +360,10 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
         w = torch.full(x.shape[:-1], 1.0 / x.shape[dim], dtype=x.dtype, device=x.device)
     w = to_stat(w).to(x.dtype).expand(x.shape[:-1])
     xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
+    if readable_for_free(wm) and not bool(((wm >= 0) & wm.isfinite()).all(-1).logical_and(wm.sum(-1) > 0).all()):
+        raise ValueError("centroid: w must be non-negative and finite, with a positive sum over the points of "
+                         f"each centroid (got weights in [{float(wm.min()):g}, {float(wm.max()):g}], sums down to "
+                         f"{float(wm.sum(-1).min()):g}); a zero or negative total weight has no centroid")
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3), k=k)
     norm2 = _kt(k, s) * wm.sum(-1).pow(2) + 0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2))

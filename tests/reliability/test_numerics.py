@@ -123,7 +123,7 @@ def test_manifold_function_far_from_origin(name, r, request):
 def test_every_public_function_is_swept():
     swept = {name.split("-")[0] for name in CASES} | {"origin"}
     # no floating-point maths of points (positive_exp, of scalar scales, has its own test below)
-    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k"}
+    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free"}
     assert set(M.__all__) - helpers <= swept
 
 
@@ -155,8 +155,80 @@ def test_python_k_outside_the_domain_is_refused(case, call, k, name):
         call(k)
 
 
-def test_tensor_k_is_not_checked():  # documented: no device read
-    assert M.lift(_x[..., 1:], k=torch.tensor(1.0)).shape == (1, 3)
+# Issue 25 item 11: a tensor k is checked where reading it is free (a plain CPU tensor outside compilation), and
+# passes unchecked elsewhere (documented in helm.manifold.math: no device synchronisation). (case, call, refused?)
+TENSOR_K = [
+    ("lift k=tensor(-1)", lambda: M.lift(_x[..., 1:], k=torch.tensor(-1.0)), True),
+    ("lift k=tensor(0)", lambda: M.lift(_x[..., 1:], k=torch.tensor(0.0)), True),
+    ("lift k=tensor(nan)", lambda: M.lift(_x[..., 1:], k=torch.tensor(float("nan"))), True),
+    ("sqdist k=[1, -1] per row", lambda: M.sqdist(_x.expand(2, 3), _x.expand(2, 3), k=torch.tensor([[1.0], [-1.0]])),
+     True),
+    ("expmap0 k=Parameter(-2)", lambda: M.expmap0(_x, k=torch.nn.Parameter(torch.tensor(-2.0))), True),
+    ("lift k=tensor(1)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1.0)), False),
+    ("lift k=tensor(-1) on the meta device: not read", lambda: M.lift(_x[..., 1:].to("meta"),
+                                                                     k=torch.tensor(-1.0, device="meta")), False),
+]
+
+
+@pytest.mark.parametrize("case, call, refused", TENSOR_K, ids=[c[0] for c in TENSOR_K])
+def test_tensor_k_is_checked_where_reading_it_is_free(case, call, refused):
+    if refused:
+        with pytest.raises(ValueError, match=r"^k must be positive and finite .*got a tensor with values in"):
+            call()
+    else:
+        assert call().shape[-1] == 3
+
+
+def test_tensor_k_is_not_read_while_compiling():
+    """Under torch.compile a negative k is not read (no graph break, no synchronisation): NaN, as documented."""
+    compiled = torch.compile(lambda x, k: M.lift(x, k=k), backend="eager", fullgraph=True)
+    assert torch.isnan(compiled(_x[..., 1:] * 0, torch.tensor(-1.0))[..., 0]).all()
+
+
+# Issue 25 item 11: centroid weights must be non-negative, finite and sum to a positive number per centroid
+# (checked where free, as k). (case, weights of 3 points, refused?)
+_points = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=0.7)
+CENTROID_WEIGHTS = [
+    ("all zero", [0.0, 0.0, 0.0], True),
+    ("negative", [1.0, -0.5, 0.2], True),
+    ("negative sum", [-1.0, -0.5, -0.2], True),
+    ("nan", [1.0, float("nan"), 0.2], True),
+    ("inf", [1.0, float("inf"), 0.2], True),
+    ("one non-zero", [0.0, 1.0, 0.0], False),
+    ("unnormalised", [3.0, 1.0, 2.0], False),
+]
+
+
+@pytest.mark.parametrize("case, weights, refused", CENTROID_WEIGHTS, ids=[c[0] for c in CENTROID_WEIGHTS])
+def test_centroid_weights_outside_the_domain_are_refused(case, weights, refused):
+    w = torch.tensor(weights)
+    if refused:
+        with pytest.raises(ValueError, match=r"^centroid: w must be non-negative and finite, with a positive sum"):
+            M.centroid(_points, w, k=0.7)
+    else:
+        c = M.centroid(_points, w, k=0.7)
+        assert torch.isfinite(c).all() and M.manifold_error(c, 0.7).max() <= 1e-5
+
+
+# Issue 25 item 11: the documented exact range of expmap0, theta = |u_s|/sqrt(k) < log(2 max / sqrt(k)):
+# fp32 89.41 - log(k)/2, fp64 710.47 - log(k)/2; just inside finite, just outside inf (a tangent of norm 200 at k = 1
+# in fp32 is outside). (dtype, k, theta, finite?)
+EXPMAP_RANGE = [
+    (torch.float32, 1.0, 89.40, True), (torch.float32, 1.0, 89.43, False), (torch.float32, 1.0, 200.0, False),
+    (torch.float32, 4.0, 89.41 - 0.5 * math.log(4.0) - 0.02, True),
+    (torch.float32, 4.0, 89.41 - 0.5 * math.log(4.0) + 0.03, False),
+    (torch.float32, 1e-4, 89.41 - 0.5 * math.log(1e-4) - 0.02, True),
+    (torch.float64, 1.0, 200.0, True), (torch.float64, 1.0, 710.46, True), (torch.float64, 1.0, 710.49, False),
+]
+
+
+@pytest.mark.parametrize("dtype, k, theta, finite", EXPMAP_RANGE,
+                         ids=[f"{d}-k{k:g}-theta{t:.2f}" for d, k, t, _ in EXPMAP_RANGE])
+def test_expmap0_is_finite_exactly_in_its_documented_range(dtype, k, theta, finite):
+    u = torch.zeros(1, 4, dtype=dtype)
+    u[0, 2] = math.sqrt(k) * theta
+    x = M.expmap0(u, k=k)
+    assert bool(torch.isfinite(x).all()) == finite and not torch.isnan(x).any()
 
 
 # expmap0 far out: sinh/cosh and |x_s|² overflow fp32 long before the point does. theta = |u|/sqrt(k); at
