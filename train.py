@@ -47,6 +47,8 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
                            output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
                            save_checkpoint, save_final, train_step, training_batches, unloadable_files)
+from helm.training.checkpoint import STATE_FILE
+from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
 
@@ -70,10 +72,15 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator) -> None:
+def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked: bool = False) -> None:
     """Never mix a fresh run into an old one, nor delete it unasked: --resume, train.overwrite, or no old files."""
     previous = sorted(p for p in out.iterdir() if p.name not in ("config.yaml", LOCK)) if out.is_dir() else []
     if not resuming and previous:
+        if not cfg.train.overwrite and resume_asked:
+            raise ConfigError(f"--resume: train.output_dir {str(out)!r} holds no checkpoint to resume from (the run "
+                              "stopped before its first checkpoint, or they were deleted) but other files of a run "
+                              f"({previous[0].name}); pass --train.overwrite=true to delete its checkpoints, metrics "
+                              "and final model and start over, or choose another output_dir")
         if not cfg.train.overwrite:
             raise ConfigError(f"train.output_dir {str(out)!r} already holds a run or other files ({previous[0].name}); "
                               "pass --resume to continue it, --train.overwrite=true to delete its checkpoints, metrics "
@@ -103,9 +110,26 @@ def ensure_default_data(cfg, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
+def check_pretrained_folder(name: str) -> None:
+    """A local ``model.pretrained`` must be a ``save_pretrained`` folder: say so plainly for a missing path (rather
+    than the hub's "Repo id must be in the form ...") and for a training checkpoint."""
+    folder = Path(name).expanduser()
+    if not looks_local(name):
+        return
+    if not folder.is_dir():
+        raise ConfigError(f"model.pretrained: no such folder {name!r} (a save_pretrained folder such as a run's "
+                          "final/, or a hub model id)")
+    if not (folder / "config.json").is_file() and (folder / STATE_FILE).is_file():
+        raise ConfigError(f"model.pretrained: {name!r} is a training checkpoint of train.py (accelerate state, no "
+                          "config.json), not a save_pretrained folder: start from the run's final/ folder, or "
+                          f"continue that run with --resume {name}")
+
+
 def model_config(cfg):
     """The model's transformers config, read before any weights are built (for the input checks)."""
     key = "model.preset" if cfg.model.preset is not None else "model.pretrained"
+    if cfg.model.pretrained is not None:
+        check_pretrained_folder(cfg.model.pretrained)
     try:
         if cfg.model.preset is not None:
             return helm.load_config(cfg.model.preset, **cfg.model.overrides)
@@ -132,13 +156,19 @@ def load_data(cfg, tokenizer, accelerator):
     """Training rows (PackedRows, or StreamRows for streamed data) and the fixed validation rows."""
     train_set, validation_set, streaming = load_splits(cfg.data, rank=accelerator.process_index,
                                                        world_size=accelerator.num_processes)
-    validation = pack_split(validation_set, tokenizer, cfg.data, max_rows=cfg.train.eval_rows)
+    try:
+        validation = pack_split(validation_set, tokenizer, cfg.data, max_rows=cfg.train.eval_rows)
+    except ValueError as error:  # a record whose text is not a string (a stream is checked as it is read)
+        raise ConfigError(f"data.validation_split: {' '.join(str(error).split())}") from None
     if not validation:
         raise ConfigError(f"the validation data holds fewer than data.seq_len={cfg.data.seq_len} tokens; use a "
                           "larger validation split or data.holdout_documents")
     if streaming:
         return StreamRows(train_set, tokenizer, cfg.data), validation, True
-    rows = pack_split(train_set, tokenizer, cfg.data)
+    try:
+        rows = pack_split(train_set, tokenizer, cfg.data)
+    except ValueError as error:
+        raise ConfigError(f"data.dataset: {' '.join(str(error).split())}") from None
     if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
                           f"but the training data packs into only {len(rows['input_ids'])} rows of data.seq_len tokens")
@@ -271,7 +301,7 @@ def train(cfg, resume) -> dict:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    prepare_output_dir(cfg, out, checkpoint is not None, accelerator)
+    prepare_output_dir(cfg, out, checkpoint is not None, accelerator, resume_asked=resume is not None)
     ensure_default_data(cfg, accelerator)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code)
     state.data = data_fingerprint(cfg.data, tokenizer)

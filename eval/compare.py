@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from helm.evaluation import EvalError, run_script
+from helm.evaluation import EvalError, check_writable, run_script
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 ACCURACY_METRICS = ("acc", "acc_norm", "exact_match")
@@ -155,12 +155,15 @@ def main(argv: list[str] | None = None) -> str:
     overrides = dict(spec.partition("=")[::2] for spec in args.metric)
     if not all(task and metric for task, metric in overrides.items()):
         raise EvalError(f"--metric expects TASK=METRIC, got {args.metric}")
+    if not 0 <= args.digits <= 15:  # a negative precision is a format error deep in the table
+        raise EvalError(f"--digits must be an integer in [0, 15], got {args.digits}")
+    if args.output:
+        check_writable(args.output, "--output")
     tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
     table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr,
                         digits=args.digits)
     print(table, end="")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(table, encoding="utf-8")
     return table
 

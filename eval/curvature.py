@@ -27,7 +27,7 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    EvalError, add_loading_arguments, load_checkpoint, load_texts, run_script, token_stream, write_json)
+    EvalError, add_loading_arguments, check_writable, load_checkpoint, load_texts, run_script, token_stream, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 
 
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.max_points < 3:
         raise EvalError(f"--max-points must be at least 3, got {args.max_points}")
+    check_writable(args.output_dir, "--output-dir", folder=True)
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
-from helm.evaluation import EvalError, add_loading_arguments, check_checkpoint, run_script, write_json
+from helm.evaluation import EvalError, add_loading_arguments, check_checkpoint, check_writable, run_script, write_json
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     if args.limit is not None and args.limit <= 0:  # lm-eval would find no documents and raise
         raise EvalError(f"--limit must be a positive count or fraction, got {args.limit:g}")
+    if args.batch_size != "auto" and not (args.batch_size.isdigit() and int(args.batch_size) >= 1):
+        raise EvalError(f"--batch-size must be an integer >= 1 or 'auto', got {args.batch_size!r}")
+    if args.output:
+        check_writable(args.output, "--output")
     groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else runs(SUITES[args.suite])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]

@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
-                             format_perplexity, load_checkpoint, load_texts, perplexity, rows_nll, run_script, sliding_windows,
-                             token_stream, with_rope_scaling, write_json)
+                             check_writable, format_perplexity, load_checkpoint, load_texts, perplexity, rows_nll,
+                             run_script, sliding_windows, token_stream, with_rope_scaling, write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     args.factors = sorted({check_argument(factor, "--factors", integer(1)) for factor in args.factors})
     check_argument(args.train_length, "--train-length", optional(integer(1)))  # None: each model's own length
+    check_writable(args.output_dir, "--output-dir", folder=True)
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     rows = []

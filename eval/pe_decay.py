@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError, check_argument, run_script  # noqa: E402
+from helm.evaluation import EvalError, check_argument, check_writable, run_script  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     if args.max_distance < 1 or args.samples < 2 or args.num_heads < 1:
         raise EvalError("--max-distance must be >= 1, --samples >= 2 and --num-heads >= 1")
+    check_writable(args.output, "--output")
+    if args.csv:
+        check_writable(args.csv, "--csv")
     curves = decay_curves(args)
     head = args.num_heads - 1 if args.alibi_head is None else args.alibi_head
     slope = alibi_slopes(args.num_heads)[head]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (add_loading_arguments, format_perplexity, load_checkpoint, load_texts, run_script,
-                             text_perplexity, write_json)
+from helm.evaluation import (add_loading_arguments, check_writable, format_perplexity, load_checkpoint, load_texts,
+                             run_script, text_perplexity, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     name, _, path = args.model.rpartition("=")
     name = name or Path(path.rstrip("/")).name
+    if args.output:
+        check_writable(args.output, "--output")
     texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -47,6 +48,26 @@ def run_script(main: Callable, argv: Optional[list[str]] = None):
     except (EvalError, OSError) as error:  # OSError: an unwritable --output, a full disk
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def check_writable(path, name: str, *, folder: bool = False) -> Path:
+    """``path`` as a ``Path`` once it is known that a result can be written there (``folder``: into it), else an
+    :class:`EvalError` naming the option: checked before evaluating, so that an unwritable ``--output`` does not fail
+    after the whole run. Creates the missing parent folders (or the folder), as writing would."""
+    path = Path(path)
+    where = path if folder else path.parent
+    try:
+        if path.exists() and path.is_dir() != folder:
+            raise EvalError(f"{name} {str(path)!r} is {'a file' if folder else 'a folder'}; expected "
+                            f"{'a folder' if folder else 'a file path'}")
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".write-test-"):
+            pass
+        if path.exists() and not folder and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is read-only")
+    except OSError as error:
+        raise EvalError(f"{name} {str(path)!r} is not writable ({error}); choose another path") from None
+    return path
 
 
 def check_argument(value, name: str, rule):
@@ -252,8 +273,10 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
     try:
         tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {error} (save one next to the "
-                        "model with tokenizer.save_pretrained, or name its folder)") from error
+        text = " ".join(str(error).split())
+        hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else
+                " (save one next to the model with tokenizer.save_pretrained, or name its folder)")
+        raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {text}{hint}") from error
     return model.to(device).eval(), tok
 
 

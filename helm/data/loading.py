@@ -69,6 +69,10 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 raise KeyError(f"{file}: no column {text_column!r} (columns: {part.column_names})")
             if part.features is not None and getattr(part.features[text_column], "dtype", None) != "string":
                 raise ValueError(f"{file}: field {text_column!r} must hold strings, got {part.features[text_column]}")
+            missing = part.data.column(text_column).null_count if isinstance(part, datasets.Dataset) else 0
+            if missing:  # a record without text ({"text": null}, or the field absent), read by Arrow as null
+                raise ValueError(f"{file}: field {text_column!r} must hold strings, but {missing} record(s) hold null "
+                                 "or lack it")
             parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late

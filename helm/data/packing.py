@@ -109,8 +109,11 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text"):
     """``dataset`` (``Dataset`` or ``IterableDataset``) mapped to one ``input_ids`` list per document, no special
     tokens, with ``datasets.map(batched=True)`` (lazily for streams)."""
     def encode(batch):
-        return {"input_ids": tokenizer(batch[text_column], add_special_tokens=False,
-                                       return_attention_mask=False)["input_ids"]}
+        texts = batch[text_column]
+        if any(not isinstance(text, str) for text in texts):  # a stream is checked here, as it is read
+            bad = next(text for text in texts if not isinstance(text, str))
+            raise ValueError(f"field {text_column!r} must hold strings, got a record with {bad!r}")
+        return {"input_ids": tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]}
 
     import datasets
 

@@ -214,9 +214,12 @@ class StreamRows(IterableDataset):
     def _rows(self) -> Iterator[dict[str, torch.Tensor]]:
         for epoch in itertools.count():
             empty = True
-            for row in self._epoch(epoch):
-                empty = False
-                yield row
+            try:
+                for row in self._epoch(epoch):
+                    empty = False
+                    yield row
+            except ValueError as error:  # a record whose text is not a string, met as the stream is read
+                raise ConfigError(f"data.dataset: {' '.join(str(error).split())}") from None
             if empty:
                 raise ConfigError(f"data.dataset: {self.data.dataset!r} yields no complete row of "
                                   f"data.seq_len={self.data.seq_len} tokens")

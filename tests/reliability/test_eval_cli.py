@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -47,7 +48,15 @@ def paths(tmp_path, tiny_checkpoint):
         "model_type": "not_a_registered_type",
         "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
     (custom / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
+    remotetok = tmp_path / "remote-tokenizer"  # the tiny model, its tokenizer naming custom code (auto_map)
+    shutil.copytree(tiny_checkpoint, remotetok)
+    config = json.loads((remotetok / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="XTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
+    (remotetok / "tokenizer_config.json").write_text(json.dumps(config))
+    (remotetok / "tokenization_x.py").write_text("raise SystemExit('remote code ran')\n")
     return {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
+            "remotetok": str(remotetok),
             "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path),
             "bad": str(tmp_path / "bad.jsonl"), "model": tiny_checkpoint}
 
@@ -87,13 +96,35 @@ CASES = [
     ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], 2, "--head-dim"),
     ("pe_decay", ["--curvature", "1", "--output", "{tmp}/a.png"], 2, "--curvature must be a negative finite number"),
     ("compare", ["{tmp}/missing.json"], 2, "result file or folder not found"),
+    # issue 25 item 9: arguments refused and --output checked before anything is evaluated ({text} is a file, so
+    # nothing can be written under it)
+    ("harness", ["--model", "{bare}", "--suite", "local", "--batch-size", "0"], 2,
+     r"--batch-size must be an integer >= 1 or 'auto', got '0'"),
+    ("harness", ["--model", "{bare}", "--suite", "local", "--batch-size", "two"], 2, r"--batch-size must be"),
+    ("harness", ["--model", "{bare}", "--suite", "local", "--output", "{text}/results.json"], 2,
+     r"--output '.*text\.jsonl/results\.json' is not writable"),
+    ("compare", ["{text}", "--digits", "-2"], 2, r"--digits must be an integer in \[0, 15\], got -2"),
+    ("compare", ["{text}", "--output", "{text}/table.md"], 2, r"--output .* is not writable"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--output", "{text}/result.json"], 2,
+     r"--output '.*text\.jsonl/result\.json' is not writable"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--output", "{tmp}"], 2,
+     r"--output '.*' is a folder; expected a file path"),
+    ("length_extrapolation", ["--model", "{model}", "--files", "{text}", "--output-dir", "{text}"], 2,
+     r"--output-dir '.*text\.jsonl' is a file; expected a folder"),
+    ("curvature", ["--model", "{model}", "--files", "{text}", "--output-dir", "{text}/o"], 2,
+     r"--output-dir '.*text\.jsonl/o' is not writable"),
+    ("pe_decay", ["--output", "{text}/a.png"], 2, r"--output '.*text\.jsonl/a\.png' is not writable"),
+    # issue 25 item 1: a tokenizer naming custom code is refused without --trust-remote-code, never asked about
+    ("perplexity", ["--model", "{remotetok}", "--files", "{text}"], 2,
+     r"could not load a tokenizer from .*remote-tokenizer.*trust_remote_code"),
     ("compare", ["{text}", "--metric", "t"], 2, "TASK=METRIC"),
 ]
 
 
 @pytest.mark.parametrize("script, argv, code, message", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_user_errors_are_one_line_and_exit_2(script, argv, code, message, paths, capsys):
+def test_user_errors_are_one_line_and_exit_2(script, argv, code, message, paths, capsys, monkeypatch):
+    monkeypatch.setattr("builtins.input", lambda *prompt: "y")  # a terminal user who would say yes to custom code
     main = load_script(script).main
     with pytest.raises(SystemExit) as exit_info:
         run_script(main, [a.format(**paths) for a in argv])

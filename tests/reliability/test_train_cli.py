@@ -90,6 +90,21 @@ def _remote_code_folder(tmp_path, run_data):
     return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
+def _training_checkpoint_as_pretrained(tmp_path, run_data):
+    """The folder layout of a train.py checkpoint: accelerate's files, no config.json."""
+    folder = tmp_path / "old-run" / "checkpoints" / "step-00000002"
+    folder.mkdir(parents=True)
+    for name in ("custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "manifest.json"):
+        (folder / name).write_bytes(b"")
+    return ["--model.preset=null", f"--model.pretrained={folder}"]
+
+
+def _metrics_but_no_checkpoint(tmp_path, run_data):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    return []
+
+
 def _remote_code_tokenizer(tmp_path, run_data):
     """A tokenizer folder whose tokenizer_config.json names custom code (auto_map): transformers would ask on a
     terminal whether to run it, and run it on "y"."""
@@ -145,6 +160,16 @@ CASES = [
     ("reused-output-dir", "tiny-helm-d", _previous_run, [], 2,
      r"already holds a run .*--resume.*train\.overwrite"),
     ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"in use by another training run \(pid {os.getppid()}"),
+    # issue 25 item 10: messages that say what is wrong
+    ("data-text-null", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{"text": null}\n' * 50), [], 2,
+     r"data\.dataset: .*train\.jsonl: field 'text' must hold strings, but 50 record\(s\) hold null or lack it"),
+    ("pretrained-missing-local-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
+     ["--model.pretrained=./no-such-model"], 2,
+     r"model\.pretrained: no such folder './no-such-model' \(a save_pretrained folder"),
+    ("pretrained-is-a-training-checkpoint", "tiny-helm-d", _training_checkpoint_as_pretrained, [], 2,
+     r"model\.pretrained: .*step-00000002' is a training checkpoint .*final/.*--resume"),
+    ("resume-without-checkpoint-in-a-used-folder", "tiny-helm-d", _metrics_but_no_checkpoint, ["--resume"], 2,
+     r"--resume: train\.output_dir .* holds no checkpoint to resume from .*--train\.overwrite=true"),
     ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2,
      r"model\.pretrained: .*custom code.*--model\.trust_remote_code=true"),
     ("tokenizer-remote-code-not-trusted", "tiny-helm-d", _remote_code_tokenizer, [], 2,
@@ -616,3 +641,16 @@ def test_checkpoint_files_that_cannot_be_loaded_are_named(case, damage, rehash, 
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(message, errors[0]) and "step-00000002" in errors[0], captured.err
     assert "Traceback" not in captured.err
+
+
+def test_a_null_text_in_a_stream_is_one_error_line(tmp_path, run_data, capsys):
+    """Issue 25 item 10: a stream is tokenised as it is read, so {"text": null} is met during training: still one
+    line, exit 2, naming the field."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 0}, demo={"prompt": None})
+    extra = _data_folder(tmp_path, run_data, b'{"text": "ok"}\n{"text": null}\n' * 50)
+    code = train_script.main(["--config", str(recipe), *extra, "--data.streaming=true"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(r"data\.dataset: field 'text' must hold strings, got a record with None", error), error
+    assert "Traceback" not in captured.err and not (tmp_path / "run" / "final").exists()
