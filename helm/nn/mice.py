@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -277,6 +278,11 @@ class MiCE(RealignAfterLoading, nn.Module):
             self.add_experts_log_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
         self.reset_geometry()
         self.aux_loss: Optional[torch.Tensor] = None
+        # routing-bias bookkeeping (:meth:`_check_bias_updates`): bias updates so far; the gate weight and the update
+        # count at the first training forward; whether the check has decided
+        self._bias_updates = 0
+        self._gate_snapshot: Optional[tuple] = None
+        self._bias_check_done = False
 
     def reset_geometry(self) -> None:
         """Initialise the ``lresnet_official`` combination scalars (weight 1, scale 2); nothing in ``centroid`` mode.
@@ -307,8 +313,44 @@ class MiCE(RealignAfterLoading, nn.Module):
     def update_bias(self) -> None:
         """Aux-loss-free balancing: ``b_j += γ · sign(mean load - load_j)`` from the last batch's load."""
         update_routing_bias_(self.e_score_correction_bias, self.last_expert_load, self.bias_update_speed)
+        self._bias_updates += 1
+
+    def _check_bias_updates(self) -> None:
+        """Warn once when training goes on without routing-bias updates.
+
+        Nothing in the forward or backward can tell the last micro-batch of a step, so the update stays with the
+        training loop (``train.py``, :class:`helm.models.routing.RoutingBiasCallback` under ``transformers.Trainer``,
+        or ``model.update_routing_bias()``), which sums the load of all micro-batches and processes first. A stock
+        ``Trainer`` without the callback would leave the bias at its initial value for the whole run, silently. So the
+        first training forward keeps a copy of the (small) gate weight; the first later one that finds it changed (an
+        optimiser step went by: other micro-batches of the same step and recomputations find it equal) decides: no
+        ``update_bias`` since the copy means a warning. Then the check is over for good (the comparison reads the
+        device once or twice per layer in a run). Skipped with ``bias_update_speed = 0`` (balancing switched off), a
+        frozen or non-tensor (quantised) gate weight, and under ``torch.compile``."""
+        weight = getattr(self.gate, "weight", None)
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight  # FSDP2's DTensor: this rank's shard
+        if (self._bias_check_done or self.bias_update_speed == 0 or not isinstance(weight, torch.Tensor)
+                or not weight.requires_grad or weight.device.type == "meta" or torch.compiler.is_compiling()):
+            return
+        snapshot = self._gate_snapshot
+        if snapshot is None or snapshot[0].shape != weight.shape or snapshot[0].device != weight.device:
+            self._gate_snapshot = (weight.detach().clone(), self._bias_updates)
+            return
+        before, updates = snapshot
+        if torch.equal(before, weight.detach()):
+            return
+        self._bias_check_done, self._gate_snapshot = True, None
+        if self._bias_updates == updates:
+            warnings.warn(
+                "HELM-MiCE: an optimiser step went by without a routing-bias update, so the experts are not being "
+                f"balanced (aux-loss-free balancing, bias_update_speed={self.bias_update_speed:g}). Under "
+                "transformers.Trainer pass callbacks=[helm.models.routing.RoutingBiasCallback()]; in your own loop "
+                "call model.update_routing_bias() after each optimiser step (train.py does); set "
+                "bias_update_speed=0 to train without it.", UserWarning, stacklevel=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self._check_bias_updates()
         weights, scores, selected = self.route(x)
         with torch.no_grad():
             self.last_expert_load.copy_(selected.to(self.last_expert_load.dtype).sum((0, 1)))
