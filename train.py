@@ -140,6 +140,25 @@ def model_config(cfg):
         raise ConfigError(f"{key}: {type(error).__name__}: {' '.join(str(error).split())}{hint}") from None
 
 
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_special_ids(cfg, tokenizer) -> dict:
+    """The tokenizer's bos/eos/pad ids, which the model's config and generation config take over (a preset's, or a
+    pretrained folder's, belong to another tokenizer: generation would never stop at this one's eos); an id set
+    in model.overrides is the user's choice and stays."""
+    return {name: getattr(tokenizer, name) for name in SPECIAL_IDS if name not in cfg.model.overrides}
+
+
+def use_special_ids(model, ids: dict) -> None:
+    """Write ``ids`` into the model's config and generation config (a pretrained folder's generation_config.json
+    was read as it was saved), so that save_pretrained writes them and generate stops at the tokenizer's eos."""
+    for name, value in ids.items():
+        setattr(model.config, name, value)
+        if getattr(model, "generation_config", None) is not None:
+            setattr(model.generation_config, name, value)
+
+
 def check_inputs(cfg, config, tokenizer) -> None:
     source = cfg.model.preset or cfg.model.pretrained
     if len(tokenizer) > config.vocab_size:
@@ -175,13 +194,16 @@ def load_data(cfg, tokenizer, accelerator):
     return PackedRows(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), validation, False
 
 
-def build_model(cfg, config, device):
+def build_model(cfg, config, device, special_ids: dict):
     """The model, built and run forward on two tokens on ``device`` (the one it trains on) before any data is read,
-    so that bad overrides fail early, and a kernel that runs only there (``attn_impl: triton`` on CUDA) passes."""
+    so that bad overrides fail early, and a kernel that runs only there (``attn_impl: triton`` on CUDA) passes.
+    ``special_ids`` (the tokenizer's) go into its config and generation config."""
     try:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
         model = AutoModelForCausalLM.from_config(config) if cfg.model.pretrained is None else \
             AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32,
-                                                 trust_remote_code=cfg.model.trust_remote_code, **cfg.model.overrides)
+                                                 trust_remote_code=cfg.model.trust_remote_code,
+                                                 **{**special_ids, **cfg.model.overrides})
+        use_special_ids(model, special_ids)
         with torch.no_grad():
             model.to(device).eval()(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except OSError as error:  # the weights of model.pretrained (missing, truncated, not matching their manifest)
@@ -309,9 +331,12 @@ def train(cfg, resume) -> dict:
         check_same_data(cfg, checkpoint, saved, state.data)
     config = model_config(cfg)
     check_inputs(cfg, config, tokenizer)
+    special_ids = tokenizer_special_ids(cfg, tokenizer)
+    for name, value in special_ids.items():  # before the model is built: embeddings read pad_token_id
+        setattr(config, name, value)
 
     set_seed(cfg.train.seed)
-    model = build_model(cfg, config, accelerator.device)
+    model = build_model(cfg, config, accelerator.device, special_ids)
     groups = group_parameters(model)
 
     B, accum, L = cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len

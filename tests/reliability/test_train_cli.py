@@ -654,3 +654,28 @@ def test_a_null_text_in_a_stream_is_one_error_line(tmp_path, run_data, capsys):
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert re.search(r"data\.dataset: field 'text' must hold strings, got a record with None", error), error
     assert "Traceback" not in captured.err and not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("base", ["tiny-helm-d", "tiny-llama"])
+def test_saved_configs_carry_the_tokenizers_special_ids(base, tmp_path, run_data, capsys):
+    """Issue 23 item 7: with a tokenizer whose eos/bos are id 2 and pad id 3 (the presets say 0/0/1), final/'s
+    config.json and generation_config.json carry the tokenizer's ids, for HELM and for the Euclidean baselines, so
+    generate stops at the user's eos; an id set in model.overrides stays the user's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run_data / "tokenizer")
+    eos, pad = tokenizer.convert_ids_to_tokens([2, 3])
+    tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token = eos, eos, pad
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    model = {} if base != "tiny-llama" else {"overrides": {"vocab_size": 320, "max_position_embeddings": 64}}
+    recipe = write_recipe(tmp_path, run_data, base=base, model=model, train={"max_steps": 1, "save_every": 0},
+                          demo={"prompt": None}, data={"tokenizer": str(tmp_path / "tokenizer")})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    final = tmp_path / "run" / "final"
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((final / name).read_text())
+        assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (2, 2, 3), (name, saved)
+    capsys.readouterr()
+    assert train_script.main(["--config", str(recipe), "--train.overwrite=true",
+                              "--model.overrides.pad_token_id=5"]) == 0, capsys.readouterr()
+    assert json.loads((final / "config.json").read_text())["pad_token_id"] == 5
