@@ -485,12 +485,46 @@ def check_token_ids(config, ids: torch.Tensor, name: str, *, ignore_index: Optio
                          f"[{int(bad.min())}, {int(bad.max())}]{hint}")
 
 
-def refuse_attention_weights(config, output_attentions: Optional[bool]) -> None:
-    """``output_attentions=True`` is a ``ValueError``: no attention implementation of the zoo materialises the
-    weights (sdpa and the Triton kernel never form them, eager frees them), so there are none to return."""
-    if output_attentions or (output_attentions is None and config.output_attentions):
-        raise ValueError("output_attentions=True is not supported by HELM models: their attention kernels never keep "
-                         "the [B, H, T, T] weights; recompute them from the layers' queries and keys if needed")
+class AttentionWeights:
+    """``output_attentions`` of a forward, as ``LlamaModel`` returns them with ``attn_implementation="eager"``: one
+    ``[B, H, T, T_kv]`` tensor of softmax weights per layer (statistics dtype). ``with AttentionWeights(model,
+    output_attentions) as record:`` around the decoder layers; ``record.weights`` is then the tuple, or None when
+    not requested.
+
+    Only the eager implementation forms the weights (:class:`helm.ops.attention.record_attention_weights`); with
+    another one (sdpa, triton, auto) the request is a ``ValueError`` naming eager. Absorbed HMLA decoding attends in
+    the latent space without them, so it is switched off for a forward that returns weights (the plain path gives
+    the same outputs to fp32 rounding)."""
+
+    def __init__(self, model, output_attentions: Optional[bool]):
+        config = model.config
+        self.wanted = bool(config.output_attentions if output_attentions is None else output_attentions)
+        if self.wanted and config.attn_impl != "eager":
+            raise ValueError(f"output_attentions=True needs the eager attention (attn_impl={config.attn_impl!r} never "
+                             "forms the [B, H, T, T] weights): load with attn_implementation='eager' or call "
+                             "model.set_attn_implementation('eager')")
+        self.model, self.weights, self._record, self._absorbing = model, None, None, []
+
+    def __enter__(self):
+        if self.wanted:
+            from ..ops.attention import record_attention_weights
+
+            self._absorbing = [m for m in self.model.modules() if getattr(m, "absorb", False) is True]
+            for m in self._absorbing:
+                m.absorb = False
+            self._record = record_attention_weights().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.wanted:
+            self._record.__exit__(*exc)
+            for m in self._absorbing:
+                m.absorb = True
+            self.weights = tuple(self._record.weights)
+            layers = self.model.config.num_hidden_layers
+            if exc[0] is None and len(self.weights) != layers:
+                raise RuntimeError(f"output_attentions: {len(self.weights)} attention calls recorded for {layers} "
+                                   "layers")
 
 
 def lift_inputs_embeds(config, inputs_embeds: torch.Tensor) -> torch.Tensor:
@@ -607,5 +641,5 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
 
 __all__ = ["CACHE_FIELD", "CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_inputs",
            "check_loading_info", "default_position_ids",
-           "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "refuse_attention_weights",
+           "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "AttentionWeights",
            "positional_encoding", "resolve_cache"]

@@ -100,7 +100,8 @@ class SequenceClassificationHead(HelmTaskHead):
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
         return SequenceClassifierOutputWithPast(loss=self.with_balance_loss(loss), logits=logits,
                                                 **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-                                                hidden_states=outputs.hidden_states)
+                                                hidden_states=outputs.hidden_states,
+                                                attentions=outputs.attentions)
 
 
 class TokenClassificationHead(HelmTaskHead):
@@ -135,7 +136,7 @@ class TokenClassificationHead(HelmTaskHead):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config)
         return TokenClassifierOutput(loss=self.with_balance_loss(loss), logits=logits,
-                                     hidden_states=outputs.hidden_states)
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 class QuestionAnsweringHead(HelmTaskHead):
@@ -164,7 +165,8 @@ class QuestionAnsweringHead(HelmTaskHead):
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(loss=self.with_balance_loss(loss), start_logits=start_logits,
-                                            end_logits=end_logits, hidden_states=outputs.hidden_states)
+                                            end_logits=end_logits, hidden_states=outputs.hidden_states,
+                                            attentions=outputs.attentions)
 
 
 __all__ = ["QuestionAnsweringHead", "SequenceClassificationHead", "TokenClassificationHead", "class_head"]

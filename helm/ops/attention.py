@@ -383,9 +383,11 @@ def _score_operands(q: torch.Tensor, kk: torch.Tensor, dtype: torch.dtype,
 
 
 def _explicit_attention(q, kk, v, scale, keep, bias, gemm, *, k, mask: AttentionMask,
-                        value_centre: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        value_centre: Optional[torch.Tensor] = None,
+                        weights_out: Optional[list] = None) -> torch.Tensor:
     """Eq. 3 with the weights materialised: ``-d²/τ`` scores from ``Q Kᵀ`` in the GEMM dtype, softmax and
     ``ν·[w | e]`` in the statistics dtype, then :func:`_normalise` (``value_centre``: see :func:`sdpa_attention`).
+    ``weights_out``: a list that receives the softmax weights ``ν [B, H, Tq, Tk]``.
 
     ``ν·[w | e]`` stays in the statistics dtype whatever the GEMM dtype, a named exception of
     :mod:`helm.precision`: ``N = k + E - <D, D>_L`` cancels ``E`` against ``<D, D>_L`` down to the scale of ``k``
@@ -405,18 +407,41 @@ def _explicit_attention(q, kk, v, scale, keep, bias, gemm, *, k, mask: Attention
             scores = scores + bias
         if keep is not None:
             scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-        out = scores.softmax(-1) @ we
+        weights = scores.softmax(-1)
+        if weights_out is not None:
+            weights_out.append(weights)
+        out = weights @ we
     if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)
         out = torch.cat([out[..., :-1] - c, out[..., -1:]], dim=-1)
     return _normalise(out, c, k)
 
 
+class record_attention_weights:
+    """``with record_attention_weights() as record:`` every :func:`eager_attention` call inside appends its softmax
+    weights ``ν [B, H, Tq, Tk]`` (statistics dtype) to ``record.weights``, in call order: how the models return
+    ``output_attentions`` (only eager forms the weights; sdpa and the Triton kernel never do)."""
+
+    active = None
+
+    def __init__(self):
+        self.weights = []
+
+    def __enter__(self):
+        self._outer, record_attention_weights.active = record_attention_weights.active, self
+        return self
+
+    def __exit__(self, *exc):
+        record_attention_weights.active = self._outer
+
+
 def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
                     alibi_slopes=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Reference: explicit ``-d²/τ`` scores, masks and softmax, Lorentz centroid of values
-    (:func:`_explicit_attention`)."""
+    (:func:`_explicit_attention`); the weights go to an active :class:`record_attention_weights`."""
     q, kk, v, scale, keep, bias, gemm = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes, dtype)
-    return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask)
+    record = record_attention_weights.active
+    return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask,
+                               weights_out=None if record is None else record.weights)
 
 
 def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,

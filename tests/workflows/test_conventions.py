@@ -40,8 +40,9 @@ def test_hidden_states_are_embeddings_then_layers_then_the_normed_output(family)
 
 @pytest.mark.parametrize("family", HELM)
 def test_output_attentions_is_a_clear_error(family):
+    """Without the eager implementation (the only one that forms the weights: test_attention_weights.py)."""
     model = tiny_model(family)
-    with pytest.raises(ValueError, match="output_attentions=True is not supported by HELM models"):
+    with pytest.raises(ValueError, match="output_attentions=True needs the eager attention"):
         model(ids(), output_attentions=True)
     assert model(ids(), output_attentions=False).logits is not None
 

@@ -26,13 +26,13 @@ from ...nn.residual import LorentzResidual
 from ...ops.attention import AttentionMask
 from ..modeling_common import (
     CACHE_FIELD,
+    AttentionWeights,
     HelmPreTrainedModel,
     attention_mask_for,
     check_inputs,
     default_position_ids,
     lift_inputs_embeds,
     lm_logits_and_loss,
-    refuse_attention_weights,
     resolve_cache,
     positional_encoding,
 )
@@ -143,7 +143,7 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
                 use_cache: Optional[bool] = None,
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, **kwargs) -> MoeModelOutputWithPast:
-        refuse_attention_weights(self.config, output_attentions)
+        attentions = AttentionWeights(self, output_attentions)
         past_key_values = resolve_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -167,17 +167,19 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
 
         # transformers' convention: the embeddings, every layer's output, the last one after the final norm
         all_hidden_states = [hidden_states]
-        for layer in self.layers:
-            # under the name transformers' GradientCheckpointingLayer clears in training
-            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
-                                  **{CACHE_FIELD: past_key_values})
-            all_hidden_states.append(hidden_states)
+        with attentions:
+            for layer in self.layers:
+                # under the name transformers' GradientCheckpointingLayer clears in training
+                hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
+                                      **{CACHE_FIELD: past_key_values})
+                all_hidden_states.append(hidden_states)
         if self.final_proj is not None:
             hidden_states = self.final_proj(hidden_states)
         all_hidden_states[-1] = hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states,
                                       **{CACHE_FIELD: past_key_values if use_cache else None},
-                                      hidden_states=tuple(all_hidden_states) if output_hidden_states else None)
+                                      hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+                                      attentions=attentions.weights)
 
 
 class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
@@ -218,7 +220,7 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, GenerationMixin):
             loss = loss + aux_loss
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
                                          **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-                                         hidden_states=outputs.hidden_states)
+                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 class HelmMiCEForSequenceClassification(SequenceClassificationHead, HelmMiCEPreTrainedModel):
