@@ -374,6 +374,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         ``AutoConfig.from_pretrained(..., **kwargs)``) merged into the dict before the config is built: they go
         through the same field rules and cross-field checks as constructor keywords (``transformers`` would set
         them afterwards, unchecked)."""
-        names = set(cls.__dataclass_fields__) | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"}
+        # the fields HELM declares (PreTrainedConfig's own, such as dtype, keep transformers' handling)
+        declared = {name for klass in cls.__mro__ if issubclass(klass, HelmConfigBase)
+                    for name in klass.__dict__.get("__annotations__", {})}
+        names = declared | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"}
         config_dict = {**config_dict, **{key: kwargs.pop(key) for key in list(kwargs) if key in names}}
         return super().from_dict(config_dict, **kwargs)
