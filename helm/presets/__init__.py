@@ -69,6 +69,25 @@ def check_overrides(config_class: type, overrides: dict, preset_keys=()) -> None
                              f"fields of the config class; {config_class.__name__} has no such option)")
 
 
+def _is_boolean_field(field_type) -> bool:
+    """Whether a dataclass field's annotation is ``bool`` or ``bool | None`` (strings or types)."""
+    text = field_type if isinstance(field_type, str) else str(field_type).replace("<class 'bool'>", "bool")
+    return text.replace("Optional[bool]", "bool | None").replace(" ", "") in ("bool", "bool|None", "None|bool")
+
+
+def check_booleans(config_class: type, values: dict, where: str) -> None:
+    """``ValueError`` naming the first boolean field of ``config_class`` given something else than ``True`` /
+    ``False`` (``None`` where optional): ``"false"`` is truthy and would build the opposite model. The HELM configs
+    check this themselves; ``transformers``' baselines (``LlamaConfig``, ``DeepseekV3Config``) do not."""
+    if not dataclasses.is_dataclass(config_class):
+        return
+    fields = {f.name: f.type for f in dataclasses.fields(config_class)}
+    for key, value in values.items():
+        if key in fields and _is_boolean_field(fields[key]) and not isinstance(value, bool) and \
+                not (value is None and "None" in str(fields[key])):
+            raise ValueError(f"{key} must be a bool, got {value!r} ({where})")
+
+
 def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
     """The config of a preset (by name or JSON path), with ``overrides`` applied; HELM types are registered.
 
@@ -99,7 +118,10 @@ def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
             except ValueError as error:
                 raise ValueError(f"preset file {str(path)!r}: {error}") from None
         check_overrides(config_class, overrides, preset_keys=() if helm_type else data)
+        check_booleans(config_class, data, f"preset file {str(path)!r}")
+        check_booleans(config_class, overrides, "override")
     return AutoConfig.for_model(model_type, **{**data, **overrides})
 
 
-__all__ = ["PRESET_DIR", "available_presets", "check_overrides", "known_override_keys", "load_config", "preset_path"]
+__all__ = ["PRESET_DIR", "available_presets", "check_booleans", "check_overrides", "known_override_keys", "load_config",
+           "preset_path"]

@@ -428,3 +428,22 @@ def test_cross_field_ranges(overrides, match):
 def test_residual_weight_is_exact_over_its_documented_range(weight):
     """Issue 25 item 6: the overflow-free inverse softplus gives the initial weight to fp32 rounding up to 1e4."""
     assert float(LorentzResidual(weight=weight).weight.detach()) == pytest.approx(weight, rel=1e-6)
+
+
+# Issue 25 item 4 for the Euclidean baselines: transformers' LlamaConfig / DeepseekV3Config take "false" as truthy,
+# so helm.load_config checks their boolean fields (overrides and preset files). (preset, overrides)
+BASELINE_BOOLEANS = [
+    ("tiny-llama", dict(attention_bias="false")),
+    ("tiny-llama", dict(mlp_bias="no")),
+    ("tiny-llama", dict(use_cache=0)),
+    ("tiny-deepseek-v3", dict(norm_topk_prob="false")),
+    ("tiny-deepseek-v3", dict(attention_bias="true")),
+]
+
+
+@pytest.mark.parametrize("preset, overrides", BASELINE_BOOLEANS, ids=[f"{p}-{o}" for p, o in BASELINE_BOOLEANS])
+def test_baseline_boolean_fields_take_booleans_only(preset, overrides):
+    [(name, value)] = overrides.items()
+    with pytest.raises(ValueError, match=rf"^{name} must be a bool, got {value!r}"):
+        helm.load_config(preset, **overrides)
+    assert getattr(helm.load_config(preset, **{name: False}), name) is False
