@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, TypeError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        text = " ".join(str(error).split())
+        hint = "; pass --trust-remote-code to run it, if you trust it" * ("trust_remote_code" in text)
+        print(f"error: {text}{hint}", file=sys.stderr)
         return 2
     model.save_pretrained(args.output)
     if tokenizer is not None:

@@ -150,3 +150,26 @@ def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "--trust-remote-code" in result.stderr
+
+
+def test_convert_official_refuses_a_tokenizer_naming_custom_code(tokenizer, tmp_path, capsys, monkeypatch):
+    """Issue 25 item 1 for scripts/: --tokenizer of a folder whose tokenizer_config.json names custom code is refused
+    (exit 2, one line naming --trust-remote-code), never asked about on a terminal (here one that would say yes)."""
+    import importlib.util
+
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="XTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_x.py").write_text("raise SystemExit('remote code ran')\n")
+    spec = importlib.util.spec_from_file_location("convert_official_script", REPO / "scripts" / "convert_official.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr("builtins.input", lambda *prompt: "y")
+    code = script.main(["--checkpoint", str(REPO / "tests" / "fixtures" / "official" / "helm_d_tiny.pt"),
+                        "--output", str(tmp_path / "out"), "--tokenizer", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "pass --trust-remote-code" in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
