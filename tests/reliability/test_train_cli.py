@@ -90,6 +90,16 @@ def _remote_code_folder(tmp_path, run_data):
     return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
+def _pretrained_llama(tmp_path, run_data):
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "llama"
+    config = helm.load_config("tiny-llama", vocab_size=320, max_position_embeddings=64, num_hidden_layers=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return ["--model.preset=null", f"--model.pretrained={folder}"]
+
+
 def _training_checkpoint_as_pretrained(tmp_path, run_data):
     """The folder layout of a train.py checkpoint: accelerate's files, no config.json."""
     folder = tmp_path / "old-run" / "checkpoints" / "step-00000002"
@@ -186,6 +196,11 @@ CASES = [
      r"data\.shuffle must be true or false, got 0"),
     ("override-boolean-string", "tiny-helm-d", lambda t, r: [], ['--model.overrides.attention_bias="false"'], 2,
      r"model\.preset: ValueError: attention_bias must be a bool, got 'false'"),
+    ("baseline-override-boolean-string", "tiny-llama", lambda t, r: [], ['--model.overrides.mlp_bias="no"'], 2,
+     r"model\.preset: ValueError: mlp_bias must be a bool, got 'no'"),
+    ("pretrained-baseline-override-boolean-string", "tiny-llama", _pretrained_llama,
+     ['--model.overrides.attention_bias="false"'], 2,
+     r"model\.pretrained: .*'attention_bias'.* expected bool, got str \(value: 'false'\)"),  # transformers' check
     ("override-tie-word-embeddings", "tiny-helm-d", lambda t, r: [], ["--model.overrides.tie_word_embeddings=true"],
      2, r"model\.preset: ValueError: tie_word_embeddings must be False"),
 ]
