@@ -18,7 +18,10 @@ def impls_called(monkeypatch):
     """The names of the :func:`helm.ops.lorentz_attention` implementations each forward ran."""
     called = []
     for name, fn in list(ops.ATTENTION_IMPLS.items()):
-        monkeypatch.setitem(ops.ATTENTION_IMPLS, name, lambda *a, _fn=fn, _name=name, **kw: called.append(_name) or _fn(*a, **kw))
+        def spy(*args, _fn=fn, _name=name, **kwargs):
+            called.append(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setitem(ops.ATTENTION_IMPLS, name, spy)
     return called
 
 
