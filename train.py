@@ -238,9 +238,10 @@ def check_same_data(cfg, checkpoint: Path, saved: dict, fingerprint: dict) -> No
 def divergence_causes(cfg) -> str:
     """The settings to look at when training diverges, with their values (both learning rates: either can be it)."""
     manifold = cfg.optim.manifold_lr if cfg.optim.manifold_lr is not None else "null (= optim.lr)"
+    clip = "null" if cfg.optim.grad_clip is None else cfg.optim.grad_clip
     return (f"Likely causes: too high a learning rate (optim.lr={cfg.optim.lr:g} for the Euclidean parameters, "
             f"optim.manifold_lr={manifold} for the manifold points; optim.warmup_ratio={cfg.optim.warmup_ratio:g}, "
-            f"optim.grad_clip={cfg.optim.grad_clip}) or precision (train.mixed_precision={cfg.train.mixed_precision})")
+            f"optim.grad_clip={clip}) or precision (train.mixed_precision={cfg.train.mixed_precision})")
 
 
 def validation_loss(model, validation, accelerator, batch_size: int, distributed: bool = True) -> float:
