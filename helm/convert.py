@@ -13,9 +13,11 @@ Parameter maps (official → ours):
 * every linear, norm gain, embedding table and head is copied as is.
 
 Dropped: the curvature aliases (``*.c``, ``*.manifold*.k``, which must all equal the model curvature or the
-expert's), ``attn_mask`` / ``freqs_complex`` (recomputed), HELM-D's ``token_embed.add_pos`` (built but never
-called) and the attention score ``bias`` (one constant per row: it cancels in the softmax). A checkpoint with
-any other key, or a value the zoo cannot represent (``scale <= 0``, ``w_y <= 0``), is refused with the key named.
+expert's), ``attn_mask`` / ``freqs_complex`` (recomputed), the Lorentz token tables' ``token_embed.add_pos`` /
+``embed.add_pos`` (built but never called) and the attention score ``bias`` (one constant per row: it cancels in
+the softmax). A checkpoint with any other key, or a value the zoo cannot represent (``scale <= 0``, ``w_y <= 0``),
+is refused with the key named; official settings the zoo cannot represent are refused naming the official flag
+(:func:`convert_official_checkpoint`).
 """
 
 from __future__ import annotations
