@@ -230,6 +230,19 @@ def test_official_flags_outside_the_weights_come_from_the_stored_args(score_func
     if score_func == "softmax" and train_curv:  # the fixture's own flags: its logits
         with torch.no_grad():
             assert_close(model(data["input_ids"]).logits, data["logits"], rtol=1e-5)
+    # the rest of the model is the softmax fixture's: the gate must be the official Gate.forward for either score_func
+    # (scores of the space part, bias only in the selection, renormalised for sigmoid only)
+    state = data["state_dict"]
+    x = torch.randn(3, 5, 66, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    logits = x[..., 1:] @ state["layers.1.ffn.gate.weight"].double().T
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    chosen = (scores + state["layers.1.ffn.gate.bias"].double()).topk(2, dim=-1).indices
+    official = scores.gather(-1, chosen)
+    if score_func == "sigmoid":
+        official = official / official.sum(-1, keepdim=True)
+    weights, _, _ = model.model.layers[1].mlp.double().route(x)
+    assert_close(weights.gather(-1, chosen), official, rtol=1e-12)
+    assert_close(weights.sum(-1), official.sum(-1), rtol=1e-12)  # nothing outside the official top-k
 
 
 def _drop(prefix):
