@@ -3,6 +3,7 @@ task heads) as a Llama one does: the decoder's weights load, the head is newly i
 Loading stays strict where ``transformers`` is lenient only by accident: a decoder weight that is missing or does not
 fit, or a head weight missing from a checkpoint saved by the same class, is an error naming it."""
 
+import json
 import logging
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
-from tests.helpers import tiny_config
+from tests.helpers import run_without_helm, tiny_config
 
 FAMILIES = ["helm_d", "helm_mice", "llama"]
 
@@ -68,3 +69,23 @@ def test_a_causal_checkpoint_without_its_lm_head_is_still_refused(family, tmp_pa
               metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=r"missing from the checkpoint.*lm_head\.weight"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_base_folder_into_the_causal_lm_as_remote_code_without_helm(tmp_path):
+    """The base model's folder names every head in its ``auto_map``, so the same load works where helm is not
+    installed."""
+    base = saved_base("helm_mice", tmp_path)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = base(ids).last_hidden_state
+    proc = run_without_helm(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            print("REPORT", type(model).__name__, model.model(torch.tensor({ids.tolist()})).last_hidden_state.tolist())
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name, hidden = proc.stdout.split("REPORT ")[-1].split(" ", 1)
+    assert name == "HelmMiCEForCausalLM" and "lm_head.weight" in proc.stderr + proc.stdout
+    torch.testing.assert_close(torch.tensor(json.loads(hidden)), expected, rtol=0, atol=0)
