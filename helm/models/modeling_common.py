@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import logging
 
@@ -400,6 +400,11 @@ def cache_layout(past_key_values, seq_len: int) -> CacheLayout:
     read as ``LlamaModel`` reads it: ``get_seq_length()`` (a tensor for static caches) and ``get_mask_sizes``."""
     if past_key_values is None:
         return CacheLayout(0, seq_len, None)
+    if not isinstance(past_key_values, Cache):
+        legacy = " (tuples of (key, value) tensors are transformers' legacy format, not accepted)" \
+            if isinstance(past_key_values, (tuple, list)) else ""
+        raise ValueError("past_key_values (cache=) must be a transformers Cache, e.g. DynamicCache(config=config) or "
+                         f"the one a previous forward returned, got {type(past_key_values).__name__}{legacy}")
     past_len = past_key_values.get_seq_length()
     if isinstance(past_len, torch.Tensor):
         # a copy: the static cache counts its length up in place when the first layer writes to it, and the mask
@@ -411,6 +416,15 @@ def cache_layout(past_key_values, seq_len: int) -> CacheLayout:
                          "the whole cache: use a DynamicCache or a StaticCache")
     static = isinstance(past_len, torch.Tensor) or past_len + seq_len != kv_len
     return CacheLayout(past_len, kv_len, past_len if static else None)
+
+
+def cache_batch_size(cache) -> Optional[int]:
+    """The number of sequences ``cache`` holds (a shape, free to read), or None while no layer has been written."""
+    for layer in getattr(cache, "layers", ()):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() and keys.numel():
+            return keys.shape[0]
+    return None
 
 
 def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
@@ -442,6 +456,10 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                      dtype="floating", nonempty=True, note=" points (time coordinate first)")
         batch, seq_len = inputs_embeds.shape[:2]
     layout = cache_layout(past_key_values, seq_len)
+    cached_batch = cache_batch_size(past_key_values)
+    if cached_batch not in (None, batch):
+        raise ValueError(f"past_key_values (cache=) holds {cached_batch} sequences but the inputs have batch size "
+                         f"{batch}; pass the cache returned for these same sequences (or a new DynamicCache)")
     past = layout.known_past_len(config)
     # a 2-D mask covers the tokens so far (past + T); a static cache also takes one over all its slots
     total = None if past is None else past + seq_len

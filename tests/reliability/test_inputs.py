@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 from helm.manifold import lift, manifold_error
 from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config, tiny_model
@@ -64,8 +64,18 @@ BAD_INPUTS = [
     ("inputs_embeds NaN", lambda: dict(inputs_embeds=torch.full((B, T, HIDDEN), float("nan"))), ValueError, "inputs_embeds must be finite points; got NaN or inf"),
     ("inputs_embeds inf", lambda: dict(inputs_embeds=torch.randn(B, T, HIDDEN).index_fill(2, torch.tensor([3]), float("inf"))), ValueError, "inputs_embeds must be finite points; got NaN or inf"),
     ("inputs_embeds 1e30", lambda: dict(inputs_embeds=torch.full((B, T, HIDDEN), 1e30)), ValueError, "squared norm overflows fp32"),
+    ("cache of another batch size", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(1)), ValueError, r"past_key_values \(cache=\) holds 1 sequences but the inputs have batch size 2"),
+    ("cache a string", lambda: dict(input_ids=ids(), past_key_values="cache"), ValueError, r"past_key_values \(cache=\) must be a transformers Cache, .* got str"),
+    ("cache a legacy tuple", lambda: dict(input_ids=ids(), past_key_values=((torch.zeros(B, 2, 3, 4),) * 2,)), ValueError, r"got tuple \(tuples of \(key, value\) tensors are transformers' legacy format"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
+
+
+def cache_of_batch(batch):
+    """A DynamicCache holding 3 past tokens of ``batch`` sequences in its first layer."""
+    cache = DynamicCache()
+    cache.update(torch.zeros(batch, 2, 3, 4), torch.zeros(batch, 2, 3, 4), 0)
+    return cache
 
 
 @pytest.mark.parametrize("family", FAMILIES)
