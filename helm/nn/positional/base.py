@@ -39,22 +39,21 @@ class PositionalTables:
         if self.cos is None:
             return x_s
         x = x_s.to(self.cos.dtype)
-        if not torch.compiler.is_compiling() and _complex_view_ok(x):
-            # the pairs as complex numbers times e^{iθ}: one kernel forward and one backward where the real form takes
-            # four each (flip, two products, a sum); bitwise the same products and sums. Not under torch.compile,
-            # whose code generation has no complex kernels (it fuses the real form instead).
-            z = torch.view_as_complex(x.unflatten(-1, (-1, 2))) * _per_token(self.rotor(), x)
-            return torch.view_as_real(z).flatten(-2).to(x_s.dtype)
-        cos, sin = _per_token(self.cos, x_s), _per_token(self.sin, x_s)
-        return rotate_pairs(x, cos, sin).to(x_s.dtype)
+        cos, signed_sin = (_per_token(t, x) for t in self.pair_tables())
+        # x_{2l} cos - x_{2l+1} sin, x_{2l+1} cos + x_{2l} sin: rotate_pairs' products and sum, bitwise, with the
+        # per-coordinate tables (their negation and interleaving) built once per forward instead of in every call
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (x * cos + swapped * signed_sin).to(x_s.dtype)
 
-    def rotor(self) -> torch.Tensor:
-        """``cos + i·sin`` ``[B, T, P]`` (complex), built on first use and shared by every layer of the forward."""
-        rotor = self.__dict__.get("_rotor")
-        if rotor is None:
-            rotor = torch.complex(self.cos, self.sin)
-            object.__setattr__(self, "_rotor", rotor)  # a cache, not a field: the tables stay frozen
-        return rotor
+    def pair_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` per coordinate, ``[B, T, 2P]``: ``(cos_l, cos_l)`` and ``(-sin_l, sin_l)`` for pair ``l``;
+        built on first use and shared by every layer of the forward (a cache, not a field: the tables stay frozen)."""
+        tables = self.__dict__.get("_pair_tables")
+        if tables is None:
+            tables = (torch.stack((self.cos, self.cos), dim=-1).flatten(-2),
+                      torch.stack((-self.sin, self.sin), dim=-1).flatten(-2))
+            object.__setattr__(self, "_pair_tables", tables)
+        return tables
 
     def score_bias(self, q_s: torch.Tensor, k_s: torch.Tensor, scale: Scale) -> Optional[torch.Tensor]:
         """``[B, H, Tq, Tk]`` bias on the logits for queries ``q_s [B, H, Tq, d]`` and keys ``k_s``, or None."""
@@ -101,12 +100,6 @@ def check_position_ids(x: torch.Tensor, position_ids: torch.Tensor, name: str = 
     if position_ids.dim() != 2 or position_ids.shape[-1] != x.shape[-2]:
         raise ValueError(f"{name} must have shape [B, T] with T = {x.shape[-2]} (the token dim of the input), "
                          f"got {tuple(position_ids.shape)}")
-
-
-def _complex_view_ok(x: torch.Tensor) -> bool:
-    """Whether ``x [..., 2P]`` (fp32/fp64) can be viewed as ``[..., P]`` complex numbers without a copy."""
-    return (x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1
-            and all(st % 2 == 0 for st in x.stride()[:-1]) and x.storage_offset() % 2 == 0)
 
 
 def _per_token(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
