@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,60 @@ def local_files(source, split: str) -> list[Path] | None:
         return [found]
     if path.is_file() or path.suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~")):
         return [path]
+    return None
+
+
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+@contextlib.contextmanager
+def _quiet_json_loader():
+    """Silence the ``Failed to load JSON ...`` line that datasets' JSON builder logs before raising: the error
+    raised then (:func:`_json_problem`) says where the file is wrong, once."""
+    quiet = logging.getLogger("datasets.packaged_modules.json.json")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
+
+
+def _json_problem(file: Path, text_column: str) -> str | None:
+    """The first line of a JSON (Lines) file that is not valid JSON, or whose ``text_column`` holds a value other
+    than a string or null (null is reported with a count by the caller), as a message; ``None`` when Python's json
+    finds nothing wrong. Read only after datasets refused the file, so valid data costs no second pass."""
+    text = file.read_text(encoding="utf-8")
+    if file.suffix.lower() == ".json":
+        try:  # one JSON document (an array of records) rather than JSON Lines
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            if error.msg != "Extra data":
+                return f"line {error.lineno} is not valid JSON ({error.msg}, column {error.colno})"
+        else:
+            records = document if isinstance(document, list) else [document]
+            return next(filter(None, (_record_problem(r, text_column, f"record {i}")
+                                      for i, r in enumerate(records, start=1))), None)
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            return f"line {number} is not valid JSON ({error.msg}, column {error.colno})"
+        problem = _record_problem(record, text_column, f"line {number}")
+        if problem:
+            return problem
+    return None
+
+
+def _record_problem(record, text_column: str, where: str) -> str | None:
+    if not isinstance(record, dict):
+        return f"{where} holds {JSON_TYPES.get(type(record), type(record).__name__)}, not a record (object)"
+    value = record.get(text_column)
+    if value is not None and not isinstance(value, str):
+        return (f"field {text_column!r} must hold strings, got {JSON_TYPES.get(type(value), type(value).__name__)} "
+                f"({json.dumps(value)[:40]}) on {where}")
     return None
 
 
@@ -58,17 +115,23 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 with file.open(encoding="utf-8") as handle:
                     if not sum(1 for _ in iter(lambda: handle.read(1 << 24), "")):
                         raise ValueError(f"{file}: the file is empty")
-                part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
-                                             streaming=bool(streaming), cache_dir=cache,
-                                             **({"sample_by": "document"} if builder == "text" else {}))
-            except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as error:
-                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error.__cause__ or error})") from None
+                with _quiet_json_loader():
+                    part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
+                                                 streaming=bool(streaming), cache_dir=cache,
+                                                 **({"sample_by": "document"} if builder == "text" else {}))
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error})") from None
+            except datasets.exceptions.DatasetGenerationError as error:  # the file was decoded: its JSON is wrong
+                problem = _json_problem(file, text_column) if builder == "json" else None
+                raise ValueError(f"{file}: {problem or f'not valid {builder} data ({error.__cause__ or error})'}"
+                                 ) from None
             if builder == "text" and text_column != "text":
                 part = part.rename_column("text", text_column)
             if part.column_names is not None and text_column not in part.column_names:
                 raise KeyError(f"{file}: no column {text_column!r} (columns: {part.column_names})")
             if part.features is not None and getattr(part.features[text_column], "dtype", None) != "string":
-                raise ValueError(f"{file}: field {text_column!r} must hold strings, got {part.features[text_column]}")
+                problem = _json_problem(file, text_column) if builder == "json" else None
+                raise ValueError(f"{file}: {problem or f'field {text_column!r} must hold strings'}")
             missing = part.data.column(text_column).null_count if isinstance(part, datasets.Dataset) else 0
             if missing:  # a record without text ({"text": null}, or the field absent), read by Arrow as null
                 raise ValueError(f"{file}: field {text_column!r} must hold strings, but {missing} record(s) hold null "

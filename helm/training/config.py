@@ -125,7 +125,7 @@ class TrainConfig:
     """Micro-batches per optimiser step (rows per step = batch_size x processes x grad_accum)."""
     mixed_precision: str = "no"
     """Autocast precision: no, bf16, fp16 (GPUs only, with loss scaling), or auto (bf16 on GPUs that support it,
-    else no)."""
+    else no). A bare ``no``, which YAML reads as false, means no."""
     distributed: str = "ddp"
     """Multi-process strategy when launched with several processes: ddp, or fsdp (FSDP2: parameters, gradients
     and optimiser state sharded over the processes; on GPUs, or on CPU processes with gloo)."""
@@ -264,6 +264,8 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     try:
         recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
         check_booleans(recipe, dotlist)
+        check_containers(recipe, dotlist)
+        mixed_precision_no(recipe, dotlist)
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
@@ -300,6 +302,45 @@ def check_booleans(*sources) -> None:
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
+# The recipe keys typed as a list or a mapping, and how to write them: OmegaConf's own messages for a scalar there
+# ("AnyNode is not a ListConfig ...", "Cannot merge incompatible container types") name its node classes.
+CONTAINERS = {
+    "optim.betas": (list, "a list of two numbers in [0, 1), e.g. --optim.betas='[0.9,0.95]'"),
+    "model.overrides": (dict, "a mapping of config fields, e.g. --model.overrides.num_hidden_layers=2 or "
+                              "--model.overrides='{num_hidden_layers: 2}'"),
+}
+
+
+def check_containers(*sources) -> None:
+    """The list- and mapping-typed keys (:data:`CONTAINERS`) hold a list / mapping (a list of numbers for
+    optim.betas), else :class:`ConfigError` saying how to write them."""
+    for source in sources:
+        for key, (kind, form) in CONTAINERS.items():
+            try:
+                value = OmegaConf.select(source, key, default=None)
+            except OmegaConfBaseException:  # a section that is not a mapping: reported by the merge
+                continue
+            if value is None:
+                continue
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            fits = isinstance(value, kind) and (kind is dict or all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+            if not fits:
+                raise ConfigError(f"{key} must be {form}, got {value!r}")
+
+
+def mixed_precision_no(*sources) -> None:
+    """YAML 1.1 reads a bare ``no`` as false, and train.mixed_precision is the one key whose allowed strings include
+    such a word: false there means ``no`` (the default), as written."""
+    for source in sources:
+        try:
+            value = OmegaConf.select(source, "train.mixed_precision", default=None)
+        except OmegaConfBaseException:
+            continue
+        if value is False:
+            OmegaConf.update(source, "train.mixed_precision", "no")
+
+
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
            "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
            "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
@@ -324,7 +365,8 @@ def validate(c: RunConfig) -> None:
     problems += [(k, "must be positive") for k in POSITIVE if value(k) is not None and not value(k) > 0]
     problems += [(k, f"must be one of {options}") for k, options in CHOICES.items() if value(k) not in options]
     problems += [(key, requirement) for key, ok, requirement in (
-        ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "must be two in [0, 1)"),
+        ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas),
+         f"must be {CONTAINERS['optim.betas'][1]}"),
         ("train.output_dir", bool(c.train.output_dir), "must be set"),
         ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),
