@@ -46,6 +46,12 @@ def model_label(record: dict, fallback: str) -> str:
     return Path(str(name).rstrip("/")).name
 
 
+def input_files(inputs: list[str]) -> list[Path]:
+    """The files :func:`records` reads: each named file, and the ``*.json`` files under each named folder."""
+    targets = [Path(spec.rpartition("=")[2]).expanduser() for spec in inputs]
+    return [file for target in targets for file in (sorted(target.rglob("*.json")) if target.is_dir() else [target])]
+
+
 def records(inputs: list[str]) -> list[dict]:
     """The result records of files and folders (``NAME=PATH`` renames the model of a single-record file)."""
     out = []
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> str:
     if not 0 <= args.digits <= 15:  # a negative precision is a format error deep in the table
         raise EvalError(f"--digits must be an integer in [0, 15], got {args.digits}")
     if args.output:
-        check_writable(args.output, "--output")
+        check_writable(args.output, "--output", inputs=input_files(args.inputs))
     tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
     table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr,
                         digits=args.digits)

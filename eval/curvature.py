@@ -27,8 +27,10 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    EvalError, add_loading_arguments, check_writable, load_checkpoint, load_texts, run_script, token_stream, write_json)
+    EvalError, add_loading_arguments, check_argument, check_writable, data_files, load_checkpoint, load_texts,
+    model_names, run_script, token_stream, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
+from helm.nn.validation import integer, optional  # noqa: E402
 
 
 def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> np.ndarray:
@@ -150,14 +152,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.max_points < 3:
         raise EvalError(f"--max-points must be at least 3, got {args.max_points}")
-    check_writable(args.output_dir, "--output-dir", folder=True)
+    if not 1 <= args.knn < args.max_points:  # duplicates dropped later may lower the bound again (knn_graph)
+        raise EvalError(f"--knn must lie in [1, --max-points - 1 = {args.max_points - 1}], got {args.knn}")
+    if not 0.0 <= args.alpha < 1.0:
+        raise EvalError(f"--alpha must lie in [0, 1), got {args.alpha}")
+    # 0 would silently mean the default length, a negative one fail after the model has loaded
+    check_argument(args.seq_len, "--seq-len", optional(integer(1)))
+    models = model_names(args.model)
+    if slashed := [name for name, _ in models if "/" in name or "\\" in name]:
+        raise EvalError(f"--model name {slashed[0]!r} names the file curvature_NAME.csv, so it cannot hold a slash")
+    check_writable(args.output_dir, "--output-dir", folder=True, inputs=data_files(args.data, args.split),
+                   files=["curvature.png", "curvature.json", *(f"curvature_{name}.csv" for name, _ in models)],
+                   models=[path for _, path in models])
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     curvatures, runs = {}, []
-    for spec in args.model:
-        name, _, path = spec.rpartition("=")
-        name = name or Path(path.rstrip("/")).name
+    for name, path in models:
         values, stats = curvature_of_model(path, texts, args)
         curvatures[name] = values
         runs.append({"model_name": name, "model_path": path, "source": "eval/curvature.py",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import shlex
 from pathlib import Path
@@ -74,13 +75,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     path = check_checkpoint(path, args.trust_remote_code)
     if args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
-    if args.limit is not None and args.limit <= 0:  # lm-eval would find no documents and raise
+    # lm-eval would find no documents and raise (<= 0), or int() would raise (inf, nan)
+    if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0):
         raise EvalError(f"--limit must be a positive count or fraction, got {args.limit:g}")
     if args.batch_size != "auto" and not (args.batch_size.isdigit() and int(args.batch_size) >= 1):
         raise EvalError(f"--batch-size must be an integer >= 1 or 'auto', got {args.batch_size!r}")
-    if args.output:
-        check_writable(args.output, "--output")
     groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else runs(SUITES[args.suite])
+    if args.output:  # a task may be a YAML file, an input like the model
+        check_writable(args.output, "--output", models=[path],
+                       inputs=[Path(task) for tasks, _ in groups for task in tasks if Path(task).is_file()])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]
     print("equivalent stock lm-eval commands:\n  " + "\n  ".join(commands))

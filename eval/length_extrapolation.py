@@ -22,10 +22,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
-                             check_writable, format_perplexity, load_checkpoint, load_texts, perplexity, rows_nll,
-                             run_script, sliding_windows, token_stream, with_rope_scaling, write_json)
+                             check_writable, data_files, format_perplexity, load_checkpoint, load_texts, model_names,
+                             perplexity, rows_nll, run_script, sliding_windows, token_stream, with_rope_scaling,
+                             write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
+OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
               "mean_nll", "perplexity", "note"]
 
@@ -110,21 +112,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     args.factors = sorted({check_argument(factor, "--factors", integer(1)) for factor in args.factors})
     check_argument(args.train_length, "--train-length", optional(integer(1)))  # None: each model's own length
-    check_writable(args.output_dir, "--output-dir", folder=True)
+    # a negative count would be used as a slice end, dropping tokens from the end of the text
+    check_argument(args.max_tokens, "--max-tokens", optional(integer(1)))
+    check_argument(args.batch_size, "--batch-size", integer(1))
+    models = model_names(args.model)
+    check_writable(args.output_dir, "--output-dir", folder=True, files=OUTPUT_FILES,
+                   inputs=data_files(args.data, args.split), models=[path for _, path in models])
     texts = load_texts(args.data, args.split, text_column=args.text_column,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     rows = []
-    for spec in tqdm(args.model, desc="checkpoints", disable=args.no_progress):
-        name, _, path = spec.rpartition("=")
+    for name, path in tqdm(models, desc="checkpoints", disable=args.no_progress):
         for scaling in args.rope_scaling:
-            rows += extrapolation_rows(name or Path(path.rstrip("/")).name, path, texts, args, scaling)
-    (out := args.output_dir).mkdir(parents=True, exist_ok=True)
-    with (out / "extrapolation.csv").open("w", newline="") as handle:
+            rows += extrapolation_rows(name, path, texts, args, scaling)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    csv_file, png_file, json_file = (args.output_dir / file for file in OUTPUT_FILES)
+    with csv_file.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()} for row in rows)
     label = "+".join(Path(source).stem for source in args.data)
-    plot(rows, out / "extrapolation.png", title=f"Length extrapolation on {label}")
+    plot(rows, png_file, title=f"Length extrapolation on {label}")
     runs = {}
     for row in rows:
         run = runs.setdefault(row["model"], {"model_name": row["model"], "model_path": row["path"],
@@ -133,8 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run["results"]["length_extrapolation"][f"ppl@{row['factor']}x"] = row["perplexity"] or None
         ppl = format_perplexity(row['perplexity'], 3) if row["perplexity"] != "" else f"— ({row['note']})"
         print(f"{row['model']:>20}  {row['factor']}x  seq_len={row['seq_len']:<6}  perplexity={ppl}")
-    write_json(out / "extrapolation.json", {"text": label, "runs": list(runs.values())})
-    print(f"wrote {out / 'extrapolation.csv'}, {out / 'extrapolation.png'}, {out / 'extrapolation.json'}")
+    write_json(json_file, {"text": label, "runs": list(runs.values())})
+    print(f"wrote {csv_file}, {png_file}, {json_file}")
     return rows
 
 

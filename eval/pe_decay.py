@@ -31,11 +31,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError, check_argument, check_writable, run_script  # noqa: E402
+from helm.evaluation import EvalError, check_argument, check_distinct, check_writable, run_script  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
-from helm.nn.validation import negative  # noqa: E402
+from helm.nn.validation import integer, negative  # noqa: E402
 
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
           ("random", "mean", "random Gaussian q, k: mean over draws"),
@@ -68,19 +68,30 @@ def scores_by_distance(pe, q_s: torch.Tensor, k_s: torch.Tensor, *, max_distance
     return space[:, :, 0, :], time[:, :, 0, :]
 
 
+def check_arguments(args) -> None:
+    """Every numeric option, refused as one line before anything is computed."""
+    check_argument(args.head_dim, "--head-dim", integer(2))
+    if args.head_dim % 2:
+        raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {args.head_dim}")
+    check_argument(args.num_heads, "--num-heads", integer(1))
+    check_argument(args.max_distance, "--max-distance", integer(1))
+    check_argument(args.samples, "--samples", integer(2))  # a standard deviation needs two draws
+    check_argument(args.rope3d_chunk_size, "--rope3d-chunk-size", integer(1))
+    if args.alibi_head is not None and not 0 <= args.alibi_head < args.num_heads:
+        raise EvalError(f"--alibi-head must lie in [0, {args.num_heads}), got {args.alibi_head}")
+    check_argument(args.curvature, "--curvature", negative)
+
+
 def decay_curves(args) -> dict:
     """``{setting: {variant: {"mean", "std", "time_mean"}}}``, each a ``[D+1]`` tensor over distances.
 
     ``mean``/``std`` are of the space score, ``time_mean`` of the time term ``q_t k_t``, over ``--samples``
     draws and all heads (alibi: every head's draws with the slope of head ``--alibi-head``).
     """
+    check_arguments(args)
     heads, dim, distance = args.num_heads, args.head_dim, args.max_distance
-    if dim % 2:
-        raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {dim}")
     alibi_head = heads - 1 if args.alibi_head is None else args.alibi_head
-    if not 0 <= alibi_head < heads:
-        raise EvalError(f"--alibi-head must lie in [0, {heads}), got {alibi_head}")
-    k = curvature_to_k(check_argument(args.curvature, "--curvature", negative))
+    k = curvature_to_k(args.curvature)
     generator = torch.Generator().manual_seed(args.seed)
     q_s = torch.randn(args.samples, heads, dim, generator=generator, dtype=torch.float64)
     k_random = torch.randn(args.samples, heads, distance + 1, dim, generator=generator, dtype=torch.float64)
@@ -153,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
-    if args.max_distance < 1 or args.samples < 2 or args.num_heads < 1:
-        raise EvalError("--max-distance must be >= 1, --samples >= 2 and --num-heads >= 1")
+    check_arguments(args)
+    check_distinct({"--output": args.output, "--csv": args.csv})
     check_writable(args.output, "--output")
     if args.csv:
         check_writable(args.csv, "--csv")

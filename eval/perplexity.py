@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (add_loading_arguments, check_writable, format_perplexity, load_checkpoint, load_texts,
-                             run_script, text_perplexity, write_json)
+from helm.evaluation import (EvalError, add_loading_arguments, check_argument, check_writable, data_files,
+                             format_perplexity, load_checkpoint, load_texts, run_script, text_perplexity, write_json)
+from helm.nn.validation import integer, optional
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +47,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_arguments(args) -> None:
+    """The numeric options and their combinations, refused before any text or model is loaded (text_perplexity
+    checks them again, but only after the model has loaded)."""
+    check_argument(args.seq_len, "--seq-len", optional(integer(2)))  # one context token and one target
+    check_argument(args.stride, "--stride", optional(integer(1)))
+    if args.stride is not None and args.seq_len is not None and args.stride > args.seq_len:
+        raise EvalError(f"--stride must lie in [1, --seq-len={args.seq_len}], got {args.stride}")
+    for option in ("max_documents", "max_tokens", "max_windows"):
+        check_argument(getattr(args, option), f"--{option.replace('_', '-')}", optional(integer(1)))
+    check_argument(args.batch_size, "--batch-size", integer(1))
+    # a --stride without --seq-len is compared with the model's length once it has loaded
+    strided = args.stride is not None and args.seq_len is not None and args.stride != args.seq_len
+    if (args.document_attention or args.mask_document_starts) and (
+            strided or args.keep_last or args.max_tokens is not None or args.no_eos):
+        raise EvalError("--document-attention / --mask-document-starts score packed rows: they do not combine with "
+                        "--stride, --keep-last, --max-tokens or --no-eos")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     name, _, path = args.model.rpartition("=")
     name = name or Path(path.rstrip("/")).name
+    check_arguments(args)
     if args.output:
-        check_writable(args.output, "--output")
+        check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
+                       models=[path, *([args.tokenizer] if args.tokenizer else [])])
     texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,

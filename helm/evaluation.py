@@ -30,8 +30,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "load_checkpoint", "load_texts",
-           "packed_inputs", "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity",
+__all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
+           "check_writable", "data_files", "load_checkpoint", "load_texts", "model_names", "packed_inputs",
+           "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity",
            "token_stream", "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
@@ -50,11 +51,28 @@ def run_script(main: Callable, argv: Optional[list[str]] = None):
         raise SystemExit(2) from None
 
 
-def check_writable(path, name: str, *, folder: bool = False) -> Path:
+def check_writable(path, name: str, *, folder: bool = False, files: Iterable[str] = (),
+                   inputs: Iterable = (), models: Iterable = ()) -> Path:
     """``path`` as a ``Path`` once it is known that a result can be written there (``folder``: into it), else an
-    :class:`EvalError` naming the option: checked before evaluating, so that an unwritable ``--output`` does not fail
-    after the whole run. Creates the missing parent folders (or the folder), as writing would."""
+    :class:`EvalError` naming the option: checked before any model is loaded, so that an unwritable ``--output``
+    does not fail after the whole run. Creates the missing parent folders (or the folder), as writing would.
+
+    Nothing the run reads is overwritten: ``path`` (for a ``folder``, each of the ``files`` named there) must not be
+    one of ``inputs`` (files; symlinks resolved, hard links compared by inode), and must not be or lie inside one
+    of the ``models`` (checkpoint folders; a hub id or any other name that is not a local folder is skipped).
+    """
     path = Path(path)
+    real = Path(os.path.realpath(path))
+    for model in models:
+        model_dir = Path(os.path.realpath(Path(os.fspath(model)).expanduser()))
+        if model_dir.is_dir() and (real == model_dir or model_dir in real.parents):
+            raise EvalError(f"{name} {str(path)!r} is in the model folder {os.fspath(model)!r}, whose files it "
+                            "could overwrite; choose a path outside it")
+    for target in [path / file for file in files] if folder else [path]:
+        for source in inputs:
+            if _same_file(target, Path(os.fspath(source)).expanduser()):
+                raise EvalError(f"{name} {str(target)!r} is the input file {os.fspath(source)!r} of this run, which "
+                                "writing the result would destroy; choose another path")
     where = path if folder else path.parent
     try:
         if path.exists() and path.is_dir() != folder:
@@ -68,6 +86,59 @@ def check_writable(path, name: str, *, folder: bool = False) -> Path:
     except OSError as error:
         raise EvalError(f"{name} {str(path)!r} is not writable ({error}); choose another path") from None
     return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would write ``b``: the same path once symlinks are resolved, or a hard link of it."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_distinct(outputs: dict) -> None:
+    """An :class:`EvalError` when two outputs of one run (``{option: path}``, ``None`` for an option not given) name
+    the same file, so that one would silently replace the other."""
+    seen: dict[str, str] = {}
+    for name, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(Path(os.fspath(path)).expanduser())
+        if key in seen:
+            raise EvalError(f"{seen[key]} and {name} both name {os.fspath(path)!r}; the second would overwrite the "
+                            "first, give each its own path")
+        seen[key] = name
+
+
+def data_files(sources: Iterable, split: str) -> list[Path]:
+    """The local files :func:`load_texts` reads for ``sources`` (a folder: its ``{split}`` file), for
+    :func:`check_writable`'s ``inputs``; a hub dataset name reads no local file."""
+    from helm.data.loading import BUILDERS
+
+    files = []
+    for source in sources:
+        path = Path(os.fspath(source)).expanduser()
+        candidates = [path / f"{split}{suffix}" for suffix in BUILDERS] if path.is_dir() else [path]
+        files += [file for file in candidates if file.is_file()]
+    return files
+
+
+def model_names(specs: Iterable[str]) -> list[tuple[str, str]]:
+    """``(name, path)`` of each ``[NAME=]PATH`` ``--model`` (name: NAME, else the folder's name), refusing two
+    models of one run with the same name: their results and output files would be merged or overwrite each
+    other."""
+    pairs, seen = [], {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        name = name or Path(path.rstrip("/")).name
+        if name in seen:
+            raise EvalError(f"--model {seen[name]!r} and --model {spec!r} are both named {name!r}, so their results "
+                            "would be merged; label them NAME=PATH")
+        seen[name] = spec
+        pairs.append((name, path))
+    return pairs
 
 
 def check_argument(value, name: str, rule):
