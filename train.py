@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import sys
@@ -47,7 +48,8 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
                            output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
                            save_checkpoint, save_final, train_step, training_batches, unloadable_files)
-from helm.training.checkpoint import STATE_FILE
+from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, STATE_FILE, foreign_run_entries, is_run_folder,
+                                      non_finite_weights, remove_stale_tmp_checkpoints, write_run_marker)
 from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
@@ -73,8 +75,20 @@ def make_accelerator(cfg, out: Path, resume_step):
 
 
 def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked: bool = False) -> None:
-    """Never mix a fresh run into an old one, nor delete it unasked: --resume, train.overwrite, or no old files."""
-    previous = sorted(p for p in out.iterdir() if p.name not in ("config.yaml", LOCK)) if out.is_dir() else []
+    """Never mix a fresh run into an old one, nor delete it unasked: --resume, train.overwrite, or no old files.
+    train.overwrite deletes only what train.py wrote: the run files of a folder marked as a run folder (or holding
+    the config.yaml of an older train.py), never a folder of other files nor unknown files in checkpoints/ or
+    final/."""
+    run_folder = is_run_folder(out)
+    ours = (LOCK, RUN_MARKER, "config.yaml") if run_folder else (LOCK,)
+    previous = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    if not resuming and previous and not run_folder:
+        names = ", ".join(p.name for p in previous[:4]) + ", ..." * (len(previous) > 4)
+        asked = "--resume: no checkpoint to resume from; " if resume_asked else ""
+        raise ConfigError(f"{asked}train.output_dir {str(out)!r} already holds files ({names}) but is not a run "
+                          f"folder of train.py (no {RUN_MARKER}, no config.yaml of a train.py recipe), so "
+                          "--train.overwrite=true would not delete them either (it deletes only a run's own files): "
+                          "choose another output_dir, or move those files out yourself")
     if not resuming and previous:
         if not cfg.train.overwrite and resume_asked:
             raise ConfigError(f"--resume: train.output_dir {str(out)!r} holds no checkpoint to resume from (the run "
@@ -85,13 +99,21 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked
             raise ConfigError(f"train.output_dir {str(out)!r} already holds a run or other files ({previous[0].name}); "
                               "pass --resume to continue it, --train.overwrite=true to delete its checkpoints, metrics "
                               "and final model and start over, or choose another output_dir")
+        foreign = foreign_run_entries(out)
+        if foreign:
+            shown = ", ".join(foreign[:4]) + f" and {len(foreign) - 4} more" * (len(foreign) > 4)
+            raise ConfigError(f"train.overwrite: the run folder {str(out)!r} holds files train.py did not write "
+                              f"inside its checkpoints/ or final/ ({shown}); nothing was deleted: move them out of "
+                              "the run folder, then rerun")
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:  # only what a run writes: other files stay
-            for path in (p for p in previous if p.name in ("checkpoints", "final", "metrics.jsonl", "tensorboard")):
+            for path in (p for p in previous if p.name in OVERWRITTEN):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # output_lock created out
+        write_run_marker(out)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), encoding="utf-8")
+        remove_stale_tmp_checkpoints(out)
 
 
 def ensure_default_data(cfg, accelerator) -> None:
@@ -123,6 +145,12 @@ def check_pretrained_folder(name: str) -> None:
         raise ConfigError(f"model.pretrained: {name!r} is a training checkpoint of train.py (accelerate state, no "
                           "config.json), not a save_pretrained folder: start from the run's final/ folder, or "
                           f"continue that run with --resume {name}")
+    if not (folder / "config.json").is_file() and is_run_folder(folder):
+        raise ConfigError(f"model.pretrained: {name!r} is a run folder of train.py (checkpoints, metrics, the "
+                          "recipe), not a save_pretrained folder: start from its final model, "
+                          f"--model.pretrained={folder / 'final'}" + (
+                              "" if (folder / "final" / "config.json").is_file() else
+                              " (it has none yet: finish the run with --resume and train.output_dir set to it)"))
 
 
 def model_config(cfg):
@@ -430,10 +458,25 @@ def train(cfg, resume) -> dict:
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
     final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP
     if accelerator.is_main_process:
-        save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps)
-        reloaded = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=cfg.model.trust_remote_code).to(
-            accelerator.device)
-        after = validation_loss(reloaded, validation, accelerator, B, distributed=False)
+        # final/ is what users load: never written nor replaced with a model whose weights or validation loss are
+        # not finite (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
+        source = f" (restored from {checkpoint}, trained 0 steps since)" if trained == 0 and checkpoint else ""
+        if bad := non_finite_weights(state_dict):
+            raise FloatingPointError(f"the model to be saved has non-finite weights (NaN or inf) in {len(bad)} "
+                                     f"tensor(s), e.g. {bad[0]}{source}; {final} was not written (an existing one "
+                                     f"is kept). {divergence_causes(cfg)}")
+        reloaded, after = None, None
+
+        def check_final(folder):
+            nonlocal reloaded, after
+            reloaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code).to(
+                accelerator.device)
+            after = validation_loss(reloaded, validation, accelerator, B, distributed=False)
+            if not math.isfinite(after):
+                raise FloatingPointError(f"the validation loss of the model to be saved is {after}{source}; {final} "
+                                         f"was not written (an existing one is kept). {divergence_causes(cfg)}")
+
+        save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps, check=check_final)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)
         result = {"val_loss_before": initial, "val_loss_after": after, "final_dir": str(final)}
         tokens = trained * rows_per_step * L

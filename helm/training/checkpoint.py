@@ -9,6 +9,7 @@ a checkpoint that looks complete is complete; :func:`verify_checkpoint` refuses 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
@@ -205,8 +207,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         for _, path in list_checkpoints(root)[:-keep_last]:
             if path != best:
                 shutil.rmtree(path, ignore_errors=True)
-        for path in root.glob(".tmp-*"):  # leftovers of interrupted writes
-            shutil.rmtree(path, ignore_errors=True)
+        remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
 
 
@@ -224,7 +225,73 @@ def best_checkpoint(root: Path) -> Path | None:
     return min(scored)[2] if scored else None
 
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", ".tmp-final")
+RUN_MARKER = ".helm-train-run"
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", ".tmp-final", RUN_MARKER)
+# what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
+OVERWRITTEN = ("checkpoints", "final", ".tmp-final", "metrics.jsonl", "tensorboard")
+_TMP_STEP_DIR = re.compile(r"^\.tmp-step-\d{8}$")
+_RECIPE_SECTIONS = {"model", "data", "optim", "train", "demo"}
+# the files save_pretrained writes for a model and its tokenizer: a final/ written before final/ had a manifest
+_SAVE_PRETRAINED = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                              r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
+                              r"|added_tokens\.json|chat_template\.(jinja|json)|vocab\.(json|txt)|merges\.txt"
+                              r"|tokenizer\.model|[\w.-]+\.py)$")
+
+
+def write_run_marker(output_dir: Path) -> None:
+    """Mark ``output_dir`` as a run folder of train.py, the only kind train.overwrite deletes files from."""
+    (Path(output_dir) / RUN_MARKER).write_text(json.dumps({"written_by": "train.py"}) + "\n", encoding="utf-8")
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether train.py wrote ``folder``: it holds :data:`RUN_MARKER`, or (a run of a train.py from before the
+    marker) a ``config.yaml`` that is a resolved train.py recipe (exactly the five sections, train.output_dir set)."""
+    folder = Path(folder)
+    if (folder / RUN_MARKER).is_file():
+        return True
+    try:
+        recipe = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return (isinstance(recipe, dict) and set(recipe) == _RECIPE_SECTIONS and isinstance(recipe["train"], dict)
+            and bool(recipe["train"].get("output_dir")))
+
+
+def foreign_run_entries(output_dir: Path) -> list[str]:
+    """The paths (relative to ``output_dir``) inside ``checkpoints/`` and ``final/`` that train.py did not write,
+    which train.overwrite would delete with them: entries of ``checkpoints/`` other than ``step-XXXXXXXX`` and
+    ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that its manifest does not list (a
+    ``final/`` without a manifest: files other than those ``save_pretrained`` writes)."""
+    output_dir, found = Path(output_dir), []
+
+    def unlisted(folder: Path, fallback) -> None:
+        try:
+            listed = set(read_manifest(folder)["files"]) | {MANIFEST}
+        except (OSError, ValueError):
+            listed = None
+        for path in sorted(folder.rglob("*")):
+            name = path.relative_to(folder).as_posix()
+            if path.is_file() and (name not in listed if listed is not None else not fallback(path, name)):
+                found.append(path.relative_to(output_dir).as_posix())
+
+    root = output_dir / "checkpoints"
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if _STEP_DIR.match(path.name) and path.is_dir():
+            unlisted(path, lambda file, name: True)  # no manifest: an interrupted write of train.py's
+        elif not (_TMP_STEP_DIR.match(path.name) and path.is_dir()):
+            found.append(path.relative_to(output_dir).as_posix())
+    if (output_dir / "final").is_dir():
+        unlisted(output_dir / "final", lambda file, name: "/" not in name and bool(_SAVE_PRETRAINED.match(name)))
+    return found
+
+
+def remove_stale_tmp_checkpoints(output_dir: Path) -> None:
+    """Delete ``checkpoints/.tmp-step-XXXXXXXX`` folders, left by a write that was interrupted (train.py's names
+    only)."""
+    root = Path(output_dir) / "checkpoints"
+    for path in root.iterdir() if root.is_dir() else ():
+        if _TMP_STEP_DIR.match(path.name) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def check_no_links(output_dir: Path) -> None:
@@ -280,27 +347,42 @@ def _alive(pid: str) -> bool:
         return False
 
 
-def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int) -> Path:
+def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, check=None) -> Path:
     """``save_pretrained`` model and tokenizer into ``output_dir/final`` atomically, with a manifest (which
     ``from_pretrained`` of a HELM model checks); a failed write leaves the checkpoints and any older final/ as
-    they were and raises :class:`CheckpointError`."""
+    they were and raises :class:`CheckpointError`. ``check(folder)`` runs on the complete folder before it replaces
+    final/; what it raises (``FloatingPointError`` for a model whose validation loss is not finite) leaves final/
+    as it was too."""
     tmp, final = output_dir / ".tmp-final", output_dir / "final"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
-        finalize(tmp, final, step)
+        write_manifest(tmp, step)
+        if check is not None:
+            check(tmp)
+        finalize(tmp, final, step, manifest=False)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write the final model to {str(final)!r}: {' '.join(str(error).split())}; "
                               "the checkpoints are intact: free space, then rerun with --resume") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
-def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None) -> None:
-    """Write the manifest of a fully written folder last, then rename it into place (replacing an older one of
-    the same name)."""
-    write_manifest(tmp, step, val_loss=val_loss)
+def non_finite_weights(state_dict: dict) -> list[str]:
+    """The names of the floating-point tensors of ``state_dict`` that hold a NaN or an inf."""
+    return [name for name, value in state_dict.items()
+            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
+
+
+def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None, manifest: bool = True) -> None:
+    """Write the manifest of a fully written folder last (unless ``manifest`` is false: written already), then
+    rename it into place (replacing an older one of the same name)."""
+    if manifest:
+        write_manifest(tmp, step, val_loss=val_loss)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -68,10 +69,50 @@ def _preset_without_model_type(tmp_path, run_data):
     return [f"--model.preset={preset}"]
 
 
+def _legacy_config(run):
+    """The config.yaml a train.py from before the run marker wrote: the resolved recipe, its five sections."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {}, "data": {}, "optim": {},
+                                                     "train": {"output_dir": str(run)}, "demo": {}}))
+
+
 def _previous_run(tmp_path, run_data):
     (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    _legacy_config(tmp_path / "run")
     return []
+
+
+def _user_folder(tmp_path, run_data):
+    """A folder of the user's that never held a run, with files named like a run's (issue: FILE LOST 1)."""
+    run = tmp_path / "run"
+    for name, text in (("final/thesis.txt", "years of work"), ("metrics.jsonl", "{}\n"), ("config.yaml", "a: 1\n"),
+                       ("checkpoints/mine/k.txt", "key")):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    return []
+
+
+def _run_folder_with(*names):
+    """A run folder (the marker train.py writes, its config.yaml) with files of the user's inside checkpoints/ or
+    final/."""
+    def setup(tmp_path, run_data):
+        run = tmp_path / "run"
+        _legacy_config(run)
+        (run / ".helm-train-run").write_text('{"written_by": "train.py"}\n')
+        (run / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+        for name in names:
+            (run / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / name).write_text("mine")
+        return []
+    return setup
+
+
+def _run_folder_as_pretrained(tmp_path, run_data):
+    folder = tmp_path / "old-run"
+    _previous_run(tmp_path, run_data)
+    (tmp_path / "run").rename(folder)
+    return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
 def _live_lock(tmp_path, run_data):
@@ -110,7 +151,7 @@ def _training_checkpoint_as_pretrained(tmp_path, run_data):
 
 
 def _metrics_but_no_checkpoint(tmp_path, run_data):
-    (tmp_path / "run").mkdir()
+    _legacy_config(tmp_path / "run")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     return []
 
@@ -148,7 +189,7 @@ CASES = [
     ("data-empty-file", "tiny-helm-d", lambda t, r: _data_folder(t, r, b""), [], 2,
      r"data\.dataset: .*train\.jsonl: the file is empty"),
     ("data-malformed-json", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{not json\n'), [], 2,
-     r"data\.dataset: .*train\.jsonl: not valid UTF-8 json data"),
+     r"data\.dataset: .*train\.jsonl: line 2 is not valid JSON \(Expecting property name"),
     ("data-text-not-strings", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": 5}\n' * 50), [], 2,
      r"data\.dataset: .*train\.jsonl: field 'text' must hold strings"),
     ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
@@ -203,6 +244,34 @@ CASES = [
      r"model\.pretrained: .*'attention_bias'.* expected bool, got str \(value: 'false'\)"),  # transformers' check
     ("override-tie-word-embeddings", "tiny-helm-d", lambda t, r: [], ["--model.overrides.tie_word_embeddings=true"],
      2, r"model\.preset: ValueError: tie_word_embeddings must be False"),
+    # probe of the reliability review: messages in the recipe's own terms
+    ("optim-betas-a-number", "tiny-helm-d", lambda t, r: [], ["--optim.betas=0.9"], 2,
+     r"^error: optim\.betas must be a list of two numbers in \[0, 1\), e\.g\. --optim\.betas='\[0\.9,0\.95\]', got 0\.9$"),
+    ("optim-betas-a-mapping", "tiny-helm-d", lambda t, r: [], ["--optim.betas={a: 1}"], 2,
+     r"^error: optim\.betas must be a list of two numbers .*, got \{'a': 1\}$"),
+    ("optim-betas-strings", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[a,b]"], 2,
+     r"^error: optim\.betas must be a list of two numbers .*, got \['a', 'b'\]$"),
+    ("model-overrides-a-number", "tiny-helm-d", lambda t, r: [], ["--model.overrides=5"], 2,
+     r"^error: model\.overrides must be a mapping of config fields, e\.g\. --model\.overrides\.num_hidden_layers=2"),
+    ("data-text-a-number", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": 123}\n' * 50), [], 2,
+     r"data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got a number \(123\) on line 1$"),
+    ("data-text-a-number-after-strings", "tiny-helm-d",
+     lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n' * 3 + b'{"text": [1]}\n'), [], 2,
+     r"data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got a list \(\[1\]\) on line 4$"),
+    ("data-unterminated-string", "tiny-helm-d",
+     lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{"text": "unterminated\n'), [], 2,
+     r"data\.dataset: .*/train\.jsonl: line 2 is not valid JSON \(Unterminated string starting at, column 10\)$"),
+    ("pretrained-is-a-run-folder", "tiny-helm-d", _run_folder_as_pretrained, [], 2,
+     r"model\.pretrained: .*old-run' is a run folder of train\.py .*--model\.pretrained=.*old-run/final"),
+    ("overwrite-a-user-folder", "tiny-helm-d", _user_folder, ["--train.overwrite=true"], 2,
+     r"train\.output_dir .*/run' already holds files \(checkpoints, config\.yaml, final, metrics\.jsonl\) but is not "
+     r"a run folder of train\.py"),
+    ("overwrite-unknown-file-in-checkpoints", "tiny-helm-d", _run_folder_with("checkpoints/mine/k.txt"),
+     ["--train.overwrite=true"], 2, r"train\.overwrite: the run folder .*/run' holds files train\.py did not write "
+                                    r"inside its checkpoints/ or final/ \(checkpoints/mine\); nothing was deleted"),
+    ("overwrite-unknown-file-in-final", "tiny-helm-d",
+     _run_folder_with("final/config.json", "final/thesis.txt", "checkpoints/step-00000002/model.safetensors"),
+     ["--train.overwrite=true"], 2, r"train\.overwrite: .* did not write .*\(final/thesis\.txt\)"),
 ]
 
 
@@ -220,7 +289,10 @@ def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, t
     recipe = write_recipe(tmp_path, run_data, base=base, train={"max_steps": 4, "save_every": 2},
                           demo={"prompt": None}, model=model)
     extra = setup(tmp_path, run_data) + args
+    run = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} if run.is_dir() else {}
     assert train_script.main(["--config", str(recipe), *extra]) == code
+    assert all(p.is_file() and p.read_bytes() == data for p, data in before.items()), "a file of the folder changed"
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(message, errors[0]), captured.out + captured.err
@@ -228,6 +300,91 @@ def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, t
     assert "[train] data:" not in captured.out, "the problem was found only after loading the data"
     assert not list_checkpoints(tmp_path / "run" / "checkpoints")[1:], "a checkpoint was written"
     assert not (tmp_path / "run" / "train.lock").exists() or name == "output-dir-in-use"
+
+
+def _recipe_with_bare_no(tmp_path):
+    path = tmp_path / "bare-no.yaml"
+    path.write_text(f"model: {{preset: tiny-helm-d}}\ntrain:\n  output_dir: {tmp_path / 'run'}\n  max_steps: 1\n"
+                    "  mixed_precision: no\n")
+    return path
+
+
+# Recipes that are accepted though OmegaConf alone would refuse them: (case, recipe(tmp_path) or None for the
+# shipped tiny recipe, overrides, key, value it resolves to)
+ACCEPTED = [
+    ("mixed-precision-no-on-the-command-line", None, ["train.mixed_precision=no"], "train.mixed_precision", "no"),
+    ("mixed-precision-no-in-a-recipe", _recipe_with_bare_no, [], "train.mixed_precision", "no"),
+]
+
+
+@pytest.mark.parametrize("case, recipe, overrides, key, value", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_recipe_spellings_that_are_accepted(case, recipe, overrides, key, value, tmp_path):
+    """YAML 1.1 reads a bare `no` as false: train.mixed_precision, whose allowed strings include `no` (its
+    default), takes false as `no`; --print-config then writes it back quoted."""
+    from helm.training import describe, load_run_config
+
+    path = recipe(tmp_path) if recipe else REPO / "configs" / "train" / "tiny-helm-d.yaml"
+    config = load_run_config(path, [*overrides, f"train.output_dir={tmp_path / 'run'}"])
+    section, name = key.split(".")
+    assert getattr(getattr(config, section), name) == value
+    (tmp_path / "printed.yaml").write_text(describe(config))
+    assert getattr(getattr(load_run_config(tmp_path / "printed.yaml"), section), name) == value
+
+
+def _poison_weights(value):
+    def damage(checkpoint):
+        weights = load_file(checkpoint / "model.safetensors")
+        key = next(k for k, v in weights.items() if v.is_floating_point())
+        weights[key] = torch.full_like(weights[key], value)
+        save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    return damage
+
+
+# A finished run whose newest checkpoint holds non-finite weights (its manifest re-hashed to match), resumed: it
+# trains 0 steps and reaches the final save. (case, damage of the checkpoint, message)
+NON_FINITE_FINAL = [
+    ("nan-weights", _poison_weights(float("nan")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
+    ("inf-weights", _poison_weights(float("inf")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
+]
+
+
+@pytest.mark.parametrize("case, damage, message", NON_FINITE_FINAL, ids=[c[0] for c in NON_FINITE_FINAL])
+def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tmp_path, run_data, capsys):
+    """final/ is never written nor replaced when the model to be saved has non-finite weights or a non-finite
+    validation loss: exit 3, as for NaN during training, and the good final/ stays as it was."""
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    final = tmp_path / "run" / "final"
+    kept = {p.name: p.read_bytes() for p in final.iterdir()}
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
+    damage(checkpoint)
+    (checkpoint / "manifest.json").unlink()
+    write_manifest(checkpoint, 4)
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume"])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(message, error) and "step-00000004" in error and "was not written" in error, error
+    assert "Traceback" not in captured.err
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == kept
+    assert not (tmp_path / "run" / ".tmp-final").exists()
+
+
+def test_overwrite_of_a_run_folder_keeps_the_users_other_files(tmp_path, run_data, capsys):
+    """train.overwrite deletes a run's checkpoints, metrics and final model and nothing else; a leftover
+    checkpoints/.tmp-step-* of an interrupted write is removed on the next start."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    run = tmp_path / "run"
+    assert (run / ".helm-train-run").is_file()
+    (run / "notes.txt").write_text("mine")
+    (run / "checkpoints" / ".tmp-step-00000003").mkdir()
+    assert train_script.main(["--config", str(recipe), "--train.overwrite=true"]) == 0, capsys.readouterr()
+    assert (run / "notes.txt").read_text() == "mine" and not (run / "checkpoints" / ".tmp-step-00000003").exists()
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2]
 
 
 def _checkpoint_weights_finite(run) -> list[int]:
