@@ -11,7 +11,14 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   plain CPU tensor outside ``torch.compile`` tracing (:func:`readable_for_free`). A tensor on an accelerator, a
   DTensor (FSDP) or one met while compiling is *not* checked: reading it would synchronise with the device (or
   run a collective, or break the graph); tensors come from parametrisations that keep them positive (MiCE
-  experts). :func:`centroid`'s weights follow the same rule.
+  experts). :func:`centroid`'s weights follow the same rule. Its *shape* is always checked (free): a tensor ``k``
+  must broadcast against the time coordinates ``x[..., :1]`` without growing them (last dim 1, no extra leading
+  dims), else ``ValueError`` naming its shape (a ``k`` of shape ``[n]`` would make ``n`` time coordinates).
+* Upper sheet: :func:`sqdist`, :func:`dist`, :func:`logmap0`, :func:`centroid` take points with ``x_t > 0`` and
+  :func:`normalize` a future-pointing ``s`` (``s_t > 0``); a point of the lower sheet (``-x``) is a ``ValueError``
+  naming the argument where its values are free to read (:func:`readable_for_free`; one reduction over the time
+  coordinates). On accelerators and under ``torch.compile`` it is not checked and gives wrong values (``dist(-x,
+  y)`` about 0, ``logmap0(-x) = -logmap0(x)``). A NaN time coordinate passes (it propagates, as elsewhere).
 * Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
   fp32/bf16/fp16 inputs and fp64 for fp64 ones; bf16/fp16 inputs are promoted, so points returned by
   :func:`lift` and friends are fp32 under autocast. Nothing is widened to fp64 (except the diagnostic
@@ -76,11 +83,33 @@ def positive_exp(log_value: torch.Tensor) -> torch.Tensor:
 
 def _kt(k: Curv, like: torch.Tensor, name: str = "k") -> Union[float, torch.Tensor]:
     """``k`` in the accumulation dtype of ``like`` (floats stay floats: no device transfer), checked by
-    :func:`check_k` (numbers only)."""
+    :func:`check_k` and :func:`_check_k_shape`."""
     check_k(k, name)
+    _check_k_shape(k, like, name)
     if isinstance(k, torch.Tensor):
         return k.to(dtype=to_stat(like).dtype if like.is_floating_point() else k.dtype, device=like.device)
     return float(k)
+
+
+def _check_k_shape(k: Curv, like: torch.Tensor, name: str = "k") -> None:
+    """``ValueError`` unless a tensor ``k`` broadcasts against ``like[..., :1]`` (the time coordinates) to exactly that
+    shape: a shape comparison, no device work; 0-dim tensors and numbers pass at once."""
+    if not isinstance(k, torch.Tensor) or not k.dim():
+        return
+    time = tuple(like.shape[:-1]) + (1,)
+    if k.dim() > len(time) or any(a not in (1, b) for a, b in zip(reversed(k.shape), reversed(time))):
+        raise ValueError(f"{name} must broadcast against the time coordinates x[..., :1] of shape {time} (a tensor of "
+                         f"shape [..., 1]) without growing them, got a tensor of shape {tuple(k.shape)}")
+
+
+def _check_upper(fn: str, **points: torch.Tensor) -> None:
+    """``ValueError`` naming the argument of ``fn`` whose time coordinate is not positive (the lower sheet), where
+    its values are free to read (:func:`readable_for_free`); one reduction per argument. NaN passes."""
+    for name, x in points.items():
+        if readable_for_free(x) and x.numel() and bool((x[..., 0] <= 0).any()):
+            raise ValueError(f"{fn}: {name} must be points of the upper sheet (time coordinate {name}[..., 0] > 0), "
+                             f"got time coordinates down to {float(x[..., 0].min()):g} (the lower sheet, -x, is "
+                             "not H^n_k)")
 
 
 def _sqrt(k: Union[float, torch.Tensor]):
@@ -242,8 +271,17 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     Evaluated as the Minkowski norm of the difference, which has no cancellation for nearby points, and
     clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
     ``k`` is accepted for a uniform signature (and checked); the difference form does not need it.
+    ``x`` and ``y`` must lie on the upper sheet (``x_t > 0``: checked on CPU, see the module docstring; a point of
+    the lower sheet would give a time-like difference, clamped to about 0).
     """
     check_k(k)
+    _check_k_shape(k, x)
+    _check_upper("sqdist", x=x, y=y)
+    return _sqdist(x, y, keepdim)
+
+
+def _sqdist(x: torch.Tensor, y: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """:func:`sqdist` without the checks."""
     return sqnorm(to_stat(x) - to_stat(y), keepdim=keepdim).clamp_min(0)
 
 
@@ -252,9 +290,11 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
 
     Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
     exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
+    Points of the upper sheet only (checked on CPU, as :func:`sqdist`).
     """
     kk = _kt(k, to_stat(x))
-    d2 = sqdist(x, y, k=k, keepdim=keepdim)
+    _check_upper("dist", x=x, y=y)
+    d2 = _sqdist(x, y, keepdim)
     tiny = torch.finfo(d2.dtype).tiny
     return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
 
@@ -277,6 +317,10 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     tangent of norm 200 at ``k = 1`` is past it: ``inf`` coordinates, the point ``e^200`` away is not an fp32
     number), fp64 ``θ < 710.47 - ½ log k``. Layers never come near it (their tables sit at ``θ <= 40``, see
     ``HelmConfigBase``).
+    Beyond that range the input is refused where that is free: a ``ValueError`` naming the tangent norm and the
+    range, for a CPU tensor outside compilation (:func:`readable_for_free`; one reduction over ``[..., 1]``). On
+    accelerators and while compiling it is not read, and the result is as described above (never NaN, also when
+    ``|u_s|`` itself overflows: then the time coordinate is ``inf`` and the space part 0).
     Shapes: ``[..., 1+n] -> [..., 1+n]``.
     """
     u_s = to_stat(u[..., 1:])
@@ -295,16 +339,26 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     direction = u_s / torch.where(big, norm, torch.ones_like(norm))
     far_s = scale * direction
     far_s = torch.where(torch.isinf(scale) & (direction == 0), torch.zeros_like(far_s), far_s)  # not inf·0
-    # x_t = sqrt(|x_s|² + k) = |x_s| to within k/|x_s|² < 1e-17 here, evaluated without squaring
-    far = torch.cat([scale * direction.norm(dim=-1, keepdim=True), far_s], dim=-1)
+    # x_t = sqrt(|x_s|² + k) = |x_s| = scale (|direction| = 1) to within k/|x_s|² < 1e-17 here; scale itself, not
+    # scale·|direction|, so an overflowing |u_s| (direction 0) gives inf, not inf·0 = nan
+    far = torch.cat([scale, far_s], dim=-1)
+    if readable_for_free(u_s) and bool(torch.isinf(scale).any()):
+        bad = torch.isinf(scale)
+        largest, theta_max = float(norm.detach()[bad].max()), float(theta.detach()[bad].max())
+        limit = math.floor(100 * (math.log(2) + math.log(torch.finfo(u_s.dtype).max))) / 100
+        raise ValueError(f"expmap0: a tangent vector of norm |u_s| = {largest:g} (theta = |u_s|/sqrt(k) "
+                         f"= {theta_max:g}) is outside the range where its image is a finite "
+                         f"{str(u_s.dtype).removeprefix('torch.')} point, theta < {limit:.2f} - log(k)/2")
     return torch.where(big, far, near)
 
 
 def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
     """Logarithmic map at the origin: ``[0, (θ / sinh θ) x_s]`` with ``θ = asinh(|x_s| / sqrt k)``.
 
-    Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``.
+    Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``. Only the space part
+    is read, so ``x`` must be on the upper sheet (checked on CPU; ``logmap0(-x)`` would be ``-logmap0(x)``).
     """
+    _check_upper("logmap0", x=x)
     x_s = to_stat(x[..., 1:])
     kk = _kt(k, x_s)
     r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
@@ -325,9 +379,11 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     ``k (1 + w)² + w d²``, attention's and MiCE's centred sums): every layer passes one; without it the norm is
     computed from ``s``, accurate near the origin only. ``floor`` is a lower bound on it known from the
     math. The time coordinate of the result is recomputed from its space part, so the output is on the
-    manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``.
+    manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``. ``s_t > 0`` (future-pointing) is checked on CPU:
+    the space part alone is read, so a past-pointing ``s`` would silently land on the reflected point.
     """
     s = to_stat(s)
+    _check_upper("normalize", s=s)
     if norm2 is None:
         norm2 = sqnorm(s, keepdim=True).abs()
     if floor is not None:
@@ -343,7 +399,13 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     ``x``'s shape minus the last dim (default: uniform ``1/N``), summing to a positive number for every centroid:
     ``ValueError`` otherwise where the weights can be read for free (:func:`readable_for_free`: CPU tensors
     outside compilation); on an accelerator they are not read (no synchronisation) and such weights give
-    non-finite points.
+    non-finite points. A ``w`` that does not broadcast to the points, or no points (``x.shape[dim] == 0``), is a
+    ``ValueError`` (shapes: always checked). The points must be on the upper sheet (checked on CPU).
+
+    The centroid does not change when the weights of one centroid are scaled by a common positive factor, and
+    neither does its evaluation: the weights are divided by their largest one per centroid first, so weights
+    like ``1e-30`` or ``1e20`` (whose ``(Σ w)²`` under- or overflows fp32) give the centroid of the same weights
+    near 1.
 
     For points of ``H_k``, ``<x_i, x_j>_L = -k - d²_ij / 2``, hence
     ``|<s, s>_L| = k (Σ w)² + ½ Σ_ij w_i w_j d²(x_i, x_j)``. That form is used: it is exact for points on the
@@ -354,20 +416,32 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     """
     x = to_stat(x)
     dim = dim if dim >= 0 else x.dim() + dim
-    if dim == x.dim() - 1:
-        raise ValueError("centroid: dim must index the points, not the coordinate (last) dim")
+    if not 0 <= dim < x.dim() - 1:
+        raise ValueError(f"centroid: dim={dim} must index the points of x {tuple(x.shape)}, not the coordinate "
+                         "(last) dim")
+    if x.shape[dim] == 0:
+        raise ValueError(f"centroid of no points: x {tuple(x.shape)} holds 0 points along dim {dim}")
+    given = w is not None
     if w is None:
         w = torch.full(x.shape[:-1], 1.0 / x.shape[dim], dtype=x.dtype, device=x.device)
-    w = to_stat(w).to(x.dtype).expand(x.shape[:-1])
+    points = tuple(x.shape[:-1])
+    if w.dim() > len(points) or any(a not in (1, b) for a, b in zip(reversed(w.shape), reversed(points))):
+        raise ValueError(f"centroid: w of shape {tuple(w.shape)} must broadcast to x's points {points} (x "
+                         f"{tuple(x.shape)}: {x.shape[dim]} points along dim {dim}, coordinates last)")
+    w = to_stat(w).to(x.dtype).expand(points)
     xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
     if readable_for_free(wm) and not bool(((wm >= 0) & wm.isfinite()).all(-1).logical_and(wm.sum(-1) > 0).all()):
         raise ValueError("centroid: w must be non-negative and finite, with a positive sum over the points of "
                          f"each centroid (got weights in [{float(wm.min()):g}, {float(wm.max()):g}], sums down to "
                          f"{float(wm.sum(-1).min()):g}); a zero or negative total weight has no centroid")
+    _check_upper("centroid", x=xm)
+    if given:  # scale-free: (Σ w)² and Σ w_i w_j d² under- or overflow fp32 for tiny or huge common scales
+        wm = wm / wm.amax(-1, keepdim=True)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
-    d2 = sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3), k=k)
-    norm2 = _kt(k, s) * wm.sum(-1).pow(2) + 0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2))
-    return normalize(s, k=k, norm2=norm2.unsqueeze(-1))
+    d2 = _sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3))
+    norm2 = _kt(k, s) * wm.sum(-1, keepdim=True).pow(2) + \
+        0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2)).unsqueeze(-1)
+    return normalize(s, k=k, norm2=norm2)
 
 
 def rescale(x: torch.Tensor, *, k_in: Curv, k_out: Curv) -> torch.Tensor:
@@ -398,6 +472,7 @@ def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
     infinite coordinate (not a point of the manifold in any precision) as ``inf``.
     """
     check_k(k)
+    _check_k_shape(k, x)
     x64 = x.detach().double()
     kk = k.detach().double().to(x64.device) if isinstance(k, torch.Tensor) else float(k)
     err = (sqnorm(x64) + (kk.squeeze(-1) if isinstance(kk, torch.Tensor) and kk.dim() == x64.dim() else kk)).abs()

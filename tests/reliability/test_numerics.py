@@ -210,11 +210,96 @@ def test_centroid_weights_outside_the_domain_are_refused(case, weights, refused)
         assert torch.isfinite(c).all() and M.manifold_error(c, 0.7).max() <= 1e-5
 
 
+# Issue 26 item 3: a tensor k broadcasts against the time coordinates x[..., :1] without growing them (shape checked
+# everywhere, free); a k of shape [3] against points [3, 1+n] made 3 time coordinates. (case, call)
+_x3 = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=1.0)
+K_SHAPES = [
+    ("lift k=ones(3)", lambda: M.lift(torch.randn(3, 4), k=torch.ones(3))),
+    ("lift k=ones(2, 3, 1) grows the batch", lambda: M.lift(torch.randn(3, 4), k=torch.ones(2, 3, 1))),
+    ("expmap0 k=ones(3)", lambda: M.expmap0(_x3, k=torch.ones(3))),
+    ("logmap0 k=ones(3)", lambda: M.logmap0(_x3, k=torch.ones(3))),
+    ("sqdist k=ones(3)", lambda: M.sqdist(_x3, _x3, k=torch.ones(3))),
+    ("dist k=ones(3)", lambda: M.dist(_x3, _x3, k=torch.ones(3))),
+    ("origin k=ones(3)", lambda: M.origin(3, 3, k=torch.ones(3))),
+    ("normalize k=ones(3)", lambda: M.normalize(_x3, k=torch.ones(3))),
+    ("centroid k=ones(3)", lambda: M.centroid(_x3, k=torch.ones(3))),
+    ("rescale k_out=ones(3)", lambda: M.rescale(_x3, k_in=1.0, k_out=torch.ones(3))),
+    ("hcat k=ones(3)", lambda: M.hcat([_x3, _x3], k=torch.ones(3))),
+    ("manifold_error k=ones(3)", lambda: M.manifold_error(_x3, torch.ones(3))),
+]
+
+
+@pytest.mark.parametrize("case, call", K_SHAPES, ids=[c[0] for c in K_SHAPES])
+def test_tensor_k_of_another_shape_than_the_time_coordinates_is_refused(case, call):
+    with pytest.raises(ValueError, match=r"^k(_out)? must broadcast against the time coordinates x\[\.\.\., :1\] of "
+                                         r"shape \((3, )?1,?\) \(a tensor of shape \[\.\.\., 1\]\) without growing them, "
+                                         r"got a tensor of shape \((3,|2, 3, 1)\)"):
+        call()
+
+
+def test_tensor_k_of_the_time_coordinates_shape_is_accepted():
+    k = torch.tensor([[1.0], [2.0], [0.5]])
+    x = M.lift(torch.randn(3, 4), k=k)
+    assert x.shape == (3, 5) and M.manifold_error(x, k).max() <= 1e-6
+    assert M.centroid(x[None].expand(2, 3, 5), k=torch.tensor([[1.0], [2.0]]), dim=1).shape == (2, 5)
+
+
+# Issue 26 item 4: functions that read only the space part, or a difference, assume the upper sheet; a point of the
+# lower sheet (-x) is refused where its values are free to read (dist(-x, y) was ~1e-19, logmap0(-x) = -logmap0(x)).
+# (case, call, argument named)
+UPPER_SHEET = [
+    ("dist(-x, y)", lambda: M.dist(-_x3, _x3, k=1.0), "dist: x"),
+    ("dist(x, -y)", lambda: M.dist(_x3, -_x3, k=1.0), "dist: y"),
+    ("sqdist(-x, y)", lambda: M.sqdist(-_x3, _x3, k=1.0), "sqdist: x"),
+    ("logmap0(-x)", lambda: M.logmap0(-_x3, k=1.0), "logmap0: x"),
+    ("centroid(-x)", lambda: M.centroid(-_x3, k=1.0), "centroid: x"),
+    ("normalize(-s)", lambda: M.normalize(-2 * _x3, k=1.0), "normalize: s"),
+    ("logmap0 one row of -x", lambda: M.logmap0(torch.cat([_x3[:2], -_x3[2:]]), k=1.0), "logmap0: x"),
+]
+
+
+@pytest.mark.parametrize("case, call, name", UPPER_SHEET, ids=[c[0] for c in UPPER_SHEET])
+def test_points_of_the_lower_sheet_are_refused(case, call, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be points of the upper sheet \(time coordinate"):
+        call()
+
+
+def test_lower_sheet_is_not_read_while_compiling():
+    """Compiled (as on an accelerator) the sheet is not checked: the documented wrong value, no graph break."""
+    compiled = torch.compile(lambda x: M.logmap0(x, k=1.0), backend="eager", fullgraph=True)
+    assert_close(compiled(-_x3), -M.logmap0(_x3, k=1.0))
+
+
+# Issue 26 items 2 and 5: the centroid is invariant to a common positive scale of the weights, numerically too
+# (1e-30 gave inf, 1e20 NaN), and weights that do not fit the points, or no points, are a ValueError.
+# (case, weights of the 3 points of _points, expected message or None: the centroid of weights [1, 1, 1])
+CENTROID_SCALES = [
+    ("1e-30", torch.full((3,), 1e-30), None),
+    ("1e-20", torch.full((3,), 1e-20), None),
+    ("1e20", torch.full((3,), 1e20), None),
+    ("1e30 uneven", torch.tensor([3e30, 1e30, 2e30]), None),
+    ("4 weights for 3 points", torch.ones(4), r"^centroid: w of shape \(4,\) must broadcast to x's points \(3,\)"),
+    ("no points", None, r"^centroid of no points: x \(0, 3\) holds 0 points"),
+]
+
+
+@pytest.mark.parametrize("case, w, message", CENTROID_SCALES, ids=[c[0] for c in CENTROID_SCALES])
+def test_centroid_weights_scale_and_shape(case, w, message):
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            M.centroid(_points if w is not None else _points[:0], w if w is not None else torch.ones(0), k=0.7)
+        return
+    ref = M.centroid(_points.double(), (w / w.max()).double(), k=0.7)
+    assert_close(M.centroid(_points, w, k=0.7), ref, rtol=TOL)
+
+
 # Issue 25 item 11: the documented exact range of expmap0, theta = |u_s|/sqrt(k) < log(2 max / sqrt(k)):
-# fp32 89.41 - log(k)/2, fp64 710.47 - log(k)/2; just inside finite, just outside inf (a tangent of norm 200 at k = 1
-# in fp32 is outside). (dtype, k, theta, finite?)
+# fp32 89.41 - log(k)/2, fp64 710.47 - log(k)/2; just inside finite, just outside (issue 26 item 1) a ValueError naming
+# the tangent norm and the range on CPU (a tangent of norm 100 or 200 at k = 1 in fp32 is outside; so is one whose
+# norm itself overflows, which gave nan). (dtype, k, theta, finite?)
 EXPMAP_RANGE = [
     (torch.float32, 1.0, 89.40, True), (torch.float32, 1.0, 89.43, False), (torch.float32, 1.0, 200.0, False),
+    (torch.float32, 1.0, 100.0, False), (torch.float32, 1.0, 1e30, False),
     (torch.float32, 4.0, 89.41 - 0.5 * math.log(4.0) - 0.02, True),
     (torch.float32, 4.0, 89.41 - 0.5 * math.log(4.0) + 0.03, False),
     (torch.float32, 1e-4, 89.41 - 0.5 * math.log(1e-4) - 0.02, True),
@@ -227,13 +312,30 @@ EXPMAP_RANGE = [
 def test_expmap0_is_finite_exactly_in_its_documented_range(dtype, k, theta, finite):
     u = torch.zeros(1, 4, dtype=dtype)
     u[0, 2] = math.sqrt(k) * theta
-    x = M.expmap0(u, k=k)
-    assert bool(torch.isfinite(x).all()) == finite and not torch.isnan(x).any()
+    u[0, 3] = u[0, 2]  # two equal coordinates: |u_s|² overflows for theta = 1e30
+    u[0, 2:] /= math.sqrt(2) if theta < 1e30 else 1.0
+    if finite:
+        x = M.expmap0(u, k=k)
+        assert torch.isfinite(x).all()
+    else:
+        limit = "89.41" if dtype == torch.float32 else "710.47"
+        with pytest.raises(ValueError, match=rf"^expmap0: a tangent vector of norm \|u_s\| = .* is outside the range "
+                                             rf"where its image is a finite float(32|64) point, theta < {limit} - "):
+            M.expmap0(u, k=k)
+
+
+@pytest.mark.parametrize("theta", [100.0, 283.0, 1e30])
+def test_expmap0_out_of_range_is_inf_never_nan_where_not_read(theta):
+    """Compiled (the values are not read, as on an accelerator): coordinates inf or 0, never nan, as documented."""
+    u = torch.zeros(1, 4)
+    u[0, 2] = u[0, 3] = theta
+    x = torch.compile(lambda u: M.expmap0(u, k=1.0), backend="eager", fullgraph=True)(u)
+    assert not torch.isnan(x).any() and torch.isposinf(x[..., 0]).all() and x[0, 1] == 0
 
 
 # expmap0 far out: sinh/cosh and |x_s|² overflow fp32 long before the point does. theta = |u|/sqrt(k); at
 # theta <= 88 (k = 1) the point is representable in fp32 and must be finite, accurate, on the manifold, with
-# finite gradients; beyond, coordinates are inf (zero coordinates 0), never nan. (theta, k)
+# finite gradients; beyond, a ValueError on CPU (inf coordinates, never nan, where not read: test above). (theta, k)
 EXPMAP_FAR = [(20.5, 1.0), (50.0, 1.0), (88.0, 1.0), (60.0, 0.7), (89.5, 1.0), (283.0, 1.0), (1e4, 1.0),
               (283.0, 1e-4)]
 
@@ -244,18 +346,17 @@ def test_expmap0_does_not_overflow_before_the_result(theta, k):
     direction = direction / direction.norm()
     u = torch.cat([torch.zeros(1, dtype=torch.float64), math.sqrt(k) * theta * direction]).float()[None]
     u.requires_grad_(True)
-    x = M.expmap0(u, k=k)
-    assert not torch.isnan(x).any()
-    ref = M.expmap0(u.detach().double(), k=k)
-    if torch.isfinite(ref.float()).all():  # representable in fp32
+    if theta + 0.5 * math.log(k) < 89.41:  # representable in fp32
+        x = M.expmap0(u, k=k)
+        ref = M.expmap0(u.detach().double(), k=k)
         assert torch.isfinite(x).all()
         assert_close(x.detach(), ref, rtol=10 * theta * 6e-8 + 1e-5, msg=f"expmap0 at theta={theta}")
         assert M.manifold_error(x.detach(), k).max() <= 1e-5
         x.sum().backward()
         assert torch.isfinite(u.grad).all()
     else:
-        assert torch.isinf(x[..., 0]).all() and (x[..., 1:][..., direction.float() == 0] == 0).all()
-        assert M.manifold_error(x.detach(), k).isposinf().all()  # reported as off the manifold, not NaN
+        with pytest.raises(ValueError, match="^expmap0: a tangent vector of norm"):  # on CPU: refused
+            M.expmap0(u, k=k)
 
 
 @pytest.mark.parametrize("log_value", [0.0, 80.0, 88.0, 89.0, 1732.0, float("inf")])
