@@ -35,10 +35,14 @@ def tiny_checkpoint(tokenizer, tmp_path_factory):
 
 @pytest.fixture
 def paths(tmp_path, tiny_checkpoint):
-    """``{missing}``, ``{text}``, ``{bare}`` (a folder with only a Llama config.json), ``{custom}`` (an unknown model
-    type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder), ``{tmp}``."""
+    """``{missing}``, ``{text}``, ``{link}`` (a symlink to it), ``{bare}`` (a folder with only a Llama config.json),
+    ``{custom}`` (an unknown model type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder),
+    ``{result}`` (a result file in the folder ``{results}``), ``{tmp}``."""
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "one two three four five six seven"}) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(text)
+    (results := tmp_path / "results").mkdir()
+    (results / "r.json").write_text(json.dumps({"model_name": "m", "results": {"t": {"acc": 0.5}}}))
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     bare, custom, nocfg = tmp_path / "bare", tmp_path / "custom", tmp_path / "nocfg"
     for folder in (bare, custom, nocfg):
@@ -58,7 +62,8 @@ def paths(tmp_path, tiny_checkpoint):
     return {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
             "remotetok": str(remotetok),
             "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path),
-            "bad": str(tmp_path / "bad.jsonl"), "model": tiny_checkpoint}
+            "bad": str(tmp_path / "bad.jsonl"), "model": tiny_checkpoint, "link": str(tmp_path / "link.jsonl"),
+            "results": str(results), "result": str(results / "r.json")}
 
 
 REMOTE = "neither helm nor transformers knows.*pass --trust-remote-code"
@@ -69,14 +74,15 @@ CASES = [
     ("perplexity", ["--model", "{bare}", "--files", "{tmp}/nope.jsonl"], 2, "text file not found: .*nope.jsonl"),
     ("perplexity", ["--model", "{bare}", "--files", "{text}", "--dtype", "float8"], 2, "dtype must be"),
     ("perplexity", ["--model", "{custom}", "--files", "{text}"], 2, REMOTE),
-    ("perplexity", ["--model", "{bare}", "--files", "{bad}"], 2, r"bad\.jsonl: not valid UTF-8 json data"),
-    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "0"], 2, "seq_len must be at least 2"),
+    ("perplexity", ["--model", "{bare}", "--files", "{bad}"], 2, r"bad\.jsonl: line 2 is not valid JSON"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "0"], 2,
+     "--seq-len must be an integer >= 2, got 0"),
     ("perplexity", ["--model", "{model}", "--files", "{text}", "--batch-size", "0"], 2,
-     "batch_size must be at least 1"),
+     "--batch-size must be an integer >= 1, got 0"),
     ("perplexity", ["--model", "{model}", "--files", "{text}", "--max-windows", "0"], 2,
-     "max_windows must be at least 1"),
+     "--max-windows must be an integer >= 1, got 0"),
     ("perplexity", ["--model", "{model}", "--files", "{text}", "--max-documents", "0"], 2,
-     "max_documents must be at least 1"),
+     "--max-documents must be an integer >= 1, got 0"),
     ("perplexity", ["--model", "{model}", "--files", "{text}", "--device", "cuda:7"], 2,
      r"--device cuda:7: this machine"),
     ("length_extrapolation", ["--model", "{custom}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2, REMOTE),
@@ -118,6 +124,68 @@ CASES = [
     ("perplexity", ["--model", "{remotetok}", "--files", "{text}"], 2,
      r"could not load a tokenizer from .*remote-tokenizer.*trust_remote_code"),
     ("compare", ["{text}", "--metric", "t"], 2, "TASK=METRIC"),
+    # issue 26 items 1-3: no output is an input file of the run (symlinks resolved) or lies in a model folder;
+    # --seq-len 4 lets the unchecked run get as far as writing its result over the text
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "4", "--output", "{text}"], 2,
+     r"--output '.*text\.jsonl' is the input file '.*text\.jsonl' of this run"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "4", "--output", "{link}"], 2,
+     r"--output '.*link\.jsonl' is the input file '.*text\.jsonl' of this run"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--output", "{model}/model.safetensors"], 2,
+     r"--output '.*model\.safetensors' is in the model folder"),
+    ("perplexity", ["--model", "{bare}", "--files", "{text}", "--tokenizer", "{model}", "--output",
+                    "{model}/tokenizer.json"], 2, r"--output '.*tokenizer\.json' is in the model folder"),
+    ("compare", ["{result}", "--output", "{result}"], 2, r"--output '.*r\.json' is the input file"),
+    ("compare", ["{results}", "--output", "{result}"], 2, r"--output '.*r\.json' is the input file"),
+    ("length_extrapolation", ["--model", "{model}", "--files", "{text}", "--output-dir", "{model}"], 2,
+     r"--output-dir '.*' is in the model folder"),
+    ("curvature", ["--model", "{model}", "--files", "{text}", "--output-dir", "{model}/curvature"], 2,
+     r"--output-dir '.*curvature' is in the model folder"),
+    ("harness", ["--model", "{bare}", "--output", "{bare}/results.json", "--dry-run"], 2,
+     r"--output '.*results\.json' is in the model folder"),
+    # item 5: two outputs of one run are never the same file (the small sizes keep the unchecked run short)
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
+                  "2", "--output", "{tmp}/pe.png", "--csv", "{tmp}/pe.png"], 2,
+     r"--output and --csv both name '.*pe\.png'"),
+    ("curvature", ["--model", "x={bare}", "--model", "x={bare}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2,
+     r"--model 'x=.*' and --model 'x=.*' are both named 'x'"),
+    ("length_extrapolation", ["--model", "{bare}", "--model", "{bare}", "--files", "{text}", "--output-dir",
+                              "{tmp}/o"], 2, r"are both named 'bare'"),
+    # items 4, 6, 7 and 8: numeric arguments are refused before any model loads ({missing} would fail to load)
+    ("length_extrapolation", ["--model", "{missing}", "--files", "{text}", "--max-tokens", "-12400"], 2,
+     r"--max-tokens must be an integer >= 1, got -12400"),
+    ("length_extrapolation", ["--model", "{missing}", "--files", "{text}", "--max-tokens", "-1"], 2,
+     r"--max-tokens must be an integer >= 1, got -1"),
+    ("length_extrapolation", ["--model", "{missing}", "--files", "{text}", "--batch-size", "0"], 2,
+     r"--batch-size must be an integer >= 1, got 0"),
+    ("pe_decay", ["--head-dim", "0", "--output", "{tmp}/a.png"], 2, r"--head-dim must be an integer >= 2, got 0"),
+    ("pe_decay", ["--head-dim", "-4", "--output", "{tmp}/a.png"], 2, r"--head-dim must be an integer >= 2, got -4"),
+    ("pe_decay", ["--rope3d-chunk-size", "0", "--output", "{tmp}/a.png"], 2,
+     r"--rope3d-chunk-size must be an integer >= 1, got 0"),
+    ("pe_decay", ["--num-heads", "0", "--output", "{tmp}/a.png"], 2, r"--num-heads must be an integer >= 1, got 0"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--batch-size", "0"], 2,
+     r"--batch-size must be an integer >= 1, got 0"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--seq-len", "1"], 2,
+     r"--seq-len must be an integer >= 2, got 1"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--seq-len", "8", "--stride", "9"], 2,
+     r"--stride must lie in \[1, --seq-len=8\], got 9"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--stride", "0"], 2,
+     r"--stride must be an integer >= 1, got 0"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--max-tokens", "-5"], 2,
+     r"--max-tokens must be an integer >= 1, got -5"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--max-windows", "0"], 2,
+     r"--max-windows must be an integer >= 1, got 0"),
+    ("perplexity", ["--model", "{missing}", "--files", "{text}", "--document-attention", "--keep-last"], 2,
+     r"--document-attention / --mask-document-starts score packed rows"),
+    ("curvature", ["--model", "{missing}", "--files", "{text}", "--knn", "0", "--output-dir", "{tmp}/o"], 2,
+     r"--knn must lie in \[1, --max-points - 1 = 999\], got 0"),
+    ("curvature", ["--model", "{missing}", "--files", "{text}", "--alpha", "1", "--output-dir", "{tmp}/o"], 2,
+     r"--alpha must lie in \[0, 1\), got 1\.0"),
+    ("curvature", ["--model", "{missing}", "--files", "{text}", "--seq-len", "0", "--output-dir", "{tmp}/o"], 2,
+     r"--seq-len must be an integer >= 1, got 0"),
+    ("curvature", ["--model", "{missing}", "--files", "{text}", "--seq-len", "-3", "--output-dir", "{tmp}/o"], 2,
+     r"--seq-len must be an integer >= 1, got -3"),
+    ("harness", ["--model", "{bare}", "--limit", "inf", "--dry-run"], 2, r"--limit must be a positive count"),
+    ("harness", ["--model", "{bare}", "--limit", "nan", "--dry-run"], 2, r"--limit must be a positive count"),
 ]
 
 
