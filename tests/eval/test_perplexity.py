@@ -71,7 +71,7 @@ def test_stream_options_cut_the_token_stream(make_checkpoint, text_file):
 
 
 def test_bad_stride_is_a_clear_error(make_checkpoint, text_file):
-    with pytest.raises(EvalError, match="stride must lie in \\[1, seq_len=16\\], got 17"):
+    with pytest.raises(EvalError, match="--stride must lie in \\[1, --seq-len=16\\], got 17"):
         run(make_checkpoint("helm_d"), text_file, "--seq-len", "16", "--stride", "17")
     with pytest.raises(EvalError, match="fewer than one window"):
         run(make_checkpoint("helm_d"), text_file, "--seq-len", "16", "--max-tokens", "10")
