@@ -332,7 +332,7 @@ def test_recipe_spellings_that_are_accepted(case, recipe, overrides, key, value,
 
 
 def _poison_weights(value):
-    def damage(checkpoint):
+    def damage(checkpoint, monkeypatch):
         weights = load_file(checkpoint / "model.safetensors")
         key = next(k for k, v in weights.items() if v.is_floating_point())
         weights[key] = torch.full_like(weights[key], value)
@@ -340,16 +340,29 @@ def _poison_weights(value):
     return damage
 
 
+def _nan_validation_of_the_saved_model(checkpoint, monkeypatch):
+    """Finite weights whose validation loss is not: the check of the reloaded model (distributed=False) sees NaN."""
+    real = train_script.validation_loss
+
+    def validation_loss(model, validation, accelerator, batch_size, distributed=True):
+        loss = real(model, validation, accelerator, batch_size, distributed=distributed)
+        return loss if distributed else float("nan")
+
+    monkeypatch.setattr(train_script, "validation_loss", validation_loss)
+
+
 # A finished run whose newest checkpoint holds non-finite weights (its manifest re-hashed to match), resumed: it
-# trains 0 steps and reaches the final save. (case, damage of the checkpoint, message)
+# trains 0 steps and reaches the final save. (case, damage(checkpoint, monkeypatch), message)
 NON_FINITE_FINAL = [
     ("nan-weights", _poison_weights(float("nan")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
     ("inf-weights", _poison_weights(float("inf")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
+    ("nan-validation-loss", _nan_validation_of_the_saved_model, r"the validation loss of the model to be saved is nan"),
 ]
 
 
 @pytest.mark.parametrize("case, damage, message", NON_FINITE_FINAL, ids=[c[0] for c in NON_FINITE_FINAL])
-def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tmp_path, run_data, capsys):
+def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tmp_path, run_data, capsys,
+                                                       monkeypatch):
     """final/ is never written nor replaced when the model to be saved has non-finite weights or a non-finite
     validation loss: exit 3, as for NaN during training, and the good final/ stays as it was."""
     from helm.manifest import write_manifest
@@ -359,7 +372,7 @@ def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tm
     final = tmp_path / "run" / "final"
     kept = {p.name: p.read_bytes() for p in final.iterdir()}
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
-    damage(checkpoint)
+    damage(checkpoint, monkeypatch)
     (checkpoint / "manifest.json").unlink()
     write_manifest(checkpoint, 4)
     capsys.readouterr()
