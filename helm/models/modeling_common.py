@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import Cache, PreTrainedModel
+from transformers.cache_utils import StaticLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import logging
 
@@ -427,6 +428,62 @@ def cache_batch_size(cache) -> Optional[int]:
     return None
 
 
+def _written_keys(layer) -> Optional[torch.Tensor]:
+    """The keys ``[B, h, T, W]`` a cache layer holds, or None while it holds none (a shape read)."""
+    keys = getattr(layer, "keys", None)
+    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.numel() else None
+
+
+def _key_shapes(config) -> tuple[str, Callable[[object, torch.Tensor], bool]]:
+    """What this model's attention layers write as cache keys: a description, and a test of a layer's written keys.
+
+    ``LorentzSelfAttention`` (HELM-D, MiCE with ``attention_type="mha"``) writes per-head Lorentz keys ``[B, H, T,
+    head_dim]``. HMLA writes latents ``[B, 1, T, kv_lora_rank]``, followed by ``3H`` scalars for absorbed decoding (in
+    ``m`` columns each when stored bit for bit in a narrower cache dtype, ``m`` = 2 or 4), or, in a static layer
+    allocated before its first write (``StaticCache.early_initialization``), packed into the ``[B, h, T, D]`` that
+    layer was given from the config (``transformers``' ``get_head_shapes``)."""
+    heads = config.num_attention_heads
+    if getattr(config, "attention_type", "mha") != "hmla":
+        width = config.head_dim
+        return f"[B, {heads}, T, {width}]", lambda layer, keys: keys.shape[1] == heads and keys.shape[-1] == width
+    latent = config.kv_lora_rank
+    allocated = (getattr(config, "num_key_value_heads", None) or heads,
+                 getattr(config, "head_dim", None) or config.hidden_size // heads)
+    widths = {latent} | {latent + 3 * heads * m for m in (1, 2, 4)}
+
+    def matches(layer, keys: torch.Tensor) -> bool:
+        return (keys.shape[1] == 1 and keys.shape[-1] in widths) or \
+            (isinstance(layer, StaticLayer) and (keys.shape[1], keys.shape[-1]) == allocated)
+
+    return f"[B, 1, T, {latent}] (latents, optionally followed by {3 * heads} scalars)", matches
+
+
+def check_cache_layers(config, cache) -> None:
+    """``ValueError`` naming ``past_key_values`` when a cache that holds tokens was not written by a model of this
+    architecture: fewer layers than ``config.num_hidden_layers``, tokens in layers this model does not have, or keys
+    of another shape than this model's layers write (:func:`_key_shapes`; e.g. a HELM-D cache fed to HELM-MiCE).
+    Shape reads only; in the usual case (layer 0 written, no extra layers) three attribute reads."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return
+    first = next(((i, keys) for i, keys in enumerate(map(_written_keys, layers)) if keys is not None), None)
+    if first is None:
+        return
+    n = config.num_hidden_layers
+    extra = [i for i in range(n, len(layers)) if _written_keys(layers[i]) is not None]
+    if len(layers) < n or extra:
+        found = f"{len(layers)} layer(s)" if len(layers) < n else f"tokens in layers {extra[0]}..{extra[-1]}"
+        raise ValueError(f"past_key_values (cache=) was written by a model with another number of layers: it has "
+                         f"{found}, this model has num_hidden_layers={n}; pass the cache this model returned (or a "
+                         "new DynamicCache)")
+    index, keys = first
+    expected, matches = _key_shapes(config)
+    if not matches(layers[index], keys):
+        raise ValueError(f"past_key_values (cache=) was written by another architecture: its layer {index} holds keys "
+                         f"of shape [B, {keys.shape[1]}, T, {keys.shape[-1]}] (width {keys.shape[-1]}), this model's "
+                         f"layers write {expected}; pass the cache this model returned (or a new DynamicCache)")
+
+
 def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                  segment_ids: Optional[torch.Tensor]) -> tuple[int, int, CacheLayout]:
@@ -437,12 +494,15 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     static cache also ``[B, max_cache_len]``), or a 4-D mask ``[B|1, 1, T, T_kv]`` as ``transformers`` passes it
     (``T_kv = T_past+T``, or ``max_cache_len`` for a static cache; used as given, bool or additive float);
     ``segment_ids`` like a 2-D mask (integers); ``position_ids [B, T]`` or ``[1, T]`` (integers, broadcast over the
-    batch as in ``transformers``); lengths the positional encoding can reach. Each error is a ``ValueError``
-    naming the argument and the expected shape.
+    batch as in ``transformers``); lengths the positional encoding can reach; a cache holding tokens written by a
+    model of this architecture (:func:`check_cache_layers`: number of layers, key widths) and, for a static cache,
+    room for the new tokens (``past + T <= max_cache_len``). Each error is a ``ValueError`` naming the argument and
+    the expected shape.
 
     Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
     (skipped while compiling); ``config.validate_inputs = False`` turns it off. With a static cache the exact
-    length of a 2-D mask is checked against the cache's length, one more read (also skipped while compiling).
+    length of a 2-D mask and the room left in it are checked against the cache's length, one more read (also skipped
+    while compiling).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -460,7 +520,12 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     if cached_batch not in (None, batch):
         raise ValueError(f"past_key_values (cache=) holds {cached_batch} sequences but the inputs have batch size "
                          f"{batch}; pass the cache returned for these same sequences (or a new DynamicCache)")
+    check_cache_layers(config, past_key_values)
     past = layout.known_past_len(config)
+    if layout.q_offset is not None and past is not None and past + seq_len > layout.kv_len:
+        raise ValueError(f"past_key_values (cache=) is a {type(past_key_values).__name__} of max_cache_len="
+                         f"{layout.kv_len} holding {past} tokens: {seq_len} more do not fit ({past + seq_len} > "
+                         f"max_cache_len); allocate it with max_cache_len >= the prompt plus max_new_tokens")
     # a 2-D mask covers the tokens so far (past + T); a static cache also takes one over all its slots
     total = None if past is None else past + seq_len
     static = None if layout.q_offset is None else (batch, layout.kv_len)
@@ -657,7 +722,8 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
     return logits, None if labels is None else causal_lm_loss(model, logits, labels, **kwargs)
 
 
-__all__ = ["CACHE_FIELD", "CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_inputs",
+__all__ = ["CACHE_FIELD", "CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_cache_layers",
+           "check_inputs",
            "check_loading_info", "default_position_ids",
            "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "AttentionWeights",
            "positional_encoding", "resolve_cache"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from helm.manifold import lift, manifold_error
 from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config, tiny_model
@@ -67,15 +67,60 @@ BAD_INPUTS = [
     ("cache of another batch size", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(1)), ValueError, r"past_key_values \(cache=\) holds 1 sequences but the inputs have batch size 2"),
     ("cache a string", lambda: dict(input_ids=ids(), past_key_values="cache"), ValueError, r"past_key_values \(cache=\) must be a transformers Cache, .* got str"),
     ("cache a legacy tuple", lambda: dict(input_ids=ids(), past_key_values=((torch.zeros(B, 2, 3, 4),) * 2,)), ValueError, r"got tuple \(tuples of \(key, value\) tensors are transformers' legacy format"),
+    ("cache of 1 layer", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B)), ValueError, r"past_key_values \(cache=\) was written by a model with another number of layers: it has 1 layer\(s\), this model has num_hidden_layers=2"),
+    ("cache with tokens in layer 2", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=3)), ValueError, r"another number of layers: it has tokens in layers 2\.\.2, this model has num_hidden_layers=2"),
+    ("cache of another key width", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=2)), ValueError, r"past_key_values \(cache=\) was written by another architecture: its layer 0 holds keys of shape \[B, 2, T, 4\] \(width 4\)"),
+    ("static cache too short", lambda: dict(input_ids=ids(), past_key_values=StaticCache(config=tiny_config("helm_d"), max_cache_len=4)), ValueError, r"past_key_values \(cache=\) is a StaticCache of max_cache_len=4 holding 0 tokens: 5 more do not fit"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 
 
-def cache_of_batch(batch):
-    """A DynamicCache holding 3 past tokens of ``batch`` sequences in its first layer."""
+def cache_of_batch(batch, layers=1):
+    """A DynamicCache holding 3 past tokens of ``batch`` sequences in its first ``layers`` layers (keys of width 4)."""
     cache = DynamicCache()
-    cache.update(torch.zeros(batch, 2, 3, 4), torch.zeros(batch, 2, 3, 4), 0)
+    for layer in range(layers):
+        cache.update(torch.zeros(batch, 2, 3, 4), torch.zeros(batch, 2, 3, 4), layer)
     return cache
+
+
+# Issue 26 items 6 and 7: a cache written by another model (the other family, another number of layers) or a static
+# cache too short for the prompt and max_new_tokens is a ValueError naming past_key_values and what differs (these
+# were shape errors deep in the attention, an IndexError, or index_copy_'s IndexError).
+# (case, source (family, overrides), target (family, overrides), message fragment)
+FOREIGN_CACHES = [
+    ("helm_d cache to helm_mice", ("helm_d", {}), ("helm_mice", {}),
+     r"was written by another architecture: its layer 0 holds keys of shape \[B, 2, T, 33\] \(width 33\), this "
+     r"model's layers write \[B, 1, T, 17\]"),
+    ("helm_mice cache to helm_d", ("helm_mice", {}), ("helm_d", {}),
+     r"was written by another architecture: its layer 0 holds keys of shape \[B, 1, T, 23\] \(width 23\), this "
+     r"model's layers write \[B, 2, T, 33\]"),
+    ("1-layer cache to 4 layers", ("helm_d", dict(num_hidden_layers=1)), ("helm_d", dict(num_hidden_layers=4)),
+     r"was written by a model with another number of layers: it has 1 layer\(s\), this model has num_hidden_layers=4"),
+    ("4-layer cache to 2 layers", ("helm_mice", dict(num_hidden_layers=4)), ("helm_mice", {}),
+     r"was written by a model with another number of layers: it has tokens in layers 2\.\.3, this model has "
+     r"num_hidden_layers=2"),
+]
+
+
+@pytest.mark.parametrize("case, source, target, match", FOREIGN_CACHES, ids=[c[0] for c in FOREIGN_CACHES])
+def test_a_cache_of_another_model_is_refused(case, source, target, match):
+    cache = DynamicCache()
+    tiny_model(source[0], **source[1])(ids(), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"^past_key_values \(cache=\) " + match):
+        tiny_model(target[0], **target[1])(ids(B, 1), past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_cache_len", [4, 8])
+def test_generate_past_a_static_cache_is_refused(models, family, max_cache_len):
+    """max_cache_len 4: the prompt (5) does not fit; 8: the fourth new token does not."""
+    cache = StaticCache(config=models[family].config, max_cache_len=max_cache_len)
+    with pytest.raises(ValueError, match=rf"^past_key_values \(cache=\) is a StaticCache of "
+                                         rf"max_cache_len={max_cache_len} holding \d+ tokens: \d+ more do not fit"):
+        models[family].generate(ids(), past_key_values=cache, max_new_tokens=6, do_sample=False)
+    # one that fits generates, and its own cache is accepted step after step
+    cache = StaticCache(config=models[family].config, max_cache_len=T + 6)
+    assert models[family].generate(ids(), past_key_values=cache, max_new_tokens=6, do_sample=False).shape == (B, T + 6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
