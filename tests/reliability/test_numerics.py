@@ -275,7 +275,6 @@ def test_lower_sheet_is_not_read_while_compiling():
 # (case, weights of the 3 points of _points, expected message or None: the centroid of weights [1, 1, 1])
 CENTROID_SCALES = [
     ("1e-30", torch.full((3,), 1e-30), None),
-    ("1e-20", torch.full((3,), 1e-20), None),
     ("1e20", torch.full((3,), 1e20), None),
     ("1e30 uneven", torch.tensor([3e30, 1e30, 2e30]), None),
     ("4 weights for 3 points", torch.ones(4), r"^centroid: w of shape \(4,\) must broadcast to x's points \(3,\)"),
@@ -324,13 +323,13 @@ def test_expmap0_is_finite_exactly_in_its_documented_range(dtype, k, theta, fini
             M.expmap0(u, k=k)
 
 
-@pytest.mark.parametrize("theta", [100.0, 283.0, 1e30])
-def test_expmap0_out_of_range_is_inf_never_nan_where_not_read(theta):
-    """Compiled (the values are not read, as on an accelerator): coordinates inf or 0, never nan, as documented."""
-    u = torch.zeros(1, 4)
-    u[0, 2] = u[0, 3] = theta
+def test_expmap0_out_of_range_is_inf_never_nan_where_not_read():
+    """Compiled (the values are not read, as on an accelerator): coordinates inf or 0, never nan, as documented,
+    also for a tangent whose norm itself overflows (1e30: was nan)."""
+    u = torch.zeros(3, 4)
+    u[:, 2] = u[:, 3] = torch.tensor([100.0, 283.0, 1e30])
     x = torch.compile(lambda u: M.expmap0(u, k=1.0), backend="eager", fullgraph=True)(u)
-    assert not torch.isnan(x).any() and torch.isposinf(x[..., 0]).all() and x[0, 1] == 0
+    assert not torch.isnan(x).any() and torch.isposinf(x[..., 0]).all() and (x[:, 1] == 0).all()
 
 
 # expmap0 far out: sinh/cosh and |x_s|² overflow fp32 long before the point does. theta = |u|/sqrt(k); at
