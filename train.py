@@ -460,11 +460,13 @@ def train(cfg, resume) -> dict:
     if accelerator.is_main_process:
         # final/ is what users load: never written nor replaced with a model whose weights or validation loss are
         # not finite (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
-        source = f" (restored from {checkpoint}, trained 0 steps since)" if trained == 0 and checkpoint else ""
+        restored = trained == 0 and checkpoint is not None
+        source = f" (restored from {checkpoint}, trained 0 steps since)" if restored else ""
+        advice = "Resume from an earlier checkpoint with --resume PATH" if restored else divergence_causes(cfg)
         if bad := non_finite_weights(state_dict):
             raise FloatingPointError(f"the model to be saved has non-finite weights (NaN or inf) in {len(bad)} "
                                      f"tensor(s), e.g. {bad[0]}{source}; {final} was not written (an existing one "
-                                     f"is kept). {divergence_causes(cfg)}")
+                                     f"is kept). {advice}")
         reloaded, after = None, None
 
         def check_final(folder):
@@ -474,7 +476,7 @@ def train(cfg, resume) -> dict:
             after = validation_loss(reloaded, validation, accelerator, B, distributed=False)
             if not math.isfinite(after):
                 raise FloatingPointError(f"the validation loss of the model to be saved is {after}{source}; {final} "
-                                         f"was not written (an existing one is kept). {divergence_causes(cfg)}")
+                                         f"was not written (an existing one is kept). {advice}")
 
         save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps, check=check_final)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)
