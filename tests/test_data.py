@@ -344,6 +344,22 @@ def test_load_text_dataset_local_files(tmp_path):
         data.load_text_dataset(folder, "train", text_column="body", cache_dir=cache)
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("a.json", '[{"text": "ok"},\n {"text": 5}]', r"a\.json: field 'text' must hold strings, got a number \(5\) on record 2$"),
+    ("b.json", '[{"text": "ok"},\n {"text": "no end]', r"b\.json: line 2 is not valid JSON \(Unterminated string"),
+    ("c.jsonl", '{"text": "ok"}\n{"text": true}\n', r"c\.jsonl: field 'text' must hold strings, got a boolean \(true\) "
+                                                      r"on line 2$"),
+    ("d.jsonl", '{"text": "ok"}\n["a list"]\n', r"d\.jsonl: line 2 holds a list, not a record \(object\)$"),
+])
+def test_load_text_dataset_names_the_line_of_bad_json(name, text, message, tmp_path, caplog):
+    """What datasets refuses is reported in JSON's terms: the file, the line (record of a JSON array), the type
+    found, and no ``Failed to load JSON`` log line of datasets' own."""
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        data.load_text_dataset(tmp_path / name, cache_dir=tmp_path / "cache")
+    assert "Failed to load JSON" not in caplog.text
+
+
 def test_load_text_dataset_hub_name_offline_gives_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="some-user/some-dataset.*offline"):
         data.load_text_dataset("some-user/some-dataset", allow_hub=False)
