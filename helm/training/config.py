@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
@@ -116,7 +116,9 @@ class TrainConfig:
     Required."""
     overwrite: bool = False
     """false: refuse to start when output_dir already holds a run (or other files) and --resume is not given;
-    true: delete its checkpoints, metrics and final model and start over (e.g. --train.overwrite=true once)."""
+    true: delete its checkpoints, metrics and final model and start over (e.g. --train.overwrite=true once). Only
+    in a run folder train.py wrote (its .helm-train-run marker, or an older train.py's config.yaml), and never files
+    it did not write inside checkpoints/ or final/: those are refused (exit 2), nothing deleted."""
     max_steps: int = MISSING
     """Optimiser steps. Required."""
     batch_size: int = 8
@@ -313,8 +315,13 @@ CONTAINERS = {
 
 def check_containers(*sources) -> None:
     """The list- and mapping-typed keys (:data:`CONTAINERS`) hold a list / mapping (a list of numbers for
-    optim.betas), else :class:`ConfigError` saying how to write them."""
+    optim.betas), and each section a mapping, else :class:`ConfigError` saying how to write them."""
     for source in sources:
+        for section in (f.name for f in dataclasses.fields(RunConfig)):
+            value = source.get(section) if isinstance(source, DictConfig) else None
+            if value is not None and not isinstance(value, DictConfig):
+                raise ConfigError(f"{section} must be a mapping of its keys (e.g. {section}: {{...}} in a recipe, "
+                                  f"--{section}.KEY=VALUE on the command line), got {_plain(value)!r}")
         for key, (kind, form) in CONTAINERS.items():
             try:
                 value = OmegaConf.select(source, key, default=None)
@@ -322,11 +329,16 @@ def check_containers(*sources) -> None:
                 continue
             if value is None:
                 continue
-            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            value = _plain(value)
             fits = isinstance(value, kind) and (kind is dict or all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
             if not fits:
                 raise ConfigError(f"{key} must be {form}, got {value!r}")
+
+
+def _plain(value):
+    """A config node as plain Python (for messages and type checks)."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def mixed_precision_no(*sources) -> None:

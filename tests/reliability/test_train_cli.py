@@ -251,6 +251,9 @@ CASES = [
      r"^error: optim\.betas must be a list of two numbers .*, got \{'a': 1\}$"),
     ("optim-betas-strings", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[a,b]"], 2,
      r"^error: optim\.betas must be a list of two numbers .*, got \['a', 'b'\]$"),
+    ("recipe-section-a-number", "tiny-helm-d", _recipe_text("model: {preset: tiny-helm-d}\ntrain: 5\n"), [], 2,
+     r"^error: train must be a mapping of its keys \(e\.g\. train: \{\.\.\.\} in a recipe, --train\.KEY=VALUE on the "
+     r"command line\), got 5$"),
     ("model-overrides-a-number", "tiny-helm-d", lambda t, r: [], ["--model.overrides=5"], 2,
      r"^error: model\.overrides must be a mapping of config fields, e\.g\. --model\.overrides\.num_hidden_layers=2"),
     ("data-text-a-number", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": 123}\n' * 50), [], 2,
