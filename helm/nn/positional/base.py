@@ -39,20 +39,26 @@ class PositionalTables:
         if self.cos is None:
             return x_s
         x = x_s.to(self.cos.dtype)
-        cos, signed_sin = (_per_token(t, x) for t in self.pair_tables())
+        cos, signed_sin = (_per_token(t, x) for t in self.pair_tables(x.shape[-1] // 2))
         # x_{2l} cos - x_{2l+1} sin, x_{2l+1} cos + x_{2l} sin: rotate_pairs' products and sum, bitwise, with the
         # per-coordinate tables (their negation and interleaving) built once per forward instead of in every call
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return (x * cos + swapped * signed_sin).to(x_s.dtype)
 
-    def pair_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` per coordinate, ``[B, T, 2P]``: ``(cos_l, cos_l)`` and ``(-sin_l, sin_l)`` for pair ``l``;
-        built on first use and shared by every layer of the forward (a cache, not a field: the tables stay frozen)."""
-        tables = self.__dict__.get("_pair_tables")
+    def pair_tables(self, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` per coordinate, ``[B, T, 2P]`` for ``P = pairs``: ``(cos_l, cos_l)`` and
+        ``(-sin_l, sin_l)`` for pair ``l`` (tables of one shared angle, ``[B, T, 1]``, are broadcast to ``P``); built on
+        first use for each ``P`` and shared by every layer of the forward (a cache, not a field: the tables stay
+        frozen)."""
+        cache = self.__dict__.get("_pair_tables")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_pair_tables", cache)
+        tables = cache.get(pairs)
         if tables is None:
-            tables = (torch.stack((self.cos, self.cos), dim=-1).flatten(-2),
-                      torch.stack((-self.sin, self.sin), dim=-1).flatten(-2))
-            object.__setattr__(self, "_pair_tables", tables)
+            cos, sin = (t.expand(*t.shape[:-1], pairs) for t in (self.cos, self.sin))
+            tables = cache[pairs] = (torch.stack((cos, cos), dim=-1).flatten(-2),
+                                     torch.stack((-sin, sin), dim=-1).flatten(-2))
         return tables
 
     def score_bias(self, q_s: torch.Tensor, k_s: torch.Tensor, scale: Scale) -> Optional[torch.Tensor]:
