@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
-from tests.helpers import run_without_helm, tiny_config
+from tests.helpers import assert_close, run_without_helm, tiny_config
 
 FAMILIES = ["helm_d", "helm_mice", "llama"]
 
@@ -88,4 +88,6 @@ def test_base_folder_into_the_causal_lm_as_remote_code_without_helm(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     name, hidden = proc.stdout.split("REPORT ")[-1].split(" ", 1)
     assert name == "HelmMiCEForCausalLM" and "lm_head.weight" in proc.stderr + proc.stdout
-    torch.testing.assert_close(torch.tensor(json.loads(hidden)), expected, rtol=0, atol=0)
+    # fp32 agreement, not bit-equality: the child process runs the same kernels on other memory addresses (the
+    # bit-exact reload in one process is tests/workflows/test_reload_bit_exact.py)
+    assert_close(torch.tensor(json.loads(hidden)), expected)
