@@ -451,3 +451,21 @@ def measure():  # pragma: no cover - `python -m tests.reliability.test_numerics`
 
 if __name__ == "__main__":
     measure()
+
+
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
+def test_model_forward_skips_the_domain_checks_and_restores_them(family):
+    """Inside a model's forward the layers' points are on H_k by construction: the per-call tensor checks are off
+    (they cost ~10% of a CPU training step), and back on afterwards, also after an error."""
+    import helm.manifold.math as manifold_math
+
+    model = tiny_model(family)
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda *_: seen.append(manifold_math._DOMAIN_CHECKS))
+    model(torch.randint(0, 512, (1, 5)))
+    assert seen == [False] and manifold_math._DOMAIN_CHECKS
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([[1, 2, 10**6]]))
+    assert manifold_math._DOMAIN_CHECKS
+    with pytest.raises(ValueError, match="k must be positive"):
+        manifold_math.lift(torch.randn(2, 4), k=torch.tensor(-1.0))

@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from ...manifold.math import lift
+from ...manifold.math import lift, trusted_points
 from ...nn.attention import LorentzSelfAttention
 from ...nn.embedding import LorentzEmbedding
 from ...nn.head import LorentzLMHead
@@ -78,6 +78,7 @@ class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
         self.mlp_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                             space_scale=config.residual_space_scale)
 
+    @trusted_points  # also when gradient checkpointing recomputes the layer
     def forward(self, hidden_states: torch.Tensor, *, position_embeddings: PositionalTables,
                 attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None,
                 cache: Optional[Cache] = None) -> torch.Tensor:
@@ -137,6 +138,7 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         return self.embed_tokens
 
     @can_return_tuple
+    @trusted_points
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
                 cache: Optional[Cache] = None, inputs_embeds: Optional[torch.Tensor] = None,
