@@ -49,7 +49,8 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
                            save_checkpoint, save_final, train_step, training_batches, unloadable_files)
 from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, STATE_FILE, foreign_run_entries, is_run_folder,
-                                      non_finite_weights, remove_stale_tmp_checkpoints, write_run_marker)
+                                      list_checkpoints, non_finite_parameters, non_finite_weights,
+                                      remove_stale_tmp_checkpoints, write_run_marker)
 from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
@@ -395,6 +396,18 @@ def train(cfg, resume) -> dict:
         # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
         with refused_pickles(checkpoint), unloadable_files(checkpoint):
             accelerator.load_state(str(checkpoint))
+        # A checkpoint whose weights are NaN or inf (its hashes match: it was saved so) would fail at the first
+        # step as a "non-finite loss", blamed on the recipe: name the checkpoint instead. Once, after loading; every
+        # process takes part in the gather (FSDP shards differ), so all of them stop together.
+        bad = non_finite_parameters(unwrapped)
+        if any(accelerator.gather(torch.tensor([len(bad)], device=accelerator.device)).tolist()):
+            earlier = [path for step, path in list_checkpoints(Path(checkpoint).parent) if step < start_step]
+            hint = f", e.g. --resume {earlier[-1]}" if earlier else " (this run has none; or start over with " \
+                "--train.overwrite=true)"
+            which = f" in {len(bad)} tensor(s), e.g. {bad[0]}" if bad else " (in another process's shard)"
+            raise FloatingPointError(f"the checkpoint {checkpoint} has non-finite weights (NaN or inf){which}, so "
+                                     f"training cannot resume from it; nothing was trained or written. Resume from "
+                                     f"an earlier checkpoint with --resume PATH{hint}")
         say(f"[train] resumed from {checkpoint} at step {start_step}")
     accelerator.init_trackers("tensorboard", init_kwargs={
         "tensorboard": {"purge_step": start_step + 1} if checkpoint is not None else {}})

@@ -342,7 +342,7 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
         raise EvalError(f"could not load checkpoint {path!r}: {' '.join(str(error).split())}{hint}") from error
     tokenizer = os.fspath(tokenizer or path)
     try:
-        tok = AutoTokenizer.from_pretrained(check_checkpoint(tokenizer), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(check_tokenizer(tokenizer), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         text = " ".join(str(error).split())
         hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else
@@ -438,6 +438,30 @@ def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -
     if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
         raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
                         "save_pretrained, holding config.json and the weights, or a hub model id)")
+    return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "config.json")
+
+
+def check_tokenizer(path: str | os.PathLike) -> str:
+    """``path`` (a str) if it is a folder holding a tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ...;
+    a tokenizer-only folder, as ``tokenizer.save_pretrained`` writes and ``train.py`` takes as ``data.tokenizer``,
+    needs no ``config.json``) or a str that looks like a hub id. Whether code saved with it may run is left to
+    ``AutoTokenizer.from_pretrained(..., trust_remote_code=...)``."""
+    local = isinstance(path, os.PathLike)
+    path = os.fspath(path)
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise EvalError(f"tokenizer folder {path!r} holds none of {', '.join(TOKENIZER_FILES[:-1])}; expected "
+                            "a folder written by tokenizer.save_pretrained")
+        return str(folder)
+    parts = path.split("/")
+    if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
+        raise EvalError(f"tokenizer not found: {path!r} is not a folder (expected a folder written by "
+                        "tokenizer.save_pretrained, or a hub id)")
     return path
 
 

@@ -378,6 +378,20 @@ def non_finite_weights(state_dict: dict) -> list[str]:
             if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
 
 
+def non_finite_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the floating-point parameters of ``model`` that hold a NaN or an inf: one reduction on the
+    device and one read on the host (the names are looked up only when some parameter is not finite). For a check
+    after loading a checkpoint, never in the training loop."""
+    params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+    if not params:
+        return []
+    device = params[0][1].device
+    finite = torch.stack([p.detach().isfinite().all().to(device) for _, p in params])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(params, finite.tolist()) if not ok]
+
+
 def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None, manifest: bool = True) -> None:
     """Write the manifest of a fully written folder last (unless ``manifest`` is false: written already), then
     rename it into place (replacing an older one of the same name)."""

@@ -211,6 +211,28 @@ def test_trusting_remote_code_gets_past_the_refusal(paths, capsys):
     assert exit_info.value.code == "remote code ran" or "trust-remote-code" not in capsys.readouterr().err
 
 
+def test_perplexity_loads_a_tokenizer_only_folder(paths, tokenizer, tmp_path, capsys):
+    """--tokenizer of a folder written by tokenizer.save_pretrained (tokenizer.json, tokenizer_config.json, no
+    config.json; what train.py takes as data.tokenizer) loads next to a model folder saved without a tokenizer."""
+    model = tmp_path / "model-only"
+    shutil.copytree(paths["model"], model)
+    for name in os.listdir(model):
+        if name.startswith(("tokenizer", "special_tokens")) or name in ("vocab.json", "merges.txt"):
+            (model / name).unlink()
+    tokenizer.save_pretrained(tokonly := tmp_path / "tokenizer-only")
+    assert not (tokonly / "config.json").exists() and (tokonly / "tokenizer.json").is_file()
+    record = run_script(load_script("perplexity").main,
+                        ["--model", str(model), "--tokenizer", str(tokonly), "--files", paths["text"],
+                         "--seq-len", "4", "--max-windows", "2", "--no-progress"])
+    result = next(iter(record["results"].values()))
+    assert result["windows"] >= 1 and result["perplexity"] > 0, capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a folder with no tokenizer files is still one error line
+        run_script(load_script("perplexity").main, ["--model", str(model), "--tokenizer", paths["nocfg"],
+                                                    "--files", paths["text"], "--seq-len", "4"])
+    assert exit_info.value.code == 2
+    assert re.search(r"error: .*tokenizer folder .*nocfg.* holds none of", capsys.readouterr().err)
+
+
 def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result = subprocess.run([sys.executable, str(EVAL_DIR / "perplexity.py"), "--model", paths["custom"], "--files",

@@ -355,11 +355,15 @@ def _nan_validation_of_the_saved_model(checkpoint, monkeypatch):
 
 
 # A finished run whose newest checkpoint holds non-finite weights (its manifest re-hashed to match), resumed: it
-# trains 0 steps and reaches the final save. (case, damage(checkpoint, monkeypatch), message)
+# trains 0 steps. Non-finite weights are refused as soon as the checkpoint is loaded, naming it; finite weights
+# with a NaN validation loss reach the final save. (case, damage(checkpoint, monkeypatch), message)
 NON_FINITE_FINAL = [
-    ("nan-weights", _poison_weights(float("nan")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
-    ("inf-weights", _poison_weights(float("inf")), r"non-finite weights \(NaN or inf\) in 1 tensor\(s\)"),
-    ("nan-validation-loss", _nan_validation_of_the_saved_model, r"the validation loss of the model to be saved is nan"),
+    ("nan-weights", _poison_weights(float("nan")),
+     r"the checkpoint .* has non-finite weights \(NaN or inf\) in 1 tensor\(s\).*nothing was trained or written"),
+    ("inf-weights", _poison_weights(float("inf")),
+     r"the checkpoint .* has non-finite weights \(NaN or inf\) in 1 tensor\(s\).*nothing was trained or written"),
+    ("nan-validation-loss", _nan_validation_of_the_saved_model,
+     r"the validation loss of the model to be saved is nan.*was not written"),
 ]
 
 
@@ -383,10 +387,41 @@ def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tm
     captured = capsys.readouterr()
     assert code == 3, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert re.search(message, error) and "step-00000004" in error and "was not written" in error, error
+    assert re.search(message, error) and "step-00000004" in error, error
     assert "Traceback" not in captured.err
     assert {p.name: p.read_bytes() for p in final.iterdir()} == kept
     assert not (tmp_path / "run" / ".tmp-final").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_resume_from_a_checkpoint_with_non_finite_weights_names_the_checkpoint(value, tmp_path, run_data, capsys,
+                                                                               monkeypatch):
+    """--resume of a checkpoint whose model.safetensors holds NaN/inf (manifest re-hashed, so it passes the hash
+    check) with steps left to train: exit 3 with one line naming the checkpoint and its non-finite weights and
+    suggesting an earlier checkpoint, checked once after loading, never blamed on the recipe as a non-finite loss at
+    the next step; nothing is trained or written."""
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
+                          demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoint = checkpoints / "step-00000002"
+    _poison_weights(value)(checkpoint, monkeypatch)
+    (checkpoint / "manifest.json").unlink()
+    write_manifest(checkpoint, 2)
+    kept = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(r"the checkpoint .*step-00000002 has non-finite weights \(NaN or inf\)", error), error
+    assert "earlier checkpoint" in error and "step-00000001" in error, error
+    assert "non-finite loss" not in error and "learning rate" not in error, error
+    assert "Traceback" not in captured.err
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*")
+            if p.is_file() and "checkpoints" in p.parts} == kept
 
 
 def test_overwrite_of_a_run_folder_keeps_the_users_other_files(tmp_path, run_data, capsys):
