@@ -325,7 +325,8 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
 
 
 def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
-    """Exponential map at the origin for a tangent vector ``u = [0, u_s]`` (``u_t`` is ignored).
+    """Exponential map at the origin for a tangent vector ``u = [0, u_s]`` (a non-zero ``u_t`` is refused where
+    the input is read for free, :func:`readable_for_free`, and ignored elsewhere).
 
     ``exp_o(u) = [sqrt(k) cosh(|u_s|/sqrt k), sqrt(k) sinh(|u_s|/sqrt k) u_s / |u_s|]``; the space part
     uses ``sinh(θ)/θ`` (exactly 1 at ``θ = 0``) and the time part is recomputed by :func:`lift`.
@@ -350,6 +351,9 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     """
     u_s = to_stat(u[..., 1:])
     kk = _kt(k, u_s)
+    if readable_for_free(u) and bool((u[..., 0] != 0).any()):
+        raise ValueError("expmap0: u must be a tangent vector at the origin, [0, u_s] (time coordinate 0), got time "
+                         f"coordinates up to {float(u[..., 0].abs().max()):g}; pass [0, u_s], or lift a point with lift()")
     sk = _sqrt(kk)
     norm = u_s.norm(dim=-1, keepdim=True)
     theta = norm / sk

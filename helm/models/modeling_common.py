@@ -472,7 +472,9 @@ def check_cache_layers(config, cache) -> None:
     n = config.num_hidden_layers
     extra = [i for i in range(n, len(layers)) if _written_keys(layers[i]) is not None]
     if len(layers) < n or extra:
-        found = f"{len(layers)} layer(s)" if len(layers) < n else f"tokens in layers {extra[0]}..{extra[-1]}"
+        written = 1 + max(i for i, layer in enumerate(layers) if _written_keys(layer) is not None)
+        found = (f"{len(layers)} layer(s)" if len(layers) < n else
+                 f"{written} layers (tokens up to layer index {written - 1})")
         raise ValueError(f"past_key_values (cache=) was written by a model with another number of layers: it has "
                          f"{found}, this model has num_hidden_layers={n}; pass the cache this model returned (or a "
                          "new DynamicCache)")

@@ -281,6 +281,9 @@ EVERY_SOURCE = [
     ("use_cache", "no", "a bool"),
     ("tie_word_embeddings", True, "False"),
     ("residual_weight", float("nan"), "finite"),
+    ("return_dict", "no", "a bool"),  # transformers' own boolean fields: strings are truthy there
+    ("output_hidden_states", "false", "a bool"),
+    ("is_encoder_decoder", 1, "a bool"),
 ]
 
 

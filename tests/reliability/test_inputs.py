@@ -68,7 +68,7 @@ BAD_INPUTS = [
     ("cache a string", lambda: dict(input_ids=ids(), past_key_values="cache"), ValueError, r"past_key_values \(cache=\) must be a transformers Cache, .* got str"),
     ("cache a legacy tuple", lambda: dict(input_ids=ids(), past_key_values=((torch.zeros(B, 2, 3, 4),) * 2,)), ValueError, r"got tuple \(tuples of \(key, value\) tensors are transformers' legacy format"),
     ("cache of 1 layer", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B)), ValueError, r"past_key_values \(cache=\) was written by a model with another number of layers: it has 1 layer\(s\), this model has num_hidden_layers=2"),
-    ("cache with tokens in layer 2", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=3)), ValueError, r"another number of layers: it has tokens in layers 2\.\.2, this model has num_hidden_layers=2"),
+    ("cache with tokens in layer 2", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=3)), ValueError, r"another number of layers: it has 3 layers \(tokens up to layer index 2\), this model has num_hidden_layers=2"),
     ("cache of another key width", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=2)), ValueError, r"past_key_values \(cache=\) was written by another architecture: its layer 0 holds keys of shape \[B, 2, T, 4\] \(width 4\)"),
     ("static cache too short", lambda: dict(input_ids=ids(), past_key_values=StaticCache(config=tiny_config("helm_d"), max_cache_len=4)), ValueError, r"past_key_values \(cache=\) is a StaticCache of max_cache_len=4 holding 0 tokens: 5 more do not fit"),
 ]
@@ -97,7 +97,7 @@ FOREIGN_CACHES = [
     ("1-layer cache to 4 layers", ("helm_d", dict(num_hidden_layers=1)), ("helm_d", dict(num_hidden_layers=4)),
      r"was written by a model with another number of layers: it has 1 layer\(s\), this model has num_hidden_layers=4"),
     ("4-layer cache to 2 layers", ("helm_mice", dict(num_hidden_layers=4)), ("helm_mice", {}),
-     r"was written by a model with another number of layers: it has tokens in layers 2\.\.3, this model has "
+     r"was written by a model with another number of layers: it has 4 layers \(tokens up to layer index 3\), this model has "
      r"num_hidden_layers=2"),
 ]
 

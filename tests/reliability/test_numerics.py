@@ -469,3 +469,11 @@ def test_model_forward_skips_the_domain_checks_and_restores_them(family):
     assert manifold_math._DOMAIN_CHECKS
     with pytest.raises(ValueError, match="k must be positive"):
         manifold_math.lift(torch.randn(2, 4), k=torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("u_t", [5.0, -1e-3, float("nan")], ids=["u_t=5", "u_t=-1e-3", "u_t=nan"])
+def test_expmap0_refuses_a_tangent_with_a_time_coordinate(u_t):
+    """geoopt's expmap0 reads u_t; ours takes tangents at the origin, [0, u_s], and refuses any other on the CPU."""
+    with pytest.raises(ValueError, match=r"expmap0: u must be a tangent vector at the origin, \[0, u_s\]"):
+        M.expmap0(torch.tensor([u_t, 1.0, 0.0, 0.0, 0.0]), k=torch.tensor(1.0))
+    assert torch.isfinite(M.expmap0(torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]), k=torch.tensor(1.0))).all()
