@@ -47,7 +47,8 @@ logger = logging.get_logger(__name__)
 # Boolean fields that HELM configs inherit from transformers' PreTrainedConfig, checked like HELM's own on every
 # assignment (construction, config.json, from_pretrained keywords, later assignment)
 INHERITED_BOOLEANS = frozenset({"return_dict", "output_hidden_states", "output_attentions", "is_encoder_decoder",
-                                "is_decoder", "add_cross_attention", "tie_encoder_decoder", "torchscript"})
+                                "is_decoder", "add_cross_attention", "tie_encoder_decoder", "torchscript",
+                                "_output_attentions"})  # output_attentions' storage, set without its setter
 
 
 def untied(value) -> None:
@@ -369,7 +370,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         error names the field rather than the argument of the layer that would meet the value. Cross-field checks
         run when the config is built (construction, ``from_pretrained`` with keywords, ``from_dict``)."""
         if name in INHERITED_BOOLEANS and value is not None:  # transformers' own fields would take "no" as true
-            check(value, name, boolean)
+            check(value, name.lstrip("_"), boolean)
         if self.__dict__.get("_post_init_done"):
             spec = type(self).__dataclass_fields__.get(name)
             for rule in spec.metadata.get("validator", ()) if spec is not None else ():

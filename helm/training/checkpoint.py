@@ -258,7 +258,8 @@ def is_run_folder(folder: Path) -> bool:
 
 
 def foreign_run_entries(output_dir: Path) -> list[str]:
-    """The paths (relative to ``output_dir``) inside ``checkpoints/`` and ``final/`` that train.py did not write,
+    """The paths (relative to ``output_dir``) inside ``checkpoints/``, ``final/`` and ``tensorboard/`` that train.py
+    did not write (in ``tensorboard/``: files other than TensorBoard's ``events.out.tfevents.*``),
     which train.overwrite would delete with them: entries of ``checkpoints/`` other than ``step-XXXXXXXX`` and
     ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that its manifest does not list (a
     ``final/`` without a manifest: files other than those ``save_pretrained`` writes)."""
@@ -282,6 +283,10 @@ def foreign_run_entries(output_dir: Path) -> list[str]:
             found.append(path.relative_to(output_dir).as_posix())
     if (output_dir / "final").is_dir():
         unlisted(output_dir / "final", lambda file, name: "/" not in name and bool(_SAVE_PRETRAINED.match(name)))
+    # TensorBoard writes only event files (in run sub-folders); anything else there is the user's
+    for path in sorted((output_dir / "tensorboard").rglob("*")) if (output_dir / "tensorboard").is_dir() else ():
+        if path.is_file() and not path.name.startswith("events.out.tfevents."):
+            found.append(path.relative_to(output_dir).as_posix())
     return found
 
 

@@ -284,6 +284,7 @@ EVERY_SOURCE = [
     ("return_dict", "no", "a bool"),  # transformers' own boolean fields: strings are truthy there
     ("output_hidden_states", "false", "a bool"),
     ("is_encoder_decoder", 1, "a bool"),
+    ("output_attentions", "false", "a bool"),
 ]
 
 

@@ -275,6 +275,9 @@ CASES = [
     ("overwrite-unknown-file-in-final", "tiny-helm-d",
      _run_folder_with("final/config.json", "final/thesis.txt", "checkpoints/step-00000002/model.safetensors"),
      ["--train.overwrite=true"], 2, r"train\.overwrite: .* did not write .*\(final/thesis\.txt\)"),
+    ("overwrite-user-file-in-tensorboard", "tiny-helm-d",
+     _run_folder_with("final/config.json", "tensorboard/mylog.txt", "checkpoints/step-00000002/model.safetensors"),
+     ["--train.overwrite=true"], 2, r"train\.overwrite: .* did not write .*\(tensorboard/mylog\.txt\)"),
 ]
 
 
