@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
+from cli import check_device  # noqa: E402
 from helm.ops import available_attention_impls  # noqa: E402
 
 MODELS = {"helm-d": ("helm-d", {}), "helm-mice": ("helm-mice", {"hmla_absorb": False}),
@@ -143,14 +144,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is steadier on a shared machine")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, f"{parser.prog}: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
-                       "(torch.cuda.is_available() is False)\n")
-    if args.device == "cuda" and args.dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        parser.exit(2, f"{parser.prog}: error: --dtype bf16, but {torch.cuda.get_device_name()} has no bf16\n")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = check_device(parser, args)
     max_len = max(args.contexts) + args.new_tokens + args.steps + 1
     models = {name: build(name, max_len, args.shapes, device, args.attn_impl) for name in args.models}
     for name in [n for n, m in models.items() if m is None]:

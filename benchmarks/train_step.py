@@ -63,6 +63,7 @@ from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
+from cli import check_device  # noqa: E402
 from helm.data import pack_documents  # noqa: E402
 from helm.models.routing import attach_balancing  # noqa: E402
 from helm.ops import available_attention_impls  # noqa: E402
@@ -349,14 +350,7 @@ def main(argv=None) -> int:
                         help="time nothing: profile one step of each pair's HELM model after the warm-up")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops per --profile table")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, f"{parser.prog}: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
-                       "(torch.cuda.is_available() is False)\n")
-    if args.device == "cuda" and args.dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        parser.exit(2, f"{parser.prog}: error: --dtype bf16, but {torch.cuda.get_device_name()} has no bf16\n")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = check_device(parser, args)
     precision = "bf16 autocast, fp32 master weights" if args.dtype == "bf16" else "fp32"
     if args.profile:
         timing = f"one profiled step after {args.warmup} warm-up steps"
