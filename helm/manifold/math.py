@@ -14,17 +14,32 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   experts). :func:`centroid`'s weights follow the same rule. Its *shape* is always checked (free): a tensor ``k``
   must broadcast against the time coordinates ``x[..., :1]`` without growing them (last dim 1, no extra leading
   dims), else ``ValueError`` naming its shape (a ``k`` of shape ``[n]`` would make ``n`` time coordinates).
-* Upper sheet: :func:`sqdist`, :func:`dist`, :func:`logmap0`, :func:`centroid` take points with ``x_t > 0`` and
-  :func:`normalize` a future-pointing ``s`` (``s_t > 0``); a point of the lower sheet (``-x``) is a ``ValueError``
-  naming the argument where its values are free to read (:func:`readable_for_free`; one reduction over the time
-  coordinates). On accelerators and under ``torch.compile`` it is not checked and gives wrong values (``dist(-x,
-  y)`` about 0, ``logmap0(-x) = -logmap0(x)``). A NaN time coordinate passes (it propagates, as elsewhere).
+* Points: :func:`sqdist`, :func:`dist`, :func:`logmap0`, :func:`centroid` and :func:`rescale` (``x`` on
+  ``H_{k_in}``) take points of ``H^n_k`` for *their* ``k``, and :func:`normalize` a future-pointing ``s``
+  (``s_t > 0``). Where the values are free to read (:func:`readable_for_free`) a ``ValueError`` names the argument
+  for a point of the lower sheet (``-x``, time coordinate ``<= 0``), a NaN or inf coordinate, or a point off the
+  hyperboloid: ``|<x, x>_L + k| > rtol · (x_t² + |x_s|²)`` (:func:`point_rtol`: ``64 · 2^-23 = 7.6e-6`` for
+  fp32 and fp64 points, ``4 · eps`` of the dtype for fp16/bf16 ones; the points this module returns are on
+  ``H_k`` to ``2e-7`` in fp32). The bound is relative to the Euclidean size of the point, the scale of its
+  rounding, so a point of another curvature ``k'`` is refused while ``|k - k'| > rtol (x_t² + |x_s|²)`` (near the
+  origin); far out the two hyperboloids are within rounding of each other and it passes. fp64 gets fp32's
+  bound: fp32 points promoted to fp64 (references evaluated on fp32-rounded inputs) are points. On accelerators
+  and under ``torch.compile`` nothing is read, and such inputs give wrong values (``dist(-x, y)`` about 0,
+  ``logmap0(-x) = -logmap0(x)``, NaN propagates). Inside a model's forward (:func:`trusted_points`) the same.
+* Arguments: a tensor argument that is not fp16/bf16/fp32/fp64 is a ``TypeError`` naming it, a 0-dim one (or
+  points with no coordinates) a ``ValueError``, and two point arguments whose coordinates differ in number or
+  whose batch dims do not broadcast a ``ValueError`` naming both shapes. These look at dtypes and shapes only,
+  so they run everywhere (no device work).
 * Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
-  fp32/bf16/fp16 inputs and fp64 for fp64 ones; bf16/fp16 inputs are promoted, so points returned by
-  :func:`lift` and friends are fp32 under autocast. Nothing is widened to fp64 (except the diagnostic
-  :func:`manifold_error`): accuracy far from the origin comes from the formulations (difference forms for
-  nearby points, the pairwise centroid norm), and the plain :func:`inner` / :func:`sqnorm` carry the fp32
-  rounding of their two terms (see :func:`inner`).
+  fp32/bf16/fp16 inputs and fp64 for fp64 ones. What it returns: :func:`expmap0`, :func:`logmap0` and
+  :func:`rescale` (maps a caller applies to its own points and tangents; no layer calls them in a forward) round
+  their result once to the input's dtype. :func:`lift`, :func:`hcat`, :func:`normalize` and :func:`centroid`
+  return points in the statistics dtype (the policy's layout of points between layers: a bf16 time coordinate
+  would be off the hyperboloid by ``x_t² · 2^-8``, so under autocast a half-precision space part gets an fp32
+  point), and :func:`inner`, :func:`sqnorm`, :func:`sqdist`, :func:`dist` statistics in the statistics dtype.
+  Nothing is widened to fp64 (except the diagnostic :func:`manifold_error`): accuracy far from the origin comes
+  from the formulations (difference forms for nearby points, the pairwise centroid norm), and the plain
+  :func:`inner` / :func:`sqnorm` carry the fp32 rounding of their two terms (see :func:`inner`).
 """
 
 from __future__ import annotations
@@ -32,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -47,6 +62,7 @@ __all__ = [
     "k_to_curvature",
     "check_k",
     "readable_for_free",
+    "point_rtol",
     "inner",
     "sqnorm",
     "lift",
@@ -105,12 +121,108 @@ def _check_k_shape(k: Curv, like: torch.Tensor, name: str = "k") -> None:
 
 def _check_upper(fn: str, **points: torch.Tensor) -> None:
     """``ValueError`` naming the argument of ``fn`` whose time coordinate is not positive (the lower sheet), where
-    its values are free to read (:func:`readable_for_free`); one reduction per argument. NaN passes."""
+    its values are free to read (:func:`readable_for_free`); one reduction per argument. NaN passes here."""
     for name, x in points.items():
         if readable_for_free(x) and x.numel() and bool((x[..., 0] <= 0).any()):
             raise ValueError(f"{fn}: {name} must be points of the upper sheet (time coordinate {name}[..., 0] > 0), "
                              f"got time coordinates down to {float(x[..., 0].min()):g} (the lower sheet, -x, is "
                              "not H^n_k)")
+
+
+# the dtypes every function here takes: the statistics dtype is fp32 or fp64 (helm.precision), fp8 has no promotion
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(fn: str, name: str, t, *, what: str = "points [..., 1+n] (time coordinate first)",
+                  coordinates: Optional[bool] = True) -> None:
+    """``TypeError`` unless ``t`` is an fp16/bf16/fp32/fp64 tensor, ``ValueError`` if it has no last dim (or, with
+    ``coordinates``, an empty one: no time coordinate; ``coordinates=None``: any shape): attribute reads only, so
+    it runs everywhere. ``what`` names the expected layout."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a floating-point torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: {name} must be a floating-point tensor (float16, bfloat16, float32 or float64), got "
+                        f"{t.dtype}; convert it first, e.g. {name}.float()")
+    if coordinates is not None and (t.dim() == 0 or coordinates and t.shape[-1] == 0):
+        got = "a 0-dim tensor" if t.dim() == 0 else f"shape {tuple(t.shape)} (no time coordinate)"
+        raise ValueError(f"{fn}: {name} must be {what}, got {got}")
+
+
+def _check_pair(fn: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``ValueError`` naming both shapes unless ``x`` and ``y`` have the same number of coordinates and batch dims
+    that broadcast (a shape comparison; equal shapes return at once)."""
+    if x.shape == y.shape:
+        return
+    if x.shape[-1] == y.shape[-1]:
+        try:
+            torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+            return
+        except RuntimeError:
+            pass
+    raise ValueError(f"{fn}: x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} must have the same number "
+                     "of coordinates (last dim, 1+n) and batch dims that broadcast against each other")
+
+
+# fp32's bound also for fp64: a point rounded to fp32 and promoted (a reference on fp32 inputs) is a point
+_POINT_RTOL_FP32 = 64 * torch.finfo(torch.float32).eps
+
+
+def point_rtol(dtype: torch.dtype) -> float:
+    """The relative bound of the membership check: ``|<x, x>_L + k| <= point_rtol · (x_t² + |x_s|²)``.
+
+    ``max(4 · eps(dtype), 64 · eps(fp32))``: 7.6e-6 for fp32 and fp64 points, 3.9e-3 for fp16, 3.1e-2 for bf16.
+    Storing a point rounds each coordinate by ``eps/2``, moving ``<x, x>_L`` by up to ``eps · (x_t² + |x_s|²)``
+    (measured: 0.6 eps for half-precision copies of fp32 points), and the points this module returns are within
+    2 fp32 eps; the margin also covers the fp32 evaluation of the check over thousands of coordinates."""
+    return max(4 * torch.finfo(dtype).eps, _POINT_RTOL_FP32)
+
+
+def _check_points(fn: str, k: Curv, kname: str = "k", **points: torch.Tensor) -> None:
+    """``ValueError`` naming the argument of ``fn`` that holds something other than points of ``H^n_k`` (``k``
+    already checked: a number or a tensor broadcasting against the points' time coordinates), where its values
+    are free to read: the lower sheet (:func:`_check_upper`), NaN/inf coordinates, or
+    ``|<x, x>_L + k| > point_rtol · (x_t² + |x_s|²)``.
+
+    Evaluated in the statistics dtype on ``x / x_t`` (``|x_s/x_t|² - 1 + k/x_t²`` against ``rtol (1 + |x_s/x_t|²)``),
+    which neither overflows for the large points fp32 holds nor cancels more than the bound allows."""
+    for name, x in points.items():
+        if not (readable_for_free(x) and x.numel()):
+            continue
+        _check_upper(fn, **{name: x})
+        xf = to_stat(x.detach())
+        if not bool(torch.isfinite(xf).all()):
+            raise ValueError(f"{fn}: {name} must be finite points of H^n_k, got NaN or inf coordinates")
+        t = xf[..., :1]
+        s2 = (xf[..., 1:] / t).square().sum(-1, keepdim=True)
+        kk = k.detach().to(dtype=xf.dtype, device=xf.device) if isinstance(k, torch.Tensor) else float(k)
+        err = (s2 - 1 + kk / t.square()).abs()
+        rtol = point_rtol(x.dtype)
+        if not bool((err <= rtol * (1 + s2)).all()):
+            # k may be per row of the other argument (sqdist's y broadcasting against x): index the common shape
+            tb, sb, kb = torch.broadcast_tensors(t, s2, kk * torch.ones_like(err))
+            worst = (err / (1 + sb)).flatten().argmax()
+            t0, s0, k0 = float(tb.flatten()[worst]), float(sb.flatten()[worst]), float(kb.flatten()[worst])
+            norm = t0 * t0 * (s0 - 1)  # <x, x>_L of that point (a Python number: for the message only)
+            what = f"a point of the hyperboloid of {kname} = {-norm:.6g}" if norm < 0 else \
+                "on no hyperboloid (a Minkowski norm >= 0: not time-like)"
+            raise ValueError(f"{fn}: {name} must be points of H^n_k for {kname} = {k0:g} (<{name}, {name}>_L = "
+                             f"-{kname} to a relative {rtol:.2g} of {name}_t² + |{name}_s|²), got <{name}, {name}>_L = "
+                             f"{norm:.6g} for one of them, {what}; make points with lift(x_s, k=k) or "
+                             "expmap0(u, k=k) and pass the k they were made with")
+
+
+def _check_lifted(fn: str, name: str, x_s: torch.Tensor, out: torch.Tensor) -> None:
+    """``ValueError`` naming ``x_s`` (argument ``name`` of ``fn``) when its point ``out`` has a non-finite time
+    coordinate, where that is free to read: NaN/inf in ``x_s``, or ``|x_s|² + k`` past the statistics dtype."""
+    if not (readable_for_free(x_s) and out.numel()) or bool(torch.isfinite(out.detach()[..., 0]).all()):
+        return
+    if not bool(torch.isfinite(x_s).all()):
+        raise ValueError(f"{fn}: {name} must be finite, got NaN or inf coordinates")
+    big = math.sqrt(torch.finfo(out.dtype).max)
+    raise ValueError(f"{fn}: {name} has space parts of norm up to {float(x_s.detach().abs().amax()):g} (largest "
+                     f"coordinate), outside the range where |x_s|² + k is finite in "
+                     f"{str(out.dtype).removeprefix('torch.')}: |x_s| < {big:.3g} (the time coordinate "
+                     "sqrt(|x_s|² + k) is computed from that square)")
 
 
 def _sqrt(k: Union[float, torch.Tensor]):
@@ -190,9 +302,15 @@ def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.T
     terms cancel for nearby points (``<x, y>_L ≈ -k - d²/2`` while each term is ``≈ r²``: ``κ = 1e8`` at
     ``r = 1e4``), so no fixed-precision evaluation of this form is accurate there; callers that need the small
     result use a difference form instead (:func:`sqdist`, the pairwise norm of :func:`centroid`, attention's
-    centred values). Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (``[..., 1]`` with ``keepdim``).
+    centred values). Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (``[..., 1]`` with ``keepdim``);
+    the same number of coordinates and broadcastable batch dims, else ``ValueError`` naming both shapes. Any
+    vectors (not only points): nothing is read.
     """
     same = y is x  # sqnorm: one cast
+    _check_tensor("inner", "x", x)
+    if not same:
+        _check_tensor("inner", "y", y)
+        _check_pair("inner", x, y)
     x = to_stat(x)
     y = x if same else to_stat(y)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
@@ -249,11 +367,25 @@ def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
     """Space part to point: ``lift(x_s) = [sqrt(|x_s|^2 + k), x_s]``.
 
     The "HRC" pattern: any Euclidean op on the space part followed by ``lift`` stays on ``H^n_k``.
-    Shapes: ``[..., n] -> [..., 1+n]``; the result dtype is at least fp32 so the time coordinate keeps
+    Shapes: ``[..., n] -> [..., 1+n]`` (``n >= 0``; a 0-dim ``x_s`` is a ``ValueError``); the result is in the
+    statistics dtype (fp32 for bf16/fp16 space parts, the precision policy's points) so the time coordinate keeps
     its precision under bf16 autocast.
+
+    Range: ``|x_s|² + k`` must be finite in the statistics dtype, ``|x_s| < 1.8e19`` in fp32 (``1.3e154`` in fp64).
+    A NaN or inf coordinate, or a space part past that range (whose time coordinate would be ``inf``), is a
+    ``ValueError`` naming ``x_s`` where the result is free to read (:func:`readable_for_free`; one reduction over
+    the time coordinates); elsewhere (accelerators, compilation, a model's forward) NaN/inf propagate.
     """
+    _check_tensor("lift", "x_s", x_s, what="space parts [..., n] (at least one dim: x_s[..., None] for n = 1)",
+                  coordinates=False)
     x_s = to_stat(x_s)
-    kk = _kt(k, x_s)
+    out = _lift(x_s, _kt(k, x_s))
+    _check_lifted("lift", "x_s", x_s, out)
+    return out
+
+
+def _lift(x_s: torch.Tensor, kk: Union[float, torch.Tensor]) -> torch.Tensor:
+    """:func:`lift` of a statistics-dtype ``x_s`` with ``kk`` from :func:`_kt`, unchecked."""
     if torch.is_grad_enabled() and (x_s.requires_grad or isinstance(kk, torch.Tensor) and kk.requires_grad):
         return _Lift.apply(x_s, kk)
     x_t = (x_s.pow(2).sum(-1, keepdim=True) + kk).sqrt()
@@ -296,12 +428,17 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     Evaluated as the Minkowski norm of the difference, which has no cancellation for nearby points, and
     clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
     ``k`` is accepted for a uniform signature (and checked); the difference form does not need it.
-    ``x`` and ``y`` must lie on the upper sheet (``x_t > 0``: checked on CPU, see the module docstring; a point of
-    the lower sheet would give a time-like difference, clamped to about 0).
+    ``x`` and ``y`` must be points of ``H^n_k`` (upper sheet, ``<x, x>_L = -k``: checked on CPU, see the module
+    docstring; a point of the lower sheet would give a time-like difference, clamped to about 0, and a point of
+    another curvature a distance on no hyperboloid), with the same number of coordinates and broadcastable batch
+    dims (``ValueError`` naming both shapes). Returns the statistics dtype.
     """
+    _check_tensor("sqdist", "x", x)
+    _check_tensor("sqdist", "y", y)
     check_k(k)
     _check_k_shape(k, x)
-    _check_upper("sqdist", x=x, y=y)
+    _check_pair("sqdist", x, y)
+    _check_points("sqdist", k, x=x, y=y)
     return _sqdist(x, y, keepdim)
 
 
@@ -315,10 +452,13 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
 
     Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
     exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
-    Points of the upper sheet only (checked on CPU, as :func:`sqdist`).
+    Points of ``H^n_k`` only, shapes as :func:`sqdist` (both checked as there). Returns the statistics dtype.
     """
+    _check_tensor("dist", "x", x)
+    _check_tensor("dist", "y", y)
     kk = _kt(k, to_stat(x))
-    _check_upper("dist", x=x, y=y)
+    _check_pair("dist", x, y)
+    _check_points("dist", k, x=x, y=y)
     d2 = _sqdist(x, y, keepdim)
     tiny = torch.finfo(d2.dtype).tiny
     return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
@@ -339,19 +479,23 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     range its time and non-zero coordinates are ``±inf`` and its zero coordinates 0, never ``nan``.
 
     Exact range: the result is finite, to a few roundings, for ``θ = |u_s|/sqrt(k) < log(2·max/sqrt(k))``, ``max``
-    the largest number of the statistics dtype: fp32 (also for bf16/fp16 inputs) ``θ < 89.41 - ½ log k`` (so a
-    tangent of norm 200 at ``k = 1`` is past it: ``inf`` coordinates, the point ``e^200`` away is not an fp32
-    number), fp64 ``θ < 710.47 - ½ log k``. Layers never come near it (their tables sit at ``θ <= 40``, see
-    ``HelmConfigBase``).
-    Beyond that range the input is refused where that is free: a ``ValueError`` naming the tangent norm and the
-    range, for a CPU tensor outside compilation (:func:`readable_for_free`; one reduction over ``[..., 1]``). On
-    accelerators and while compiling it is not read, and the result is as described above (never NaN, also when
+    the largest number of the *output* dtype, ``u``'s (computed in the statistics dtype, rounded once to ``u``'s
+    dtype at the end): fp32 and bf16 ``θ < 89.41 - ½ log k`` (so a tangent of norm 200 at ``k = 1`` is past it:
+    ``inf`` coordinates, the point ``e^200`` away is not an fp32 number), fp16 ``θ < 11.78 - ½ log k``, fp64
+    ``θ < 710.47 - ½ log k``. Layers never come near it (their tables sit at ``θ <= 40``, see ``HelmConfigBase``).
+    Checks, where the input is free to read (:func:`readable_for_free`: a CPU tensor outside compilation and
+    outside a model's forward; one reduction over the time coordinates of the result): a tangent beyond that range
+    is a ``ValueError`` naming the tangent norm and the range, a NaN or inf coordinate of ``u`` a ``ValueError``
+    naming ``u``, an integer (non-float) ``u`` a ``TypeError`` (always). On accelerators and while compiling
+    nothing is read: NaN propagates, and out of range the result is as described above (never NaN, also when
     ``|u_s|`` itself overflows: then the time coordinate is ``inf`` and the space part 0).
-    Shapes: ``[..., 1+n] -> [..., 1+n]``.
+    Shapes: ``[..., 1+n] -> [..., 1+n]``, in ``u``'s dtype.
     """
+    _check_tensor("expmap0", "u", u, what="a tangent vector [..., 1+n] at the origin, [0, u_s]")
     u_s = to_stat(u[..., 1:])
     kk = _kt(k, u_s)
-    if readable_for_free(u) and bool((u[..., 0] != 0).any()):
+    checked = readable_for_free(u) and u.numel() > 0
+    if checked and bool((u[..., 0] != 0).any()):
         raise ValueError("expmap0: u must be a tangent vector at the origin, [0, u_s] (time coordinate 0), got time "
                          f"coordinates up to {float(u[..., 0].abs().max()):g}; pass [0, u_s], or lift a point with lift()")
     sk = _sqrt(kk)
@@ -361,7 +505,7 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     big = theta > 20.0
     safe = torch.where(small | big, torch.ones_like(theta), theta)
     ratio = torch.where(small, 1 + theta.pow(2) / 6, torch.sinh(safe) / safe)
-    near = lift(ratio * u_s, k=k)
+    near = _lift(ratio * u_s, kk)  # unchecked: where big it is not selected and may overflow
     # far branch, with safe arguments where it is not selected (no inf/nan in either pass)
     log_sk = sk.log() if isinstance(sk, torch.Tensor) else math.log(sk)
     scale = torch.exp(torch.where(big, theta, torch.full_like(theta, 20.0)) - math.log(2.0) + log_sk)
@@ -371,30 +515,37 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     # x_t = sqrt(|x_s|² + k) = |x_s| = scale (|direction| = 1) to within k/|x_s|² < 1e-17 here; scale itself, not
     # scale·|direction|, so an overflowing |u_s| (direction 0) gives inf, not inf·0 = nan
     far = torch.cat([scale, far_s], dim=-1)
-    if readable_for_free(u_s) and bool(torch.isinf(scale).any()):
-        bad = torch.isinf(scale)
+    out = torch.where(big, far, near).to(u.dtype)
+    # the time coordinate is the largest one, so it alone tells whether the point (in u's dtype) is finite
+    if checked and not bool(torch.isfinite(out.detach()[..., 0]).all()):
+        if not bool(torch.isfinite(u_s).all()):
+            raise ValueError("expmap0: u must be finite, got NaN or inf coordinates in u[..., 1:]")
+        bad = ~torch.isfinite(out.detach()[..., :1])
         largest, theta_max = float(norm.detach()[bad].max()), float(theta.detach()[bad].max())
-        limit = math.floor(100 * (math.log(2) + math.log(torch.finfo(u_s.dtype).max))) / 100
+        limit = math.floor(100 * (math.log(2) + math.log(torch.finfo(u.dtype).max))) / 100
         raise ValueError(f"expmap0: a tangent vector of norm |u_s| = {largest:g} (theta = |u_s|/sqrt(k) "
                          f"= {theta_max:g}) is outside the range where its image is a finite "
-                         f"{str(u_s.dtype).removeprefix('torch.')} point, theta < {limit:.2f} - log(k)/2")
-    return torch.where(big, far, near)
+                         f"{str(u.dtype).removeprefix('torch.')} point, theta < {limit:.2f} - log(k)/2")
+    return out
 
 
 def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
     """Logarithmic map at the origin: ``[0, (θ / sinh θ) x_s]`` with ``θ = asinh(|x_s| / sqrt k)``.
 
-    Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``. Only the space part
-    is read, so ``x`` must be on the upper sheet (checked on CPU; ``logmap0(-x)`` would be ``-logmap0(x)``).
+    Inverse of :func:`expmap0`; exact at the origin (``θ/sinh θ -> 1``). Shapes: ``[..., 1+n]``; computed in the
+    statistics dtype, returned in ``x``'s dtype. Only the space part is read, so ``x`` must be a point of
+    ``H^n_k`` for this ``k`` (checked on CPU, see the module docstring; ``logmap0(-x)`` would be ``-logmap0(x)``,
+    and a point of another curvature would give the tangent of another point).
     """
-    _check_upper("logmap0", x=x)
+    _check_tensor("logmap0", "x", x)
     x_s = to_stat(x[..., 1:])
     kk = _kt(k, x_s)
+    _check_points("logmap0", k, x=x)
     r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
     small = r < 1e-4
     safe = torch.where(small, torch.ones_like(r), r)
     ratio = torch.where(small, 1 - r.pow(2) / 6, torch.asinh(safe) / safe)
-    return torch.cat([torch.zeros_like(r), ratio * x_s], dim=-1)
+    return torch.cat([torch.zeros_like(r), ratio * x_s], dim=-1).to(x.dtype)
 
 
 def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, None] = None,
@@ -408,17 +559,49 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     ``k (1 + w)² + w d²``, attention's and MiCE's centred sums): every layer passes one; without it the norm is
     computed from ``s``, accurate near the origin only. ``floor`` is a lower bound on it known from the
     math. The time coordinate of the result is recomputed from its space part, so the output is on the
-    manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``. ``s_t > 0`` (future-pointing) is checked on CPU:
-    the space part alone is read, so a past-pointing ``s`` would silently land on the reflected point.
+    manifold to rounding. Shapes: ``[..., 1+n] -> [..., 1+n]``, a point in the statistics dtype. ``s_t > 0``
+    (future-pointing) is checked on CPU: the space part alone is read, so a past-pointing ``s`` would silently land
+    on the reflected point.
+
+    ``floor``: None, or a non-negative finite number (``ValueError`` naming it otherwise), or a tensor
+    broadcasting against the time coordinates (shape always checked; its values where free to read, as ``k``).
+    A non-finite result where free to read (NaN/inf in ``s``, or ``|<s, s>_L| = 0`` with no positive floor: ``s``
+    light-like or zero has no point on its ray) is a ``ValueError`` naming ``s``.
     """
+    _check_tensor("normalize", "s", s)
     s = to_stat(s)
     _check_upper("normalize", s=s)
+    _check_floor(floor, s)
     if norm2 is None:
         norm2 = sqnorm(s, keepdim=True).abs()
     if floor is not None:
         norm2 = norm2.clamp_min(floor) if not isinstance(floor, torch.Tensor) else torch.maximum(norm2, floor)
     kk = _kt(k, s)
-    return lift(s[..., 1:] * (_sqrt(kk) * norm2.rsqrt()), k=k)
+    out = _lift(s[..., 1:] * (_sqrt(kk) * norm2.rsqrt()), kk)
+    if readable_for_free(s) and out.numel() and not bool(torch.isfinite(out.detach()[..., 0]).all()):
+        raise ValueError("normalize: s must be finite and time-like, |<s, s>_L| > 0 (or pass a floor > 0), got "
+                         + ("NaN or inf coordinates" if not bool(torch.isfinite(s).all()) else
+                            "a vector with |<s, s>_L| = 0 (light-like or zero: no point of H^n_k on its ray)"))
+    return out
+
+
+def _check_floor(floor, like: torch.Tensor) -> None:
+    """:func:`normalize`'s ``floor``: ``ValueError`` unless None, a non-negative finite number, or a tensor shaped
+    like the time coordinates of ``like`` whose values (read where free, :func:`readable_for_free`) are too. A NaN
+    floor made every result NaN; a negative one is no bound on the non-negative ``|<s, s>_L|``."""
+    if floor is None:
+        return
+    if isinstance(floor, torch.Tensor):
+        _check_tensor("normalize", "floor", floor, what="a number or a tensor [..., 1]", coordinates=False)
+        _check_k_shape(floor, like, "normalize: floor")
+        if readable_for_free(floor) and floor.numel() and not bool((torch.isfinite(floor) & (floor >= 0)).all()):
+            values = floor.detach().float()
+            raise ValueError("normalize: floor must be non-negative and finite (a lower bound on |<s, s>_L|), got a "
+                             f"tensor with values in [{float(values.min()):g}, {float(values.max()):g}]")
+        return
+    if not (isinstance(floor, numbers.Real) and not isinstance(floor, bool) and math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"normalize: floor must be None or a non-negative finite number (a lower bound on "
+                         f"|<s, s>_L|), got {floor!r}")
 
 
 def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: int = -2) -> torch.Tensor:
@@ -429,7 +612,8 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     ``ValueError`` otherwise where the weights can be read for free (:func:`readable_for_free`: CPU tensors
     outside compilation); on an accelerator they are not read (no synchronisation) and such weights give
     non-finite points. A ``w`` that does not broadcast to the points, or no points (``x.shape[dim] == 0``), is a
-    ``ValueError`` (shapes: always checked). The points must be on the upper sheet (checked on CPU).
+    ``ValueError`` (shapes: always checked). The points must be points of ``H^n_k`` (checked on CPU, see the
+    module docstring: the norm below holds for points of ``H_k`` only).
 
     The centroid does not change when the weights of one centroid are scaled by a common positive factor, and
     neither does its evaluation: the weights are divided by their largest one per centroid first, so weights
@@ -443,6 +627,9 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     ``|x_s| = 1e4`` in fp32 that cancellation alone is larger than ``k``). Costs ``O(N² n)``: meant for few
     points (residuals, expert mixtures); attention normalises its softmax-weighted sums directly.
     """
+    _check_tensor("centroid", "x", x)
+    if w is not None:
+        _check_tensor("centroid", "w", w, what="weights", coordinates=None)  # 0-dim: one weight for all
     x = to_stat(x)
     dim = dim if dim >= 0 else x.dim() + dim
     if not 0 <= dim < x.dim() - 1:
@@ -459,36 +646,53 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
                          f"{tuple(x.shape)}: {x.shape[dim]} points along dim {dim}, coordinates last)")
     w = to_stat(w).to(x.dtype).expand(points)
     xm, wm = x.movedim(dim, -2), w.movedim(dim, -1)
+    # k is per centroid (it broadcasts against the result's time coordinates); the points carry one more dim
+    kc = _kt(k, xm[..., 0, :])
     if readable_for_free(wm) and not bool(((wm >= 0) & wm.isfinite()).all(-1).logical_and(wm.sum(-1) > 0).all()):
         raise ValueError("centroid: w must be non-negative and finite, with a positive sum over the points of "
                          f"each centroid (got weights in [{float(wm.min()):g}, {float(wm.max()):g}], sums down to "
                          f"{float(wm.sum(-1).min()):g}); a zero or negative total weight has no centroid")
-    _check_upper("centroid", x=xm)
+    _check_points("centroid", kc.unsqueeze(-2) if isinstance(kc, torch.Tensor) and kc.dim() else kc, x=xm)
     if given:  # scale-free: (Σ w)² and Σ w_i w_j d² under- or overflow fp32 for tiny or huge common scales
         wm = wm / wm.amax(-1, keepdim=True)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = _sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3))
-    norm2 = _kt(k, s) * wm.sum(-1, keepdim=True).pow(2) + \
+    norm2 = kc * wm.sum(-1, keepdim=True).pow(2) + \
         0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2)).unsqueeze(-1)
     return normalize(s, k=k, norm2=norm2)
 
 
 def rescale(x: torch.Tensor, *, k_in: Curv, k_out: Curv) -> torch.Tensor:
-    """Curvature change ``x ↦ sqrt(k_out / k_in) · x``: maps ``H_{k_in}`` onto ``H_{k_out}`` (MiCE experts)."""
-    return x * _sqrt(_kt(k_out, x, "k_out") / _kt(k_in, x, "k_in"))
+    """Curvature change ``x ↦ sqrt(k_out / k_in) · x``: maps ``H_{k_in}`` onto ``H_{k_out}`` (MiCE experts).
+
+    ``x`` must be points of ``H_{k_in}`` (checked on CPU, see the module docstring). Computed in the statistics
+    dtype and returned in ``x``'s (one rounding, whether ``k`` is a number or a tensor)."""
+    _check_tensor("rescale", "x", x)
+    k_out, k_in = _kt(k_out, x, "k_out"), _kt(k_in, x, "k_in")
+    _check_points("rescale", k_in, "k_in", x=x)
+    return (to_stat(x) * _sqrt(k_out / k_in)).to(x.dtype)
 
 
 def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int = -2) -> torch.Tensor:
     """Lorentz concatenation (HCat): concatenate the space parts, recompute one time coordinate.
 
     ``xs`` is a sequence of points ``[..., 1+n_i]`` or one tensor stacking them along ``dim``
-    (e.g. heads ``[..., H, 1+d] -> [..., 1+H·d]``). ``hcat(lift(a), lift(b)) = lift(cat(a, b))``.
+    (e.g. heads ``[..., H, 1+d] -> [..., 1+H·d]``). ``hcat(lift(a), lift(b)) = lift(cat(a, b))``; the time
+    coordinates of ``xs`` are not read, and the range and checks are :func:`lift`'s.
     """
     if isinstance(xs, torch.Tensor):
+        _check_tensor("hcat", "xs", xs)
         dim = dim if dim >= 0 else xs.dim() + dim
         space = xs[..., 1:].movedim(dim, -2)
-        return lift(space.reshape(*space.shape[:-2], -1), k=k)
-    return lift(torch.cat([x[..., 1:] for x in xs], dim=-1), k=k)
+        space = space.reshape(*space.shape[:-2], -1)
+    else:
+        for i, x in enumerate(xs):
+            _check_tensor("hcat", f"xs[{i}]", x)
+        space = torch.cat([x[..., 1:] for x in xs], dim=-1)
+    space = to_stat(space)
+    out = _lift(space, _kt(k, space))
+    _check_lifted("hcat", "xs", space, out)
+    return out
 
 
 def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:

@@ -192,3 +192,23 @@ def test_half_precision_inputs_promote_to_fp32():
     assert x.dtype == torch.float32
     assert manifold_error(x, 1.0).max() <= MANIFOLD_TOL[torch.bfloat16]
     assert inner(xs, xs).dtype == torch.float32
+
+
+def test_lorentz_class_checks_points_with_its_own_k():
+    """The class delegates to the functions, so its k is the one points are checked against (CPU tensors)."""
+    x = lift(torch.randn(5, 8), k=1.0)
+    for call in (lambda m: m.logmap0(x), lambda m: m.dist(x, x), lambda m: m.sqdist(x, x), lambda m: m.centroid(x)):
+        with pytest.raises(ValueError, match=r"must be points of H\^n_k for k = 0.3 "):
+            call(Lorentz(0.3))
+        assert torch.isfinite(call(Lorentz(1.0))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_tangents_map_in_their_dtype_with_fp32_gradients_inside(dtype):
+    """expmap0/logmap0 compute in fp32 and round once to the input dtype, differentiably."""
+    u = torch.cat([torch.zeros(4, 1), torch.randn(4, 6)], -1).to(dtype).requires_grad_()
+    x = expmap0(u, k=0.7)
+    assert x.dtype == dtype and logmap0(x, k=0.7).dtype == dtype
+    assert torch.equal(x, expmap0(u.detach().float(), k=0.7).to(dtype))
+    x.float().sum().backward()
+    assert u.grad.dtype == dtype and torch.isfinite(u.grad).all() and u.grad[:, 1:].abs().sum() > 0

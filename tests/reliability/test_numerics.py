@@ -123,7 +123,8 @@ def test_manifold_function_far_from_origin(name, r, request):
 def test_every_public_function_is_swept():
     swept = {name.split("-")[0] for name in CASES} | {"origin"}
     # no floating-point maths of points (positive_exp, of scalar scales, has its own test below)
-    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free"}
+    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free",
+               "point_rtol"}
     assert set(M.__all__) - helpers <= swept
 
 
@@ -241,7 +242,10 @@ def test_tensor_k_of_the_time_coordinates_shape_is_accepted():
     k = torch.tensor([[1.0], [2.0], [0.5]])
     x = M.lift(torch.randn(3, 4), k=k)
     assert x.shape == (3, 5) and M.manifold_error(x, k).max() <= 1e-6
-    assert M.centroid(x[None].expand(2, 3, 5), k=torch.tensor([[1.0], [2.0]]), dim=1).shape == (2, 5)
+    # one k per centroid, the points of each on their own H_k (x above, on three curvatures, is no such set)
+    kc = torch.tensor([[1.0], [2.0]])
+    c = M.centroid(M.lift(torch.randn(2, 3, 4), k=kc[:, None]), k=kc, dim=1)
+    assert c.shape == (2, 5) and M.manifold_error(c, kc).max() <= 1e-6
 
 
 # Issue 26 item 4: functions that read only the space part, or a difference, assume the upper sheet; a point of the
@@ -303,7 +307,11 @@ EXPMAP_RANGE = [
     (torch.float32, 4.0, 89.41 - 0.5 * math.log(4.0) + 0.03, False),
     (torch.float32, 1e-4, 89.41 - 0.5 * math.log(1e-4) - 0.02, True),
     (torch.float64, 1.0, 200.0, True), (torch.float64, 1.0, 710.46, True), (torch.float64, 1.0, 710.49, False),
+    # the range of the output dtype, u's: an fp16 point overflows past e^11.78/2 = 65504 (it came back fp32 before)
+    (torch.float16, 1.0, 11.70, True), (torch.float16, 1.0, 11.85, False), (torch.float16, 1.0, 15.0, False),
+    (torch.bfloat16, 1.0, 88.5, True), (torch.bfloat16, 1.0, 90.0, False),
 ]
+EXPMAP_LIMIT = {torch.float16: "11.78", torch.bfloat16: "89.41", torch.float32: "89.41", torch.float64: "710.47"}
 
 
 @pytest.mark.parametrize("dtype, k, theta, finite", EXPMAP_RANGE,
@@ -315,11 +323,12 @@ def test_expmap0_is_finite_exactly_in_its_documented_range(dtype, k, theta, fini
     u[0, 2:] /= math.sqrt(2) if theta < 1e30 else 1.0
     if finite:
         x = M.expmap0(u, k=k)
-        assert torch.isfinite(x).all()
+        assert torch.isfinite(x).all() and x.dtype == dtype
     else:
-        limit = "89.41" if dtype == torch.float32 else "710.47"
+        name = str(dtype).removeprefix("torch.")
+        limit = EXPMAP_LIMIT[dtype]
         with pytest.raises(ValueError, match=rf"^expmap0: a tangent vector of norm \|u_s\| = .* is outside the range "
-                                             rf"where its image is a finite float(32|64) point, theta < {limit} - "):
+                                             rf"where its image is a finite {name} point, theta < {limit} - "):
             M.expmap0(u, k=k)
 
 
@@ -390,6 +399,151 @@ def test_huge_temperatures_keep_gradients_finite(family):
 def test_origin(k):
     assert_close(M.origin(3, 17, k=k, dtype=torch.float32), M.origin(3, 17, k=k, dtype=torch.float64), rtol=TOL)
 
+
+# Re-probe of the public manifold functions (the reliability issue's last numerics findings, items 1-5): every
+# case ends in an exception naming the argument and what is allowed, where it gave a silently wrong, NaN or inf
+# result, or a raw torch error. (case, call, exception, message)
+_pts = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=1.0)  # on H_1
+_far = M.lift(1e4 * space_parts((3,), 4, "unit"), k=K).float()  # |x_s| = 1e4 on H_0.7, rounded to fp32 once
+_u = torch.tensor([[0.0, 0.3, -0.2]])
+_nan, _inf = float("nan"), float("inf")
+_k3 = torch.tensor([[1.0], [2.0], [5.0]])
+_ON_H = r"must be points of H\^n_k for "
+BAD_ARGUMENTS = [
+    # item 1: points of another curvature or off the hyperboloid (only the lower sheet was refused)
+    ("logmap0 of H_1 points with k=0.7", lambda: M.logmap0(_pts, k=0.7), ValueError,
+     rf"^logmap0: x {_ON_H}k = 0.7 .*got <x, x>_L = -1 for one of them, a point of the hyperboloid of k = 1;"),
+    ("dist with y on another k", lambda: M.dist(_pts, M.lift(_pts[..., 1:], k=2.0), k=1.0), ValueError,
+     rf"^dist: y {_ON_H}k = 1 .*hyperboloid of k = 2;"),
+    ("dist of 1.01 x (off H_k)", lambda: M.dist(1.01 * _pts, _pts, k=1.0), ValueError, rf"^dist: x {_ON_H}k = 1 "),
+    ("sqdist of a space-like y", lambda: M.sqdist(_pts, torch.tensor([[0.1, 1.0, 0.0]]), k=1.0), ValueError,
+     rf"^sqdist: y {_ON_H}k = 1 .*on no hyperboloid \(a Minkowski norm >= 0"),
+    ("sqdist with a per-row tensor k, one row wrong",
+     lambda: M.sqdist(_pts, _pts, k=torch.tensor([[1.0], [1.0], [3.0]])), ValueError, rf"^sqdist: x {_ON_H}k = 3 "),
+    ("sqdist of one y against a per-row k of x", lambda: M.sqdist(M.lift(_pts[..., 1:], k=_k3), M.lift(
+        _pts[:1, 1:], k=2.0), k=_k3), ValueError, rf"^sqdist: y {_ON_H}k = 5 .*<y, y>_L = -2 for one of them"),
+    ("centroid of H_1 points with k=2", lambda: M.centroid(_pts, k=2.0), ValueError, rf"^centroid: x {_ON_H}k = 2 "),
+    ("rescale of H_1 points with k_in=2", lambda: M.rescale(_pts, k_in=2.0, k_out=1.0), ValueError,
+     rf"^rescale: x {_ON_H}k_in = 2 \(<x, x>_L = -k_in"),
+    ("points at |x_s| = 10 of H_0.7 with k=1", lambda: M.logmap0(M.lift(10 * space_parts((3,), 4, "unit"), k=K),
+                                                                k=1.0), ValueError, rf"^logmap0: x {_ON_H}k = 1 "),
+    ("logmap0 of a NaN point", lambda: M.logmap0(torch.full((2, 3), _nan), k=1.0), ValueError,
+     r"^logmap0: x must be finite points of H\^n_k, got NaN or inf"),
+    ("dist of an inf point", lambda: M.dist(_pts, _pts.index_fill(1, torch.tensor([2]), _inf), k=1.0), ValueError,
+     r"^dist: y must be finite points of H\^n_k, got NaN or inf"),
+    # item 2: lift and expmap0 of non-finite or overflowing inputs (inf or NaN came back)
+    ("lift of |x_s| = 1e20", lambda: M.lift(torch.tensor([[1e20, 0.0]]), k=1.0), ValueError,
+     r"^lift: x_s has space parts of norm up to 1e\+20 .* finite in float32: \|x_s\| < 1.84e\+19"),
+    ("lift of NaN", lambda: M.lift(torch.tensor([[_nan, 1.0]]), k=1.0), ValueError,
+     r"^lift: x_s must be finite, got NaN or inf"),
+    ("lift of inf, with a gradient", lambda: M.lift(torch.tensor([[_inf, 1.0]], requires_grad=True), k=1.0),
+     ValueError, r"^lift: x_s must be finite, got NaN or inf"),
+    ("hcat with a NaN head", lambda: M.hcat([_pts, _pts * _nan], k=1.0), ValueError,
+     r"^hcat: xs must be finite, got NaN or inf"),
+    ("expmap0 of NaN", lambda: M.expmap0(torch.tensor([[0.0, _nan, 1.0]]), k=1.0), ValueError,
+     r"^expmap0: u must be finite, got NaN or inf coordinates in u\[\.\.\., 1:\]"),
+    ("expmap0 of inf", lambda: M.expmap0(torch.tensor([[0.0, 1.0, -_inf]]), k=1.0), ValueError,
+     r"^expmap0: u must be finite, got NaN or inf"),
+    # item 4: normalize's floor (NaN gave NaN points, -1 was taken)
+    ("normalize floor=nan", lambda: M.normalize(2 * _pts, k=1.0, floor=_nan), ValueError,
+     r"^normalize: floor must be None or a non-negative finite number \(a lower bound on \|<s, s>_L\|\), got nan"),
+    ("normalize floor=-1", lambda: M.normalize(2 * _pts, k=1.0, floor=-1), ValueError,
+     r"^normalize: floor must be None or a non-negative finite number .*got -1$"),
+    ("normalize floor=inf", lambda: M.normalize(2 * _pts, k=1.0, floor=_inf), ValueError,
+     r"^normalize: floor must be None or a non-negative finite number .*got inf$"),
+    ("normalize floor=tensor(-1)", lambda: M.normalize(2 * _pts, k=1.0, floor=torch.full((3, 1), -1.0)), ValueError,
+     r"^normalize: floor must be non-negative and finite .*got a tensor with values in \[-1, -1\]"),
+    ("normalize floor of shape [3]", lambda: M.normalize(2 * _pts, k=1.0, floor=torch.ones(3)), ValueError,
+     r"^normalize: floor must broadcast against the time coordinates x\[\.\.\., :1\] of shape \(3, 1\)"),
+    ("normalize of a light-like s", lambda: M.normalize(torch.tensor([[1.0, 1.0, 0.0]]), k=1.0), ValueError,
+     r"^normalize: s must be finite and time-like, \|<s, s>_L\| > 0 .*light-like or zero"),
+    # item 5: raw torch errors
+    ("expmap0 of an integer tensor", lambda: M.expmap0(torch.tensor([[0, 1, 2]]), k=1.0), TypeError,
+     r"^expmap0: u must be a floating-point tensor \(float16, bfloat16, float32 or float64\), got torch.int64"),
+    ("lift of an integer tensor", lambda: M.lift(torch.tensor([[1, 2]]), k=1.0), TypeError,
+     r"^lift: x_s must be a floating-point tensor .*got torch.int64"),
+    ("dist of a bool tensor", lambda: M.dist(_pts > 0, _pts, k=1.0), TypeError,
+     r"^dist: x must be a floating-point tensor .*got torch.bool"),
+    ("logmap0 of a list", lambda: M.logmap0([[1.0, 0.0]], k=1.0), TypeError,
+     r"^logmap0: x must be a floating-point torch.Tensor, got list"),
+    ("lift of a 0-dim tensor", lambda: M.lift(torch.tensor(1.0), k=1.0), ValueError,
+     r"^lift: x_s must be space parts \[\.\.\., n\] .*got a 0-dim tensor"),
+    ("logmap0 of a 0-dim tensor", lambda: M.logmap0(torch.tensor(1.0), k=1.0), ValueError,
+     r"^logmap0: x must be points \[\.\.\., 1\+n\] \(time coordinate first\), got a 0-dim tensor"),
+    ("expmap0 of shape (2, 0)", lambda: M.expmap0(torch.zeros(2, 0), k=1.0), ValueError,
+     r"^expmap0: u must be a tangent vector \[\.\.\., 1\+n\] at the origin, \[0, u_s\], got shape \(2, 0\)"),
+    ("dist of (3, 3) and (2, 3) points", lambda: M.dist(_pts, _pts[:2], k=1.0), ValueError,
+     r"^dist: x of shape \(3, 3\) and y of shape \(2, 3\) must have the same number of coordinates \(last dim, 1\+n\) "
+     r"and batch dims that broadcast"),
+    ("sqdist of 1+2 and 1+3 coordinates", lambda: M.sqdist(_pts, M.lift(torch.ones(3, 3), k=1.0), k=1.0),
+     ValueError, r"^sqdist: x of shape \(3, 3\) and y of shape \(3, 4\) must have the same number of coordinates"),
+    ("sqdist of 1+2 and 1 coordinates (broadcast)", lambda: M.sqdist(_pts, _pts[:, :1], k=1.0), ValueError,
+     r"^sqdist: x of shape \(3, 3\) and y of shape \(3, 1\) must have the same number"),
+    ("inner of (3, 3) and (2, 3)", lambda: M.inner(_pts, _pts[:2]), ValueError,
+     r"^inner: x of shape \(3, 3\) and y of shape \(2, 3\) must have the same number"),
+]
+
+
+@pytest.mark.parametrize("case, call, exc, message", BAD_ARGUMENTS, ids=[c[0] for c in BAD_ARGUMENTS])
+def test_bad_arguments_are_refused_naming_them(case, call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+# The other side of those checks: what they let through, and the documented results. (case, call, check)
+_x64_of_fp32 = M.lift(space_parts((4,), 16, "random", torch.float64), k=K).float().double()  # fp32-rounded points
+DOCUMENTED_RESULTS = [
+    ("far fp32 points on H_k (|x_s| = 1e4): finite distances", lambda: M.dist(_far, _far.flip(0), k=K),
+     lambda d: torch.isfinite(d).all() and (d[[0, 2]] > 10).all() and d[1] < 1e-6),
+    ("far out another curvature is within rounding of H_k and passes (documented): |x_s| = 1e4, 0.7 for 1",
+     lambda: M.logmap0(_far, k=1.0), lambda u: torch.isfinite(u).all()),
+    ("fp32 points promoted to fp64 are points (references on fp32 inputs)", lambda: M.logmap0(_x64_of_fp32, k=K),
+     lambda u: u.dtype == torch.float64 and torch.isfinite(u).all()),
+    ("a bf16 copy of points is a point (bf16's bound); logmap0 returns bf16",
+     lambda: M.logmap0(M.lift(space_parts((64,), 32, "random"), k=K).bfloat16(), k=K),
+     lambda u: u.dtype == torch.bfloat16 and torch.isfinite(u).all()),
+    ("item 3: expmap0 of fp16 is fp16, the fp32 result rounded once", lambda: M.expmap0(_u.half(), k=K),
+     lambda x: x.dtype == torch.float16 and torch.equal(x, M.expmap0(_u.half().float(), k=K).half())),
+    ("item 3: expmap0 of bf16 is bf16", lambda: M.expmap0(_u.bfloat16(), k=K), lambda x: x.dtype == torch.bfloat16),
+    ("rescale of bf16 with a tensor k stays bf16", lambda: M.rescale(_pts.bfloat16(), k_in=torch.tensor(1.0),
+                                                                     k_out=2.0), lambda x: x.dtype == torch.bfloat16),
+    ("lift of bf16 is fp32 (the precision policy's points)", lambda: M.lift(_u[..., 1:].bfloat16(), k=K),
+     lambda x: x.dtype == torch.float32),
+    ("lift of |x_s| = 1.8e19 (inside fp32's range)", lambda: M.lift(torch.tensor([[1.8e19, 0.0]]), k=1.0),
+     lambda x: torch.isfinite(x).all()),
+    ("lift of |x_s| = 1e20 in fp64 (range 1.3e154)", lambda: M.lift(torch.tensor([[1e20, 0.0]], dtype=torch.float64),
+                                                                    k=1.0), lambda x: torch.isfinite(x).all()),
+    ("normalize floor=0 is no bound", lambda: M.normalize(2 * _pts, k=1.0, floor=0),
+     lambda x: torch.equal(x, M.normalize(2 * _pts, k=1.0))),
+    ("dist of (3, 3) and (1, 3) points broadcasts", lambda: M.dist(_pts, _pts[:1], k=1.0),
+     lambda d: d.shape == (3,) and d[0] < 1e-6 and (d[1:] > 1).all()),
+    ("inside a model's forward nothing is read (trusted_points)", lambda: M.trusted_points(
+        lambda: M.logmap0(_pts, k=0.7))(), lambda u: torch.isfinite(u).all()),
+]
+
+
+@pytest.mark.parametrize("case, call, check", DOCUMENTED_RESULTS, ids=[c[0] for c in DOCUMENTED_RESULTS])
+def test_documented_results_of_the_checked_functions(case, call, check):
+    assert check(call())
+
+
+def test_membership_is_not_read_while_compiling():
+    """Compiled (as on an accelerator) a point of another curvature is not read: a value, no graph break."""
+    compiled = torch.compile(lambda x: M.logmap0(x, k=0.7), backend="eager", fullgraph=True)
+    assert torch.isfinite(compiled(_pts)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=["fp16", "bf16", "fp32", "fp64"])
+def test_point_rtol_accepts_rounded_points_and_refuses_the_next_curvature(dtype):
+    """The membership bound sits between the rounding of stored points (accepted, at |x_s| from 0 to 1e2 here)
+    and a curvature 1.5 rtol away at the origin (refused)."""
+    k = 0.7
+    x = M.lift(torch.cat([torch.zeros(1, 8), space_parts((63,), 8, "random", torch.float64) * torch.logspace(
+        -2, 2, 63, dtype=torch.float64)[:, None]]), k=k).to(dtype)
+    M.logmap0(x, k=k)
+    with pytest.raises(ValueError, match=r"^logmap0: x must be points of H\^n_k"):
+        M.logmap0(x[:1], k=k * (1 + 1.5 * M.point_rtol(dtype)))
 
 # --- attention -------------------------------------------------------------------------------------------
 
