@@ -11,8 +11,7 @@ centroid normalisation. Implementations:
 
 * ``eager``  explicit ``-d²/τ`` scores, masks and softmax: the readable spec (use it in float64 in tests).
 * ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
-  to one head width, a multiple of 8, where that makes the flash / memory-efficient backends eligible:
-  :func:`_pad_sdpa_heads`).
+  to one head width, a multiple of 8, so the flash / memory-efficient backends are eligible: :func:`_pad_sdpa_heads`).
 * ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton
   interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
@@ -46,7 +45,7 @@ says why), so in half precision the weights are materialised (the ``sdpa`` imple
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -155,9 +154,9 @@ class AttentionMask:
             self._keep = _dense_keep(self)
         return self._keep if isinstance(self._keep, torch.Tensor) else None
 
-    def groups(self) -> Optional[torch.Tensor]:
-        """``[B, Tk]``: the first key of each key's group (document and padding flag), or None for one group;
-        the values are centred per group (see the module docstring). Computed on first use, then shared."""
+    def groups(self) -> Optional[KeyGroups]:
+        """The keys' groups (document and padding flag, :class:`KeyGroups`), or None for one group; the values are
+        centred per group (see the module docstring). Computed on first use, then shared by every layer."""
         if self._groups is False:
             self._groups = _key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
         return self._groups
@@ -239,10 +238,26 @@ def _floor(k):
 
 # Per-key centres of the values, shared with the Triton kernels (helm/ops/lorentz_attention_triton/common.py
 # imports them).
+class KeyGroups(NamedTuple):
+    """The keys' groups (same segment id, same padding flag) and what a segmented sum over them needs, computed once
+    per mask (:meth:`AttentionMask.groups`) and shared by every layer. Keys are numbered row-major over ``[B, Tk]``
+    (key ``j`` of batch row ``b`` is ``b·Tk + j``), and ``B·Tk`` names a zero row (:func:`_group_sum`).
+
+    ``first [B·Tk]`` int64: the first key of each key's group. ``sources``: for the doubling steps
+    ``s = 1, 2, 4, ... < Tk``, ``[B·Tk]`` int64, the key ``s`` places before each key within its group (keys in index
+    order), or ``B·Tk`` where there is none. ``last [B·Tk]``: the last key of each key's group. ``count [B·Tk, 1, 1]``
+    int64: the size of each key's group."""
+
+    first: torch.Tensor
+    sources: tuple
+    last: torch.Tensor
+    count: torch.Tensor
+
+
 def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
-               device) -> Optional[torch.Tensor]:
-    """``[B, Tk]`` int64: for each key, the index of the first key of its group (same segment id, same padding
-    flag); None when all keys form one group."""
+               device) -> Optional[KeyGroups]:
+    """The :class:`KeyGroups` of keys with these segment ids and padding flags; None when all keys form one
+    group. Sorts and scans only: no host synchronisation."""
     if segment_ids is None and padding is None:
         return None
     key = torch.zeros(batch, kv_len, dtype=torch.int64, device=device)
@@ -252,58 +267,70 @@ def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], pa
     key = 2 * key
     if padding is not None:
         key = key + (~padding.to(device=device, dtype=torch.bool)).to(torch.int64)
-    s, perm = key.sort(dim=1, stable=True)
+    # keys sorted by group, stably (each group keeps index order); positions below are in that order
+    s, order = key.sort(dim=1, stable=True)
     start = torch.ones_like(s, dtype=torch.bool)
     start[:, 1:] = s[:, 1:] != s[:, :-1]
+    end = torch.ones_like(start)
+    end[:, :-1] = start[:, 1:]
     pos = torch.arange(kv_len, device=device).expand(batch, kv_len)
     run_start = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    first = perm.gather(1, run_start)  # stable sort: the run's first entry is the group's lowest key index
-    return torch.empty_like(first).scatter_(1, perm, first)
+    run_end = torch.where(end, pos, torch.full_like(pos, kv_len)).flip(1).cummin(dim=1).values.flip(1)
+    offset = (torch.arange(batch, device=device) * kv_len).view(batch, 1)
+    none = batch * kv_len
+
+    def by_key(sorted_keys: torch.Tensor) -> torch.Tensor:  # per sorted position -> per key, flattened
+        return torch.empty_like(order).scatter_(1, order, sorted_keys).view(-1)
+
+    rank = pos - run_start  # within the group
+    sources = tuple(by_key(torch.where(rank >= step, order.gather(1, (pos - step).clamp_min(0)) + offset, none))
+                    for step in (1 << i for i in range(max(kv_len - 1, 0).bit_length())))
+    return KeyGroups(first=by_key(order.gather(1, run_start) + offset), sources=sources,
+                     last=by_key(order.gather(1, run_end) + offset), count=by_key(run_end - run_start + 1).view(-1, 1, 1))
 
 
-def _group_sum(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per-key sum of ``x [B, H, Tk, C]`` over the key's group: a segmented scan over the keys sorted by group
-    (``log2 Tk`` doubling steps, each adding the partial sum ``step`` keys back when it lies in the same group), so
-    a group's sum involves its own keys only, in a fixed order: bit for bit independent of the other groups (a
-    cumulative sum across groups would round each group's sum by its prefix), deterministic, no fp64."""
-    B, H, Tk, C = x.shape
-    order = groups.argsort(dim=1, stable=True)
-    idx = order.view(B, 1, Tk, 1).expand(B, H, Tk, C)
-    xs = x.gather(2, idx)
-    g_sorted = groups.gather(1, order)
-    step = 1
-    while step < Tk:
-        same = (g_sorted[:, step:] == g_sorted[:, :-step]).view(B, 1, Tk - step, 1)
-        xs = torch.cat([xs[:, :, :step], xs[:, :, step:] + torch.where(same, xs[:, :, :-step], 0)], dim=2)
-        step *= 2
-    end = torch.ones_like(g_sorted, dtype=torch.bool)
-    end[:, :-1] = g_sorted[:, 1:] != g_sorted[:, :-1]
-    pos = torch.arange(Tk, device=x.device).expand(B, Tk)
-    last = torch.where(end, pos, torch.full_like(pos, Tk)).flip(1).cummin(dim=1).values.flip(1)
-    total = xs.gather(2, last.view(B, 1, Tk, 1).expand(B, H, Tk, C))  # the inclusive scan at the group's last key
-    return torch.empty_like(total).scatter_(2, idx, total)
+def _group_sum(rows: torch.Tensor, groups: KeyGroups) -> torch.Tensor:
+    """Per-key sum of ``rows [B·Tk, W]`` over the key's group: a segmented scan (``log2 Tk`` doubling steps, each
+    adding the partial sum of the key ``step`` places before within the group, or of the zero row), then each key
+    takes its group's last partial sum. A group's sum involves its own keys only, in an order set by their ranks
+    within the group: bit for bit independent of the other groups (a cumulative sum across groups would round each
+    group's sum by its prefix), deterministic, no fp64; row copies only (``index_select``)."""
+    n = rows.shape[0]
+    y = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # row n stays 0
+    for source in groups.sources:
+        y[:n].add_(y.index_select(0, source))  # the gather reads y before the in-place add writes it
+    return y.index_select(0, groups.last)
 
 
-def _value_centres(v: torch.Tensor, groups: Optional[torch.Tensor]) -> torch.Tensor:
+def _value_centres(v: torch.Tensor, groups: Optional[KeyGroups]) -> torch.Tensor:
     """Detached centres ``c_j``: ``[B, H, 1, 1+dv]`` (one group) or ``[B, H, Tk, 1+dv]`` (``groups`` from
     :func:`_key_groups`), in ``v``'s dtype.
 
     The normalisation is exact for any centre shared by a row's keys, so the centre's own rounding does not
-    matter: the mean of the group, shrunk towards 0 unless the values cluster (``β = 1 - 100 var/|m|²``, so an
-    unclustered group keeps the origin as centre), in the statistics dtype."""
+    matter: the mean ``m`` of the group, shrunk towards 0 unless the values cluster (``β = 1 - 100 var/|m|²``, so an
+    unclustered group keeps the origin as centre), in the statistics dtype. Per group, ``m`` and ``var`` come from
+    one segmented sum of the values shifted by the group's first value ``f`` (``d = v - f``: ``m = f + Σd/n``,
+    ``var = Σ|d|²/n - |Σd/n|²``, the shift keeping the difference of moments at the scale of the group's spread)."""
     v = v.detach()
     wide = to_stat(v)
+    B, H, Tk, C = wide.shape
     if groups is None:
         m = wide.mean(-2, keepdim=True)
-        var = (wide - m).pow(2).sum(-1, keepdim=True).mean(-2, keepdim=True)
-    else:
-        ones = torch.ones_like(wide[..., :1])
-        count = _group_sum(ones, groups)
-        m = _group_sum(wide, groups) / count
-        var = _group_sum((wide - m).pow(2).sum(-1, keepdim=True), groups) / count
-    m2 = m.pow(2).sum(-1, keepdim=True)
+        var = (wide - m).square().sum(-1, keepdim=True).mean(-2, keepdim=True)
+    else:  # one row of [H, C] per key, so that gathering keys copies whole rows
+        rows = wide.transpose(1, 2).reshape(B * Tk, H, C)
+        f = rows.index_select(0, groups.first)
+        d = rows - f
+        sums = _group_sum(torch.cat([d, d.square().sum(-1, keepdim=True)], dim=-1).view(B * Tk, -1), groups)
+        sums = sums.view(B * Tk, H, C + 1)
+        count = groups.count.to(wide.dtype)
+        mean_d = sums[..., :-1] / count
+        m = f + mean_d
+        var = (sums[..., -1:] / count - mean_d.square().sum(-1, keepdim=True)).clamp_min(0)
+    m2 = m.square().sum(-1, keepdim=True)
     beta = (1 - 100 * var / m2.clamp_min(torch.finfo(m2.dtype).tiny)).clamp_min(0)
-    return (m * beta).to(v.dtype)
+    c = (m * beta).to(v.dtype)
+    return c if groups is None else c.view(B, Tk, H, C).transpose(1, 2)
 
 
 def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
@@ -481,28 +508,23 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
 
 
 # Pad SDPA's q, k and [w | e] to one head width, a multiple of 8 (:func:`_pad_heads`): True / False force it;
-# None (default) pads except on the CPU with SDPA's math backend enabled (:func:`_pad_sdpa_heads` says why).
+# None (default) pads on every device (:func:`_pad_sdpa_heads` says why).
 SDPA_PAD_HEADS: Optional[bool] = None
 
 
 def _pad_sdpa_heads(device: torch.device) -> bool:
-    """Whether :func:`sdpa_attention` pads its operands (:data:`SDPA_PAD_HEADS`; by default, on every device but
-    the CPU, and on the CPU when SDPA's math backend is disabled, e.g. under
-    ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``).
+    """Whether :func:`sdpa_attention` pads its operands (:data:`SDPA_PAD_HEADS`; by default, always).
 
-    On CUDA the unequal widths (65 and 66) leave only the math backend, which materialises the ``T × T`` weights.
-    On the CPU padding lets the flash kernel run but is not the default: a tiny training step measured no faster
-    (within the machine's noise; the attention op alone 10-15% faster), and flash's fp32 gradients are 2-9x further
-    from fp64 than the math path's (within the fp32 model's own rounding, ~1e-4 relative, but beyond ``sdpa``'s
-    1e-5 agreement with ``eager``; tests/ops/test_attention_backends.py)."""
-    if SDPA_PAD_HEADS is not None:
-        return SDPA_PAD_HEADS
-    return device.type != "cpu" or not _math_sdp_enabled()
-
-
-@torch.compiler.assume_constant_result  # dynamo cannot trace the flag's read: a compiled graph takes it as it was
-def _math_sdp_enabled() -> bool:
-    return torch.backends.cuda.math_sdp_enabled()
+    The unequal widths (``q, k``: ``1 + d``; ``[w | e]``: ``2 + d``) leave only SDPA's math backend, which
+    materialises the ``T × T`` weights and scans them for fully masked rows; padded, the flash kernel (CPU and
+    CUDA) and the memory-efficient one are eligible, as they are for Llama's equal widths. On the CPU this took a
+    tiny-helm-d training step from 1.15x to 1.09x tiny-llama's time (docs/benchmarks.md). The price is in fp32
+    gradients: flash's are within 2e-4 relative of fp64 (measured up to 9e-5, on ``dq`` with ALiBi;
+    tests/ops/test_attention.py), the math path's within 1e-5, which ``SDPA_PAD_HEADS = False`` (or
+    ``attn_impl="eager"``) restores. Through a model the difference stays below the fp32 model's own worst rounding
+    (~1e-4 on the residual weights' gradients, either backend; tests/ops/test_attention_backends.py).
+    """
+    return True if SDPA_PAD_HEADS is None else SDPA_PAD_HEADS
 
 
 def _pad_heads(*xs: torch.Tensor) -> tuple:
