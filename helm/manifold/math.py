@@ -388,18 +388,18 @@ def _lift(x_s: torch.Tensor, kk: Union[float, torch.Tensor]) -> torch.Tensor:
     """:func:`lift` of a statistics-dtype ``x_s`` with ``kk`` from :func:`_kt`, unchecked."""
     if torch.is_grad_enabled() and (x_s.requires_grad or isinstance(kk, torch.Tensor) and kk.requires_grad):
         return _Lift.apply(x_s, kk)
-    x_t = (x_s.pow(2).sum(-1, keepdim=True) + kk).sqrt()
+    x_t = (x_s.square().sum(-1, keepdim=True) + kk).sqrt()
     return torch.cat([x_t, x_s], dim=-1)
 
 
 class _Lift(torch.autograd.Function):
     """:func:`lift` with a fused gradient, ``∂/∂x_s = g_s + (g_t / x_t) x_s`` and ``∂/∂k = Σ g_t / (2 x_t)``: one
-    pass over ``[..., n]`` where autograd's chain through ``pow``, ``sum``, ``sqrt`` and ``cat`` takes four (every
+    pass over ``[..., n]`` where autograd's chain through ``square``, ``sum``, ``sqrt`` and ``cat`` takes four (every
     layer lifts several times). Used when a gradient is needed; not twice differentiable."""
 
     @staticmethod
     def forward(ctx, x_s: torch.Tensor, k) -> torch.Tensor:
-        x_t = (x_s.pow(2).sum(-1, keepdim=True) + k).sqrt()
+        x_t = (x_s.square().sum(-1, keepdim=True) + k).sqrt()
         ctx.save_for_backward(x_s, x_t)
         ctx.k_shape = k.shape if isinstance(k, torch.Tensor) else None
         return torch.cat([x_t, x_s], dim=-1)
@@ -504,7 +504,7 @@ def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
     small = theta < 1e-4
     big = theta > 20.0
     safe = torch.where(small | big, torch.ones_like(theta), theta)
-    ratio = torch.where(small, 1 + theta.pow(2) / 6, torch.sinh(safe) / safe)
+    ratio = torch.where(small, 1 + theta.square() / 6, torch.sinh(safe) / safe)
     near = _lift(ratio * u_s, kk)  # unchecked: where big it is not selected and may overflow
     # far branch, with safe arguments where it is not selected (no inf/nan in either pass)
     log_sk = sk.log() if isinstance(sk, torch.Tensor) else math.log(sk)
@@ -544,7 +544,7 @@ def logmap0(x: torch.Tensor, *, k: Curv) -> torch.Tensor:
     r = x_s.norm(dim=-1, keepdim=True) / _sqrt(kk)
     small = r < 1e-4
     safe = torch.where(small, torch.ones_like(r), r)
-    ratio = torch.where(small, 1 - r.pow(2) / 6, torch.asinh(safe) / safe)
+    ratio = torch.where(small, 1 - r.square() / 6, torch.asinh(safe) / safe)
     return torch.cat([torch.zeros_like(r), ratio * x_s], dim=-1).to(x.dtype)
 
 
@@ -657,7 +657,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
         wm = wm / wm.amax(-1, keepdim=True)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = _sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3))
-    norm2 = kc * wm.sum(-1, keepdim=True).pow(2) + \
+    norm2 = kc * wm.sum(-1, keepdim=True).square() + \
         0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2)).unsqueeze(-1)
     return normalize(s, k=k, norm2=norm2)
 
@@ -709,6 +709,6 @@ def manifold_error(x: torch.Tensor, k: Curv) -> torch.Tensor:
     x64 = x.detach().double()
     kk = k.detach().double().to(x64.device) if isinstance(k, torch.Tensor) else float(k)
     err = (sqnorm(x64) + (kk.squeeze(-1) if isinstance(kk, torch.Tensor) and kk.dim() == x64.dim() else kk)).abs()
-    err = err / x64.pow(2).sum(-1)
+    err = err / x64.square().sum(-1)
     err = torch.where(x64[..., 0] > 0, err, torch.ones_like(err) + err)
     return torch.where(torch.isfinite(x64).all(-1), err, torch.full_like(err, float("inf")))

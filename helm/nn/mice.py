@@ -81,7 +81,7 @@ def mixture_norm2(weight: torch.Tensor, e: torch.Tensor, d: torch.Tensor, *, k) 
     ``D ≈ 0`` and ``E`` is the weights' Lorentzian spread, so nothing of size ``|x|²`` cancels: the naive
     ``s_t² - |s_s|²`` loses everything in fp32 once the points sit ~1e4 from the origin, and :mod:`helm.precision`
     widens nothing to fp64. ``weight, e [..., 1]``, ``d [..., 1+n]`` -> ``[..., 1]``."""
-    return k * weight.pow(2) + weight * e - sqnorm(d, keepdim=True)
+    return k * weight.square() + weight * e - sqnorm(d, keepdim=True)
 
 
 def mixture_centroid(points: torch.Tensor, w: torch.Tensor, *, k) -> torch.Tensor:
@@ -94,7 +94,7 @@ def mixture_centroid(points: torch.Tensor, w: torch.Tensor, *, k) -> torch.Tenso
     dev = points - (s / weight.clamp_min(torch.finfo(s.dtype).tiny)).detach().unsqueeze(-2)
     e = (w * sqnorm(dev)).sum(-1, keepdim=True)
     norm2 = mixture_norm2(weight, e, (w.unsqueeze(-1) * dev).sum(-2), k=k)
-    return normalize(s, k=k, norm2=norm2, floor=k * weight.pow(2))
+    return normalize(s, k=k, norm2=norm2, floor=k * weight.square())
 
 
 @torch.no_grad()
@@ -410,7 +410,7 @@ class MiCE(RealignAfterLoading, nn.Module):
             else:
                 e = e.index_add(0, rows, g * sqnorm(out - centre[rows], keepdim=True))
         norm2 = mixture_norm2(weight_sum, e, total - weight_sum * centre, k=self.k)
-        out = normalize(total, k=self.k, norm2=norm2, floor=self.k * weight_sum.pow(2))
+        out = normalize(total, k=self.k, norm2=norm2, floor=self.k * weight_sum.square())
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def combine_lresnet_official(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
