@@ -20,6 +20,7 @@ from ..nn.positional.rotary import interpolated_chunk_size
 from ..nn.positional.scaling import SCALABLE_KINDS, RopeScaling, check_rope_parameters
 from ..nn.validation import (
     EMBEDDING_MODES,
+    Rule,
     HEAD_MERGES,
     LM_HEAD_MODES,
     boolean,
@@ -33,9 +34,12 @@ from ..nn.validation import (
     norm_eps,
     one_of,
     optional,
+    mapping,
     positive,
+    probability,
     check,
     token_ids,
+    torch_dtype,
     residual_scale_factor,
     residual_weight,
     temperature,
@@ -44,11 +48,12 @@ from ..ops.attention import available_attention_impls
 
 logger = logging.get_logger(__name__)
 
-# Boolean fields that HELM configs inherit from transformers' PreTrainedConfig, checked like HELM's own on every
-# assignment (construction, config.json, from_pretrained keywords, later assignment)
-INHERITED_BOOLEANS = frozenset({"return_dict", "output_hidden_states", "output_attentions", "is_encoder_decoder",
-                                "is_decoder", "add_cross_attention", "tie_encoder_decoder", "torchscript",
+# Boolean fields that HELM configs inherit from transformers' PreTrainedConfig (or that older transformers
+# configs carry), checked like HELM's own on every assignment (construction, config.json, from_pretrained keywords,
+# later assignment); None keeps transformers' meaning ("the default")
+INHERITED_BOOLEANS = frozenset({"return_dict", "output_hidden_states", "output_attentions", "torchscript",
                                 "_output_attentions"})  # output_attentions' storage, set without its setter
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
 def untied(value) -> None:
@@ -56,6 +61,53 @@ def untied(value) -> None:
     if value is not False:
         raise ValueError(f"must be False (tying is not supported: the token table holds points or space parts while "
                          f"the LM head maps the full vector), got {value!r}")
+
+
+def decoder_only(what: str) -> Rule:
+    """A boolean switch of encoder-decoder models that HELM models do not have: only ``False`` is accepted (``True``
+    would be ignored by the models, or send ``generate`` down its encoder-decoder path)."""
+
+    def rule(value):
+        boolean(value)
+        if value:
+            raise ValueError(f"must be False (HELM models are decoder-only: {what}), got {value!r}")
+
+    return rule
+
+
+def is_decoder(value) -> None:
+    """The rule of ``is_decoder``: HELM models are causal decoders, so only ``True`` is accepted."""
+    boolean(value)
+    if not value:
+        raise ValueError("must be True (HELM models are causal decoders: every token attends to itself and earlier "
+                         "tokens only, there is no bidirectional encoder mode), got False")
+
+
+def unpruned(value) -> None:
+    """The rule of ``pruned_heads`` (a field of transformers 4, still in older configs): nothing prunes heads."""
+    if value not in (None, {}):
+        raise ValueError(f"must be empty ({{}}): HELM models do not prune attention heads (and transformers 5 no "
+                         f"longer does it for any model), got {value!r}")
+
+
+# The fields HELM configs inherit from transformers (or that the task heads read, or older configs carry) with
+# their rules, checked by :meth:`HelmConfigBase.__setattr__` from every source, like HELM's own fields.
+INHERITED_FIELDS: dict = {
+    **{name: optional(boolean) for name in INHERITED_BOOLEANS},
+    "is_encoder_decoder": decoder_only("there is no encoder"),
+    "add_cross_attention": decoder_only("there is no cross-attention"),
+    "tie_encoder_decoder": decoder_only("there is no encoder"),
+    "is_decoder": is_decoder,
+    "chunk_size_feed_forward": integer(0),
+    "num_labels": integer(1),
+    "id2label": optional(mapping),
+    "label2id": optional(mapping),
+    "problem_type": optional(one_of(PROBLEM_TYPES)),
+    "classifier_dropout": optional(probability),  # read by the token-classification head
+    "hidden_dropout": optional(probability),
+    "pruned_heads": unpruned,
+    "dtype": optional(torch_dtype),
+}
 
 
 # Old field names read from saved configs: (old name -> new name). ``pe_options`` keys map to typed fields.
@@ -104,7 +156,14 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     ``from_pretrained`` / ``AutoConfig.from_pretrained`` (merged before the config is built, see :meth:`from_dict`),
     ``helm.load_config`` presets and overrides, and train.py's ``model.overrides``. A field assigned after construction
     is checked by its own rule (:meth:`__setattr__`). Boolean fields accept ``True`` / ``False`` only (``"false"``,
-    ``"no"``, ``0`` are refused, naming the field); ``tie_word_embeddings`` accepts only ``False``. With
+    ``"no"``, ``0`` are refused, naming the field); ``tie_word_embeddings`` accepts only ``False``. The fields
+    inherited from ``transformers`` (or read by the task heads) go through the same path with the rules of
+    :data:`INHERITED_FIELDS`: ``return_dict``, ``output_hidden_states``, ``output_attentions`` booleans or None;
+    ``chunk_size_feed_forward`` an integer >= 0 (HELM models, like Llama, do not chunk their MLP); ``num_labels`` an
+    integer >= 1; ``id2label`` / ``label2id`` dicts; ``problem_type`` one of :data:`PROBLEM_TYPES`;
+    ``classifier_dropout`` / ``hidden_dropout`` in ``[0, 1]``; ``dtype`` a torch dtype or its name;
+    ``pruned_heads`` empty; ``is_encoder_decoder``, ``add_cross_attention``, ``tie_encoder_decoder`` False; and
+    ``is_decoder`` True (always, see :attr:`is_decoder`). With
     ``positional='learned'`` the table of ``max_position_embeddings x hidden_size`` entries is at most ``2**31``.
 
     HELM-specific fields:
@@ -219,6 +278,17 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     def k(self) -> float:
         """geoopt's curvature parameter ``k = -1/K > 0`` (``<x, x>_L = -k``)."""
         return curvature_to_k(self.curvature)
+
+    @property
+    def is_decoder(self) -> bool:
+        """Always True: HELM models are causal decoders. ``transformers`` 5 has no ``is_decoder`` field any more (a
+        keyword ``is_decoder=True`` to ``from_pretrained`` would be dropped, and reading it an ``AttributeError``);
+        here ``True`` is accepted from every source and ``False`` refused (:data:`INHERITED_FIELDS`)."""
+        return True
+
+    @is_decoder.setter
+    def is_decoder(self, value) -> None:
+        pass  # checked by __setattr__ (only True passes), which is what the getter returns
 
     @property
     def residual_space_scale(self) -> float | None:
@@ -369,8 +439,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         """A field assigned after construction (``config.hidden_size = -3``) is checked by its own rule, so the
         error names the field rather than the argument of the layer that would meet the value. Cross-field checks
         run when the config is built (construction, ``from_pretrained`` with keywords, ``from_dict``)."""
-        if name in INHERITED_BOOLEANS and value is not None:  # transformers' own fields would take "no" as true
-            check(value, name.lstrip("_"), boolean)
+        inherited = INHERITED_FIELDS.get(name)
+        if inherited is not None:  # transformers' own fields take "no" as true, "1" as a chunk size, ...
+            check(value, name.lstrip("_"), inherited)
         if self.__dict__.get("_post_init_done"):
             spec = type(self).__dataclass_fields__.get(name)
             for rule in spec.metadata.get("validator", ()) if spec is not None else ():
@@ -386,6 +457,10 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         # the fields HELM declares (PreTrainedConfig's own, such as dtype, keep transformers' handling)
         declared = {name for klass in cls.__mro__ if issubclass(klass, HelmConfigBase)
                     for name in klass.__dict__.get("__annotations__", {})}
-        names = declared | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"}
+        # and the inherited fields with rules (transformers would drop those it has no attribute for, such as
+        # classifier_dropout, is_decoder's False); transformers itself moves dtype, num_labels, output_attentions
+        # into the dict (and skips dtype="auto", a request to from_pretrained rather than a value)
+        inherited = set(INHERITED_FIELDS) - {"dtype", "num_labels", "output_attentions", "_output_attentions"}
+        names = declared | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"} | inherited
         config_dict = {**config_dict, **{key: kwargs.pop(key) for key in list(kwargs) if key in names}}
         return super().from_dict(config_dict, **kwargs)

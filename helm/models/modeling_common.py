@@ -4,6 +4,7 @@ config, and the causal-LM loss."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -13,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import StaticLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import can_return_tuple as _transformers_can_return_tuple
 from transformers.utils import logging
 
 from ..manifest import MANIFEST, manifest_problem, read_manifest
@@ -360,6 +362,44 @@ def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
                                      rope_theta=config.rope_theta, **options)
 
 
+def check_flags(**flags) -> None:
+    """``ValueError`` naming the first forward switch (``use_cache``, ``return_dict``, ``output_hidden_states``,
+    ``output_attentions``, ``skip_logits``) that is neither a bool nor None: ``"false"`` or ``1`` would read as
+    true (or, for ``output_attentions``, ask for eager attention). Type checks only: free, also while compiling."""
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool (True or False) or None for the config's default, got {value!r}")
+
+
+def can_return_tuple(forward):
+    """``transformers``' ``can_return_tuple`` (``return_dict=False``, or ``config.return_dict = False``, returns the
+    output as a tuple) with ``return_dict`` checked by :func:`check_flags` first: ``transformers`` pops it and
+    reads ``"false"`` as true."""
+    wrapped = _transformers_can_return_tuple(forward)
+
+    @functools.wraps(wrapped)
+    def wrapper(self, *args, **kwargs):
+        check_flags(return_dict=kwargs.get("return_dict"))
+        return wrapped(self, *args, **kwargs)
+
+    return wrapper
+
+
+class HelmGenerationMixin(GenerationMixin):
+    """``transformers``' ``GenerationMixin`` with ``generate``'s cache argument checked: ``past_key_values`` (or
+    ``cache``) must be a ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an
+    ``AttributeError`` from inside ``generate``."""
+
+    def generate(self, *args, **kwargs):
+        for name in ("past_key_values", "cache"):
+            value = kwargs.get(name)
+            if value is not None and not isinstance(value, Cache):
+                raise ValueError(f"{name} must be a transformers Cache (DynamicCache, StaticCache, e.g. the one a "
+                                 f"previous call returned) or None for a new DynamicCache, got "
+                                 f"{type(value).__name__}")
+        return super().generate(*args, **kwargs)
+
+
 # transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (generate passes
 # ``cache=``; output classes rename ``past_key_values=`` with a deprecation warning); earlier 5.x use the old name
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -486,9 +526,124 @@ def check_cache_layers(config, cache) -> None:
                          f"layers write {expected}; pass the cache this model returned (or a new DynamicCache)")
 
 
+class HelmDynamicCache(DynamicCache):
+    """The ``DynamicCache`` a HELM forward makes when it is asked to cache and given no cache: ``transformers``'
+    ``DynamicCache``, whose :meth:`update` also refuses keys of another shape than the layer holds. A HELM forward
+    checks a cache before its layers write to it (:func:`check_cache_layers`, :func:`check_cache_origin`); this
+    catches the other direction, a HELM cache handed to a model that does not check it (``LlamaForCausalLM``),
+    which would otherwise fail inside ``torch.cat``. One shape comparison per layer and call. A model writing keys
+    of exactly this shape is not detected: ``update`` receives tensors and a layer index, nothing naming the
+    caller."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        held = _written_keys(self.layers[layer_idx]) if layer_idx < len(self.layers) else None
+        if held is not None and (key_states.dim() != 4 or key_states.shape[0] != held.shape[0]
+                                 or key_states.shape[1] != held.shape[1] or key_states.shape[-1] != held.shape[-1]):
+            origin = getattr(self, CacheOrigin.attribute, None)
+            by = f"a {origin.signature['model_type']} model" if origin is not None else "a HELM model"
+            raise ValueError(f"past_key_values (cache=) is a HELM cache written by {by} (layer {layer_idx} holds keys "
+                             f"[B, {held.shape[1]}, T, {held.shape[-1]}] of hyperbolic points), and a model writing "
+                             f"keys of shape {tuple(key_states.shape)} is extending it; a cache is only valid for the "
+                             "model that filled it: pass a new DynamicCache (or none) to this model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class CacheOrigin:
+    """What a HELM forward records on a cache the first time it sees it (as the attribute ``helm_origin``): the
+    :func:`cache_signature` of its model, and how many leading tokens have been checked for finite values."""
+
+    attribute = "helm_origin"
+
+    def __init__(self, signature: dict):
+        self.signature, self.checked = signature, 0
+
+
+def cache_signature(config) -> dict:
+    """The config fields that give a cache's keys their meaning beyond their shapes (which
+    :func:`check_cache_layers` compares): the family, the curvature of the hyperboloid the points lie on, and the
+    positional encoding with the options that shape the keys (rotary angles are applied before caching; absolute
+    encodings are in the token stream)."""
+    kind = positional_encoding_class(config.positional)
+    signature = {"model_type": config.model_type, "curvature": config.curvature, "positional": config.positional}
+    if kind.rotary:
+        signature["rope_theta"] = config.rope_theta
+    for field in kind.options.values():
+        if field not in (None, "initializer_range"):  # the initial scale of a table, not what its rows mean
+            signature[field] = getattr(config, field)
+    return signature
+
+
+def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Optional[int]) -> None:
+    """``ValueError`` naming ``past_key_values`` when a cache holding tokens does not fit this model beyond its
+    shapes:
+
+    * written by a model of another :func:`cache_signature` (curvature, positional encoding, family): recorded on
+      the cache (:class:`CacheOrigin`) the first time a HELM forward sees it, compared on every later forward;
+    * keys of fp64 in a model that is not fp64, or the other way round (``dtype``: the model's weights): points and
+      caches are fp64 exactly in fp64 models (:mod:`helm.precision`); ``torch.cat`` would silently promote;
+    * non-finite keys or values (NaN or inf), checked only for CPU tensors, where reading the result is no
+      device-host synchronisation, with ``config.validate_inputs``, and each cached token once: the tokens up to
+      ``past_len`` not checked by an earlier forward (a decode step checks the one token the previous step wrote).
+      Caches on an accelerator are not value-checked (that would be a synchronisation per step), nor are
+      half-precision ones (HMLA may store fp32 scalars bit for bit in their columns), nor tokens changed in place
+      after they were checked.
+
+    Attribute, dtype and shape reads otherwise; nothing runs while compiling (``torch.compile`` traces the forward
+    without these Python-side records)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or torch.compiler.is_compiling():
+        return
+    written = next((keys for keys in map(_written_keys, layers) if keys is not None), None)
+    signature = cache_signature(config)
+    origin = getattr(cache, CacheOrigin.attribute, None)
+    if written is None or origin is None or past_len == 0:
+        # a new (or reset static) cache, or one filled by hand: from now on it belongs to this model
+        setattr(cache, CacheOrigin.attribute, CacheOrigin(signature))
+        if written is None:
+            return
+    elif origin.signature != signature:
+        # another encoding: its name says it (the options of the two kinds are not comparable)
+        differs = [name for name in ("model_type", "curvature", "positional")
+                   if origin.signature.get(name) != signature[name]]
+        if origin.signature["positional"] == signature["positional"]:
+            differs += [name for name in signature
+                        if name not in differs and origin.signature.get(name) != signature[name]]
+        theirs = ", ".join(f"{name}={origin.signature.get(name)!r}" for name in differs)
+        ours = ", ".join(f"{name}={signature[name]!r}" for name in differs)
+        raise ValueError(f"past_key_values (cache=) was written by a model with {theirs}; this model has {ours}: its "
+                         "cached keys are points of another hyperboloid or carry another positional encoding; pass "
+                         "the cache this model returned (or a new DynamicCache)")
+    if dtype is not None and (written.dtype == torch.float64) != (dtype == torch.float64):
+        raise ValueError(f"past_key_values (cache=) holds {written.dtype} keys but this model runs in {dtype}: it "
+                         "was written by a model of another precision (fp64 caches belong to fp64 models only); pass "
+                         "the cache this model returned (or a new DynamicCache), or cast the model to the cache's "
+                         "dtype")
+    origin = getattr(cache, CacheOrigin.attribute)
+    # an offloading cache copies layers to and from the host asynchronously: reading them here could race the copy
+    if past_len is None or not config.validate_inputs or written.device.type != "cpu" or \
+            getattr(cache, "offloading", False):
+        return
+    start = min(origin.checked, past_len)
+    if start == past_len:
+        return
+    unchecked = [(index, name, t[:, :, start:past_len]) for index, layer in enumerate(layers)
+                 for name, t in (("keys", getattr(layer, "keys", None)), ("values", getattr(layer, "values", None)))
+                 if isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type == "cpu"
+                 and t.dtype.is_floating_point and t.dtype.itemsize >= 4]
+    # one fused max-|x| over all layers (NaN propagates), instead of one isfinite per tensor: a decode step's cost
+    largest = torch._foreach_norm([t for *_, t in unchecked], float("inf")) if unchecked else []
+    if largest and not bool(torch.stack(largest).isfinite().all()):
+        index, name = next((index, name) for (index, name, _), m in zip(unchecked, largest) if not m.isfinite())
+        raise ValueError(f"past_key_values (cache=) holds non-finite (NaN or inf) {name} in layer {index} among "
+                         f"tokens {start}..{past_len - 1}; a cache of NaN points makes every later output NaN: pass "
+                         "a new DynamicCache (and check the model that filled it)")
+    origin.checked = past_len
+
+
 def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                 segment_ids: Optional[torch.Tensor]) -> tuple[int, int, CacheLayout]:
+                 segment_ids: Optional[torch.Tensor], *,
+                 dtype: Optional[torch.dtype] = None) -> tuple[int, int, CacheLayout]:
     """Check a forward's inputs and return ``(B, T, layout)`` (:func:`cache_layout` of ``past_key_values``).
 
     Exactly one of ``input_ids [B, T]`` (integers in ``[0, vocab_size)``) and ``inputs_embeds [B, T, 1+n]``
@@ -497,9 +652,10 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     (``T_kv = T_past+T``, or ``max_cache_len`` for a static cache; used as given, bool or additive float);
     ``segment_ids`` like a 2-D mask (integers); ``position_ids [B, T]`` or ``[1, T]`` (integers, broadcast over the
     batch as in ``transformers``); lengths the positional encoding can reach; a cache holding tokens written by a
-    model of this architecture (:func:`check_cache_layers`: number of layers, key widths) and, for a static cache,
-    room for the new tokens (``past + T <= max_cache_len``). Each error is a ``ValueError`` naming the argument and
-    the expected shape.
+    model of this architecture (:func:`check_cache_layers`: number of layers, key widths), of this curvature,
+    positional encoding and precision, with finite values on the CPU (:func:`check_cache_origin`; ``dtype``: the
+    model's weights) and, for a static cache, room for the new tokens (``past + T <= max_cache_len``). Each error is
+    a ``ValueError`` naming the argument and the expected shape.
 
     Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
     (skipped while compiling); ``config.validate_inputs = False`` turns it off. With a static cache the exact
@@ -524,6 +680,7 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                          f"{batch}; pass the cache returned for these same sequences (or a new DynamicCache)")
     check_cache_layers(config, past_key_values)
     past = layout.known_past_len(config)
+    check_cache_origin(config, past_key_values, dtype, past)
     if layout.q_offset is not None and past is not None and past + seq_len > layout.kv_len:
         raise ValueError(f"past_key_values (cache=) is a {type(past_key_values).__name__} of max_cache_len="
                          f"{layout.kv_len} holding {past} tokens: {seq_len} more do not fit ({past + seq_len} > "
@@ -578,8 +735,9 @@ class AttentionWeights:
 
     Only the eager implementation forms the weights (:class:`helm.ops.attention.record_attention_weights`); with
     another one (sdpa, triton, auto) the request is a ``ValueError`` naming eager. Absorbed HMLA decoding attends in
-    the latent space without them, so it is switched off for a forward that returns weights (the plain path gives
-    the same outputs to fp32 rounding)."""
+    the latent space without them, so a forward that returns weights attends on the plain path (the same outputs to
+    fp32 rounding; ``absorb_max_query = 0`` meanwhile), while the cache keeps its absorbed layout: a cache written
+    with the per-token scalars must be extended with them (a plain-width write would not fit it)."""
 
     def __init__(self, model, output_attentions: Optional[bool]):
         config = model.config
@@ -594,17 +752,18 @@ class AttentionWeights:
         if self.wanted:
             from ..ops.attention import record_attention_weights
 
-            self._absorbing = [m for m in self.model.modules() if getattr(m, "absorb", False) is True]
-            for m in self._absorbing:
-                m.absorb = False
+            self._absorbing = [(m, m.absorb_max_query) for m in self.model.modules()
+                               if getattr(m, "absorb", False) is True and hasattr(m, "absorb_max_query")]
+            for m, _ in self._absorbing:
+                m.absorb_max_query = 0
             self._record = record_attention_weights().__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.wanted:
             self._record.__exit__(*exc)
-            for m in self._absorbing:
-                m.absorb = True
+            for m, most in self._absorbing:
+                m.absorb_max_query = most
             self.weights = tuple(self._record.weights)
             layers = self.model.config.num_hidden_layers
             if exc[0] is None and len(self.weights) != layers:
@@ -713,6 +872,7 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
     training steps never build the ``[B, T, V]`` logits, while evaluation, generation and ``skip_logits=False``
     return them as before. ``skip_logits=True`` without labels is a ``ValueError``.
     """
+    check_flags(skip_logits=skip_logits)
     if skip_logits is None:
         skip_logits = bool(getattr(model.config, "fused_lm_loss", True)) and model.training and labels is not None
     if skip_logits:
@@ -724,8 +884,9 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
     return logits, None if labels is None else causal_lm_loss(model, logits, labels, **kwargs)
 
 
-__all__ = ["CACHE_FIELD", "CacheLayout", "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "check_cache_layers",
-           "check_inputs",
+__all__ = ["CACHE_FIELD", "CacheLayout", "CacheOrigin", "HelmDynamicCache", "HelmGenerationMixin",
+           "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "cache_signature", "can_return_tuple",
+           "causal_lm_loss", "check_cache_layers", "check_cache_origin", "check_flags", "check_inputs",
            "check_loading_info", "default_position_ids",
            "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "AttentionWeights",
            "positional_encoding", "resolve_cache"]

@@ -20,11 +20,11 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.utils import can_return_tuple, logging
+from transformers.utils import logging
 
 from ..manifold.math import lift
 from ..nn.head import LorentzLMHead
-from .modeling_common import CACHE_FIELD, resolve_cache
+from .modeling_common import CACHE_FIELD, can_return_tuple, check_flags, resolve_cache
 
 logger = logging.get_logger(__name__)
 
@@ -156,7 +156,9 @@ class QuestionAnsweringHead(HelmTaskHead):
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
                 cache: Optional[Cache] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 start_positions: Optional[torch.LongTensor] = None, end_positions: Optional[torch.LongTensor] = None,
-                **kwargs) -> QuestionAnsweringModelOutput:
+                use_cache: Optional[bool] = None, **kwargs) -> QuestionAnsweringModelOutput:
+        # the output has no cache field (as Llama's): use_cache is checked like every switch, then nothing is cached
+        check_flags(use_cache=use_cache)
         outputs = self.base_forward(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
                                     False, kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)

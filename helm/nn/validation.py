@@ -146,6 +146,26 @@ def boolean(value) -> None:
         raise ValueError(f"must be a bool, got {value!r}")
 
 
+def probability(value) -> None:
+    """A finite number in ``[0, 1]`` (a dropout rate)."""
+    if not (_is_number(value) and 0 <= value <= 1):
+        raise ValueError(f"must be a number in [0, 1], got {value!r}")
+
+
+def mapping(value) -> None:
+    """A ``dict`` (``id2label``, ``label2id``: ``transformers`` iterates their items)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a dict, got {value!r}")
+
+
+def torch_dtype(value) -> None:
+    """A ``torch.dtype`` or the name of one (``"float32"``, ``"bfloat16"``), as ``transformers`` reads ``dtype``."""
+    if not (isinstance(value, torch.dtype) or
+            (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype))):
+        raise ValueError(f"must be a torch.dtype or the name of one ('float32', 'bfloat16', 'float16', ...), "
+                         f"got {value!r}")
+
+
 def one_of(accepted: Container) -> Rule:
     """Membership in ``accepted`` (read at check time, so a registry may grow after the rule is made)."""
 
@@ -291,6 +311,7 @@ __all__ = [
     "init_std",
     "integer",
     "k_parameter",
+    "mapping",
     "negative",
     "negative_list",
     "non_negative",
@@ -298,10 +319,12 @@ __all__ = [
     "one_of",
     "optional",
     "positive",
+    "probability",
     "residual_scale_factor",
     "residual_weight",
     "temperature",
     "token_ids",
+    "torch_dtype",
     "CURVATURE_RANGE",
     "INIT_STD_RANGE",
     "NORM_EPS_RANGE",

@@ -604,3 +604,40 @@ def test_packed_documents_do_not_interact_in_the_model():
 def test_isinstance_and_registration():
     assert isinstance(tiny_model("helm_d"), HelmDForCausalLM)
     assert isinstance(tiny_model("helm_mice"), HelmMiCEForCausalLM)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_causal_lms_generate_and_cache_like_transformers_models(family):
+    """``…ForCausalLM`` mixes in HelmGenerationMixin (generate's cache argument checked): transformers still sees a
+    generating model; the bare model does not generate. A forward's own cache is a HelmDynamicCache, a DynamicCache
+    for everything in transformers, recording the model that wrote it."""
+    from transformers import DynamicCache, GenerationMixin
+
+    from helm.models.modeling_common import HelmDynamicCache, cache_signature
+
+    model = tiny_model(family)
+    assert type(model).can_generate() and isinstance(model, GenerationMixin) and model.generation_config is not None
+    assert not type(model.model).can_generate()
+    cache = model(torch.randint(0, 512, (1, 4)), use_cache=True).past_key_values
+    assert type(cache) is HelmDynamicCache and isinstance(cache, DynamicCache)
+    assert cache.helm_origin.signature == cache_signature(model.config) and cache.get_seq_length() == 4
+    assert cache_signature(model.config)["curvature"] == model.config.curvature
+
+
+def test_attention_weights_of_a_decode_step_on_an_absorbed_mice_cache():
+    """A decode step that returns attention weights on a cache written by absorbed HMLA decoding (latents plus
+    per-token scalars): it attends on the plain path and extends the cache in its absorbed layout (it wrote
+    plain-width latents before, which did not fit: a torch.cat error), with the logits of a step without weights."""
+    model = tiny_model("helm_mice", attn_impl="eager")
+    prompt, step = torch.randint(0, 512, (2, 5)), torch.randint(0, 512, (2, 1))
+    with torch.no_grad():  # a cache without autograd history can be copied
+        cache = model(prompt, use_cache=True).past_key_values
+    width = cache.layers[0].keys.shape[-1]
+    assert width > model.config.kv_lora_rank  # the absorbed layout
+    reference = model(step, past_key_values=copy.deepcopy(cache)).logits
+    out = model(step, past_key_values=cache, use_cache=True, output_attentions=True)
+    assert_close(out.logits, reference, rtol=1e-4)
+    assert [tuple(w.shape) for w in out.attentions] == [(2, model.config.num_attention_heads, 1, 6)] * 2
+    assert cache.layers[0].keys.shape[-2:] == (6, width)
+    assert all(m.absorb_max_query > 0 for m in model.modules() if hasattr(m, "absorb_max_query"))  # restored
+    assert model(step, past_key_values=cache).logits.shape == (2, 1, 512)

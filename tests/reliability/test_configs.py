@@ -285,6 +285,14 @@ EVERY_SOURCE = [
     ("output_hidden_states", "false", "a bool"),
     ("is_encoder_decoder", 1, "a bool"),
     ("output_attentions", "false", "a bool"),
+    # issue 27 item 2: transformers' other inherited fields take their own types only (transformers kept "1")
+    ("chunk_size_feed_forward", "1", "an integer >= 0"),
+    ("chunk_size_feed_forward", -1, "an integer >= 0"),
+    ("problem_type", "regresion", r"one of \('regression', 'single_label_classification'"),
+    ("num_labels", "3", "an integer >= 1"),  # transformers: a TypeError from range()
+    ("id2label", "x", "a dict"),  # transformers: an AttributeError from .items()
+    ("dtype", "float99", r"a torch.dtype or the name of one"),  # transformers: an AttributeError from getattr(torch)
+    ("is_encoder_decoder", True, r"False \(HELM models are decoder-only: there is no encoder\)"),
 ]
 
 
@@ -342,6 +350,53 @@ SOURCES = {
 def test_every_source_of_a_value_is_validated_naming_the_field(source, name, value, fragment, tmp_path):
     with pytest.raises(ValueError, match=rf"^{name} must be .*{fragment}"):
         SOURCES[source](tmp_path, name, value)
+
+
+# Issue 27 items 2 and 3: names that are not fields of transformers 5's PreTrainedConfig but that the task heads read
+# (classifier_dropout, hidden_dropout) or that older configs and transformers-4 habits carry (pruned_heads,
+# is_decoder, add_cross_attention, tie_encoder_decoder). transformers dropped them from AutoConfig keywords (and
+# from_pretrained then failed in the model's __init__) or stored any value; now each takes its rule from every
+# source that accepts it, and helm.load_config (overrides, preset files) refuses them as unknown fields.
+# (field, value, message fragment after "<field> must be")
+INHERITED_EXTRAS = [
+    ("pruned_heads", "x", r"empty \(\{\}\): HELM models do not prune attention heads"),
+    ("pruned_heads", {0: [1]}, r"empty \(\{\}\)"),
+    ("classifier_dropout", "0.1", r"a number in \[0, 1\]"),
+    ("hidden_dropout", 2.0, r"a number in \[0, 1\]"),
+    ("is_decoder", False, r"True \(HELM models are causal decoders"),
+    ("is_decoder", "yes", "a bool"),
+    ("add_cross_attention", True, r"False \(HELM models are decoder-only: there is no cross-attention\)"),
+    ("tie_encoder_decoder", 1, "a bool"),
+]
+CONFIG_SOURCES = ["constructor", "config.json", "AutoConfig.from_pretrained-keyword", "model.from_pretrained-keyword",
+                  "assigned-after-construction"]
+
+
+@pytest.mark.parametrize("source", CONFIG_SOURCES + ["load_config-override", "preset-file"])
+@pytest.mark.parametrize("name, value, fragment", INHERITED_EXTRAS, ids=[f"{n}={v!r}" for n, v, _ in INHERITED_EXTRAS])
+def test_inherited_extras_are_validated_from_every_source(source, name, value, fragment, tmp_path):
+    match = rf"^{name} must be .*{fragment}" if source in CONFIG_SOURCES else rf"unknown config field '{name}'"
+    with pytest.raises(ValueError, match=match):
+        SOURCES[source](tmp_path, name, value)
+
+
+def test_harmless_inherited_values_are_accepted_and_used(tmp_path):
+    """is_decoder=True (what HELM models are) is accepted from AutoConfig and model keywords, and reads True (it
+    was an AttributeError); pruned_heads={} and chunk_size_feed_forward=0 of older configs load; classifier_dropout
+    from a keyword reaches the token-classification head (transformers dropped the keyword, then failed in
+    __init__)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from tests.helpers import tiny_model
+
+    tiny_model("helm_d").save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path, is_decoder=True).is_decoder is True
+    assert HelmDConfig().is_decoder is True and "is_decoder" not in HelmDConfig().to_dict()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, is_decoder=True).config.is_decoder is True
+    config = HelmDConfig(pruned_heads={}, chunk_size_feed_forward=0, problem_type="regression", num_labels=1)
+    assert (config.chunk_size_feed_forward, config.problem_type, config.num_labels) == (0, "regression", 1)
+    head = AutoModelForTokenClassification.from_pretrained(tmp_path, classifier_dropout=0.25)
+    assert head.dropout.p == 0.25 and head.config.classifier_dropout == 0.25
 
 
 def test_a_preset_file_with_a_typo_key_is_refused_like_the_keyword(tmp_path):

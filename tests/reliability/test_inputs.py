@@ -71,6 +71,14 @@ BAD_INPUTS = [
     ("cache with tokens in layer 2", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=3)), ValueError, r"another number of layers: it has 3 layers \(tokens up to layer index 2\), this model has num_hidden_layers=2"),
     ("cache of another key width", lambda: dict(input_ids=ids(), past_key_values=cache_of_batch(B, layers=2)), ValueError, r"past_key_values \(cache=\) was written by another architecture: its layer 0 holds keys of shape \[B, 2, T, 4\] \(width 4\)"),
     ("static cache too short", lambda: dict(input_ids=ids(), past_key_values=StaticCache(config=tiny_config("helm_d"), max_cache_len=4)), ValueError, r"past_key_values \(cache=\) is a StaticCache of max_cache_len=4 holding 0 tokens: 5 more do not fit"),
+    # issue 27 item 1: forward switches are booleans or None ("false" and 1 would read as true; output_attentions
+    # "false" asked for eager attention)
+    ("return_dict 'false'", lambda: dict(input_ids=ids(), return_dict="false"), ValueError, r"^return_dict must be a bool \(True or False\) or None for the config's default, got 'false'"),
+    ("use_cache 'no'", lambda: dict(input_ids=ids(), use_cache="no"), ValueError, r"^use_cache must be a bool \(True or False\) or None .*got 'no'"),
+    ("output_hidden_states 1", lambda: dict(input_ids=ids(), output_hidden_states=1), ValueError, r"^output_hidden_states must be a bool \(True or False\) or None .*got 1"),
+    ("output_attentions 'false'", lambda: dict(input_ids=ids(), output_attentions="false"), ValueError, r"^output_attentions must be a bool \(True or False\) or None .*got 'false'"),
+    ("skip_logits 'no'", lambda: dict(input_ids=ids(), labels=ids(), skip_logits="no"), ValueError, r"^skip_logits must be a bool \(True or False\) or None .*got 'no'"),
+    ("use_cache tensor", lambda: dict(input_ids=ids(), use_cache=torch.tensor(True)), ValueError, r"^use_cache must be a bool"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 
@@ -108,6 +116,122 @@ def test_a_cache_of_another_model_is_refused(case, source, target, match):
     tiny_model(source[0], **source[1])(ids(), past_key_values=cache, use_cache=True)
     with pytest.raises(ValueError, match=r"^past_key_values \(cache=\) " + match):
         tiny_model(target[0], **target[1])(ids(B, 1), past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_boolean_switches_keep_their_meaning(models, family):
+    """The accepted values of the switches refused above (True, False, None) still do what they say."""
+    model = models[family]
+    x = ids()
+    assert isinstance(model(x, return_dict=False), tuple) and not isinstance(model(x, return_dict=None), tuple)
+    assert model(x, use_cache=False).past_key_values is None and model(x, use_cache=True).past_key_values is not None
+    out = model(x, output_hidden_states=True, output_attentions=False, use_cache=None)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1 and out.attentions is None
+    assert model(x, output_hidden_states=False).hidden_states is None
+    assert model(x, labels=x, skip_logits=False).logits is not None
+
+
+HEADS = ["AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering"]
+# (switch, bad value): refused by every task head of both families, naming the switch
+HEAD_SWITCHES = [("return_dict", "false"), ("use_cache", "no"), ("output_hidden_states", 1),
+                 ("output_attentions", "false")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("name, value", HEAD_SWITCHES, ids=[f"{n}={v!r}" for n, v in HEAD_SWITCHES])
+def test_task_heads_take_boolean_switches_only(family, head, name, value):
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, head).from_config(tiny_config(family, pad_token_id=0)).eval()
+    with pytest.raises(ValueError, match=rf"^{name} must be a bool \(True or False\) or None .*got {value!r}"):
+        model(ids(), **{name: value})
+    assert isinstance(model(ids(), **{name: False}), tuple if name == "return_dict" else dict)
+
+
+# Issue 27 item 4: a cache whose keys mean something else for this model, although their shapes fit: written by a
+# model of another curvature or positional encoding (recorded on the cache when a HELM forward first sees it), of
+# another precision (fp64 keys in an fp32 model, or the other way round: torch.cat promoted them silently), or
+# holding non-finite values (checked on the CPU only, each cached token once). (case, source (family, overrides,
+# dtype), target (family, overrides, dtype), how the cache is damaged or None, message fragment)
+MISFIT_CACHES = [
+    ("curvature", ("helm_d", dict(curvature=-2.0), torch.float32), ("helm_d", {}, torch.float32), None,
+     r"was written by a model with curvature=-2.0; this model has curvature=-1.0: its cached keys are points of "
+     r"another hyperboloid"),
+    ("curvature mice", ("helm_mice", dict(curvature=-0.5), torch.float32), ("helm_mice", {}, torch.float32), None,
+     r"was written by a model with curvature=-0.5; this model has curvature=-1.0"),
+    ("positional", ("helm_d", dict(positional="alibi"), torch.float32), ("helm_d", {}, torch.float32), None,
+     r"was written by a model with positional='alibi'; this model has positional='hope'"),
+    ("rope_theta", ("helm_d", dict(rope_theta=500.0), torch.float32), ("helm_d", {}, torch.float32), None,
+     r"was written by a model with rope_theta=500.0, .*; this model has rope_theta=10000.0"),
+    ("fp64 cache to fp32", ("helm_d", {}, torch.float64), ("helm_d", {}, torch.float32), None,
+     r"holds torch.float64 keys but this model runs in torch.float32: it was written by a model of another "
+     r"precision"),
+    ("fp32 cache to fp64", ("helm_mice", {}, torch.float32), ("helm_mice", {}, torch.float64), None,
+     r"holds torch.float32 keys but this model runs in torch.float64"),
+    ("NaN keys", ("helm_d", {}, torch.float32), ("helm_d", {}, torch.float32),
+     lambda c: c.layers[1].keys.fill_(float("nan")),
+     r"holds non-finite \(NaN or inf\) keys in layer 1 among tokens 0..4"),
+    ("inf values", ("helm_mice", {}, torch.float32), ("helm_mice", {}, torch.float32),
+     lambda c: c.layers[0].values[1, 0, 3].fill_(float("inf")), r"holds non-finite \(NaN or inf\) values in layer 0"),
+]
+
+
+def _filled(family, overrides, dtype, seed=0):
+    model = tiny_model(family, seed=seed, **overrides).to(dtype)
+    return model, model(ids(), use_cache=True).past_key_values
+
+
+@pytest.mark.parametrize("case, source, target, damage, match", MISFIT_CACHES, ids=[c[0] for c in MISFIT_CACHES])
+def test_a_cache_that_does_not_fit_the_model_is_refused(case, source, target, damage, match):
+    _, cache = _filled(*source)
+    if damage is not None:
+        damage(cache)
+    model = tiny_model(target[0], **target[1]).to(target[2])
+    with pytest.raises(ValueError, match=r"^past_key_values \(cache=\) " + match):
+        model(ids(B, 1), past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_fitting_cache_is_accepted_and_each_token_checked_once(family):
+    """A cache of the same configuration (other weights: not detectable, and not the checks' business) is
+    accepted; a decode step value-checks only the token the previous step wrote; a cache reused after decoding
+    keeps its record (a later NaN in an unchecked token is still found)."""
+    _, cache = _filled(family, {}, torch.float32, seed=1)
+    model = tiny_model(family)
+    for step in range(3):
+        cache = model(ids(B, 1), past_key_values=cache, use_cache=True).past_key_values
+        assert cache.helm_origin.checked == T + step  # the tokens present before this step
+    cache = model(ids(B, 1), past_key_values=cache, use_cache=True).past_key_values
+    cache.layers[0].keys[:, :, -1] = float("nan")  # the token the last step wrote, not checked yet
+    with pytest.raises(ValueError, match=rf"non-finite \(NaN or inf\) keys in layer 0 among tokens {T + 3}..{T + 3}"):
+        model(ids(B, 1), past_key_values=cache)
+    # a reset static cache is new again: another configuration may fill it
+    static = StaticCache(config=model.config, max_cache_len=T + 2)
+    tiny_model(family, curvature=-2.0)(ids(), past_key_values=static)
+    static.reset()
+    assert model(ids(), past_key_values=static).logits.shape == (B, T, V)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_generate_refuses_a_cache_that_is_not_a_cache(models, family, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be a transformers Cache \(DynamicCache, StaticCache, e.g. the "
+                                         r"one a previous call returned\) or None for a new DynamicCache, got str"):
+        models[family].generate(ids(), max_new_tokens=2, do_sample=False, **{name: "cache"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_helm_cache_extended_by_llama_is_refused(models, family):
+    """The cache a HELM forward makes (HelmDynamicCache) refuses keys of another shape from a model that does not
+    check it, such as transformers' LlamaForCausalLM (a raw torch.cat error before). A DynamicCache made by the
+    caller is transformers' own and cannot tell (see HelmDynamicCache)."""
+    cache = models[family](ids(), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=rf"^past_key_values \(cache=\) is a HELM cache written by a {family} model "
+                                         r"\(layer 0 holds keys \[B, \d, T, \d+\] of hyperbolic points\), and a model "
+                                         r"writing keys of shape \(2, 2, 1, 16\) is extending it"):
+        models["llama"](ids(B, 1), past_key_values=cache)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,9 +6,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import GenerationMixin
-from transformers.utils import can_return_tuple
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -25,8 +23,12 @@ from ...ops.attention import AttentionMask
 from ..modeling_common import (
     CACHE_FIELD,
     AttentionWeights,
+    HelmDynamicCache,
+    HelmGenerationMixin,
     HelmPreTrainedModel,
     attention_mask_for,
+    can_return_tuple,
+    check_flags,
     check_inputs,
     default_position_ids,
     lift_inputs_embeds,
@@ -107,15 +109,17 @@ class HelmDModel(HelmDPreTrainedModel):
                 use_cache: Optional[bool] = None,
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, **kwargs) -> BaseModelOutputWithPast:
+        check_flags(use_cache=use_cache, output_hidden_states=output_hidden_states,
+                    output_attentions=output_attentions)
         attentions = AttentionWeights(self, output_attentions)
         past_key_values = resolve_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+            past_key_values = HelmDynamicCache(config=self.config)
         # layout: past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
         batch, seq_len, layout = check_inputs(self.config, input_ids, inputs_embeds, past_key_values, attention_mask,
-                                              position_ids, segment_ids)
+                                              position_ids, segment_ids, dtype=self.embed_tokens.weight.dtype)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
@@ -146,7 +150,7 @@ class HelmDModel(HelmDPreTrainedModel):
                                       attentions=attentions.weights)
 
 
-class HelmDForCausalLM(HelmDPreTrainedModel, GenerationMixin):
+class HelmDForCausalLM(HelmDPreTrainedModel, HelmGenerationMixin):
     """HELM-D with the LM head; ``segment_ids`` (document ids of packed rows) keep attention within documents."""
 
     def __init__(self, config: HelmDConfig):
