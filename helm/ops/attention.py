@@ -245,8 +245,8 @@ class KeyGroups(NamedTuple):
 
     ``first [B·Tk]`` int64: the first key of each key's group. ``sources``: for the doubling steps
     ``s = 1, 2, 4, ... < Tk``, ``[B·Tk]`` int64, the key ``s`` places before each key within its group (keys in index
-    order), or ``B·Tk`` where there is none. ``last [B·Tk]``: the last key of each key's group. ``count [B·Tk, 1, 1]``
-    int64: the size of each key's group."""
+    order), or ``B·Tk`` where there is none. ``last [B·Tk]``: the last key of each key's group.
+    ``count [B·Tk, 1, 1]`` int64: the size of each key's group."""
 
     first: torch.Tensor
     sources: tuple
@@ -286,7 +286,8 @@ def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], pa
     sources = tuple(by_key(torch.where(rank >= step, order.gather(1, (pos - step).clamp_min(0)) + offset, none))
                     for step in (1 << i for i in range(max(kv_len - 1, 0).bit_length())))
     return KeyGroups(first=by_key(order.gather(1, run_start) + offset), sources=sources,
-                     last=by_key(order.gather(1, run_end) + offset), count=by_key(run_end - run_start + 1).view(-1, 1, 1))
+                     last=by_key(order.gather(1, run_end) + offset),
+                     count=by_key(run_end - run_start + 1).view(-1, 1, 1))
 
 
 def _group_sum(rows: torch.Tensor, groups: KeyGroups) -> torch.Tensor:
