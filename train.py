@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_l
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
 from helm.data import MissingSourceError, build_default_data
+from helm.data.loading import text_problem
 from helm.distributed import use_fsdp_on_cpu
 from helm.evaluation import format_perplexity, perplexity, rows_nll
 from helm.models.routing import attach_balancing
@@ -48,9 +49,9 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
                            output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
                            save_checkpoint, save_final, train_step, training_batches, unloadable_files)
-from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, STATE_FILE, foreign_run_entries, is_run_folder,
-                                      list_checkpoints, non_finite_parameters, non_finite_weights,
-                                      remove_stale_tmp_checkpoints, write_run_marker)
+from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, foreign_run_entries, is_run_folder, list_checkpoints,
+                                      model_folder_problem, non_finite_optimizer_state, non_finite_parameters,
+                                      non_finite_weights, remove_stale_tmp_checkpoints, write_run_marker)
 from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
@@ -134,24 +135,28 @@ def ensure_default_data(cfg, accelerator) -> None:
 
 
 def check_pretrained_folder(name: str) -> None:
-    """A local ``model.pretrained`` must be a ``save_pretrained`` folder: say so plainly for a missing path (rather
-    than the hub's "Repo id must be in the form ...") and for a training checkpoint."""
+    """``model.pretrained`` must be a ``save_pretrained`` folder or a hub model: say so plainly for a missing path
+    (rather than the hub's "Repo id must be in the form ..." or "couldn't connect"), a file, and a training
+    checkpoint, a run's checkpoints/ or a run folder (rather than "should have a `model_type` key")."""
     folder = Path(name).expanduser()
-    if not looks_local(name):
+    if folder.is_dir():
+        if problem := model_folder_problem(folder, name, "--model.pretrained="):
+            raise ConfigError(f"model.pretrained: {problem}")
         return
-    if not folder.is_dir():
+    if folder.is_file():
+        raise ConfigError(f"model.pretrained: {name!r} is a file; give the folder that holds it (a save_pretrained "
+                          "folder with config.json and the weights, such as a run's final/)")
+    if looks_local(name):
         raise ConfigError(f"model.pretrained: no such folder {name!r} (a save_pretrained folder such as a run's "
                           "final/, or a hub model id)")
-    if not (folder / "config.json").is_file() and (folder / STATE_FILE).is_file():
-        raise ConfigError(f"model.pretrained: {name!r} is a training checkpoint of train.py (accelerate state, no "
-                          "config.json), not a save_pretrained folder: start from the run's final/ folder, or "
-                          f"continue that run with --resume {name}")
-    if not (folder / "config.json").is_file() and is_run_folder(folder):
-        raise ConfigError(f"model.pretrained: {name!r} is a run folder of train.py (checkpoints, metrics, the "
-                          "recipe), not a save_pretrained folder: start from its final model, "
-                          f"--model.pretrained={folder / 'final'}" + (
-                              "" if (folder / "final" / "config.json").is_file() else
-                              " (it has none yet: finish the run with --resume and train.output_dir set to it)"))
+    from transformers.utils import cached_file
+
+    try:  # config.json alone (no code runs), so that a mistyped relative path is not reported as a hub problem
+        cached_file(name, "config.json")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.pretrained: {name!r} is neither a local folder (no such folder) nor a model on the "
+                          f"Hugging Face Hub ({' '.join(str(error).split())}); give a save_pretrained folder such as "
+                          "a run's final/, or a hub model id") from None
 
 
 def model_config(cfg):
@@ -207,7 +212,9 @@ def load_data(cfg, tokenizer, accelerator):
     try:
         validation = pack_split(validation_set, tokenizer, cfg.data, max_rows=cfg.train.eval_rows)
     except ValueError as error:  # a record whose text is not a string (a stream is checked as it is read)
-        raise ConfigError(f"data.validation_split: {' '.join(str(error).split())}") from None
+        where = text_problem(cfg.data.dataset, cfg.data.validation_split or cfg.data.train_split,
+                             cfg.data.text_column) if streaming else None
+        raise ConfigError(f"data.validation_split: {where or ' '.join(str(error).split())}") from None
     if not validation:
         raise ConfigError(f"the validation data holds fewer than data.seq_len={cfg.data.seq_len} tokens; use a "
                           "larger validation split or data.holdout_documents")
@@ -247,11 +254,33 @@ def build_model(cfg, config, device, special_ids: dict):
 
 def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None:
     differences = recipe_differences(saved["config"], cfg.to_dict())
+    # train.max_steps may change (extend a run, or end it earlier), as with transformers' Trainer, but a run only
+    # goes forward: the schedule is then recomputed for the new length (replan_schedule)
+    if cfg.train.max_steps != saved["config"]["train"]["max_steps"] and cfg.train.max_steps <= saved["step"]:
+        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with train.max_steps={cfg.train.max_steps}: "
+                              f"the checkpoint is at step {saved['step']}, and a changed train.max_steps must lie past "
+                              f"it (it was {saved['config']['train']['max_steps']}); choose more steps, or resume from "
+                              "an earlier checkpoint with --resume PATH")
     if saved["world_size"] != world_size:
         differences.append(f"number of processes: {saved['world_size']} in the checkpoint, {world_size} now")
     if differences:
         raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with a different setup, because the run "
                               "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
+
+
+def replan_schedule(optimizer, scheduler, step: int) -> tuple[float, float]:
+    """After loading a checkpoint saved with another train.max_steps: the learning rates of the next step are the
+    new schedule's at ``step`` (the scheduler built for the new length keeps its own warmup and cosine: its
+    lambdas are not in the checkpoint, only its step count), not the old schedule's that the optimiser state
+    holds. Returns the first group's learning rate before and after."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    groups = getattr(optimizer, "optimizer", optimizer).param_groups
+    before = groups[0]["lr"]
+    rates = [base * rule(step) for base, rule in zip(inner.base_lrs, inner.lr_lambdas)]
+    for group, rate in zip(groups, rates):
+        group["lr"] = rate
+    inner._last_lr = rates
+    return before, rates[0]
 
 
 def check_same_data(cfg, checkpoint: Path, saved: dict, fingerprint: dict) -> None:
@@ -399,16 +428,35 @@ def train(cfg, resume) -> dict:
         # A checkpoint whose weights are NaN or inf (its hashes match: it was saved so) would fail at the first
         # step as a "non-finite loss", blamed on the recipe: name the checkpoint instead. Once, after loading; every
         # process takes part in the gather (FSDP shards differ), so all of them stop together.
+        # The same for its optimiser state (Adam moments, hyperparameters) and schedule: NaN there turns the first
+        # step's update into NaN weights, which would be reported as a "non-finite loss" blamed on the learning rate.
         bad = non_finite_parameters(unwrapped)
-        if any(accelerator.gather(torch.tensor([len(bad)], device=accelerator.device)).tolist()):
+        moments = non_finite_optimizer_state(optimizer, scheduler, {p: n for n, p in unwrapped.named_parameters()})
+        counts = accelerator.gather(torch.tensor([len(bad), len(moments)], device=accelerator.device)).view(-1, 2)
+        if counts.sum().item():
             earlier = [path for step, path in list_checkpoints(Path(checkpoint).parent) if step < start_step]
             hint = f", e.g. --resume {earlier[-1]}" if earlier else " (this run has none; or start over with " \
                 "--train.overwrite=true)"
-            which = f" in {len(bad)} tensor(s), e.g. {bad[0]}" if bad else " (in another process's shard)"
-            raise FloatingPointError(f"the checkpoint {checkpoint} has non-finite weights (NaN or inf){which}, so "
-                                     f"training cannot resume from it; nothing was trained or written. Resume from "
-                                     f"an earlier checkpoint with --resume PATH{hint}")
+            if counts[:, 0].sum().item():
+                which = f" in {len(bad)} tensor(s), e.g. {bad[0]}" if bad else " (in another process's shard)"
+                what = f"non-finite weights (NaN or inf){which}"
+            else:
+                kind = "scheduler" if moments and all(m.endswith("schedule") for m in moments) else "optimizer"
+                files = sorted(p.name for p in Path(checkpoint).iterdir() if p.name.startswith(kind))
+                which = f" in {len(moments)} entr{'y' if len(moments) == 1 else 'ies'}, e.g. {moments[0]}" \
+                    if moments else " (in another process's shard)"
+                what = (f"a non-finite optimizer state: its {files[0] if files else kind + '.bin'} holds NaN or inf"
+                        f"{which} (its weights are finite; the first step would make them NaN)")
+            raise FloatingPointError(f"the checkpoint {checkpoint} has {what}, so training cannot resume from it; "
+                                     "nothing was trained or written. Resume from an earlier checkpoint with "
+                                     f"--resume PATH{hint}")
         say(f"[train] resumed from {checkpoint} at step {start_step}")
+        if (was := saved["config"]["train"]["max_steps"]) != cfg.train.max_steps:
+            before, now = replan_schedule(optimizer, scheduler, start_step)
+            say(f"[train] train.max_steps changed from {was} to {cfg.train.max_steps}: the learning-rate schedule "
+                f"(warmup {round(cfg.optim.warmup_ratio * cfg.train.max_steps)} steps, cosine to step "
+                f"{cfg.train.max_steps}) is recomputed for the new length, so the learning rate of step "
+                f"{start_step + 1} is {now:.3e} (the old schedule's: {before:.3e})")
     accelerator.init_trackers("tensorboard", init_kwargs={
         "tensorboard": {"purge_step": start_step + 1} if checkpoint is not None else {}})
     # every run and resume reads the same rows in the same order from start_step on: the data position is the step

@@ -27,8 +27,8 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    EvalError, add_loading_arguments, check_argument, check_writable, data_files, load_checkpoint, load_texts,
-    model_names, run_script, token_stream, write_json)
+    EvalError, add_loading_arguments, check_argument, check_window, check_writable, data_files, load_checkpoint,
+    load_texts, model_names, run_script, token_stream, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 from helm.nn.validation import integer, optional  # noqa: E402
 
@@ -83,6 +83,7 @@ def curvature_of_model(path: str, texts: list[str], args) -> tuple[np.ndarray, d
     model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
     seq_len = args.seq_len or min(model.config.max_position_embeddings, 512)
+    check_window(model, seq_len, "--seq-len")
     # 4x more tokens than points keeps the sample spread over many contexts and positions
     ids = token_stream(texts, tokenizer, eos_id=tokenizer.eos_token_id)[:4 * args.max_points]
     with torch.no_grad():  # the decoder without its LM head, one unpadded window at a time

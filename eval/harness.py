@@ -23,7 +23,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
-from helm.evaluation import EvalError, add_loading_arguments, check_checkpoint, check_writable, run_script, write_json
+from helm.evaluation import (EvalError, add_loading_arguments, check_checkpoint, check_hub_model, check_tokenizer,
+                             check_writable, run_script, write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown := [task for tasks, _ in groups for task in tasks if task not in names and not Path(task).is_file()]:
         raise EvalError("--tasks: no lm-eval task, group or tag " + ", ".join(f"{task!r}" + "".join(
             f" (did you mean {near!r}?)" for near in difflib.get_close_matches(task, names, 1)) for task in unknown))
+    # lm-eval's HFLM loads both from the folder, with transformers' messages for a missing model or tokenizer
+    check_hub_model(path)
+    check_tokenizer(path, "--model", "lm-eval reads the tokenizer from the model folder: save it there with "
+                                     "tokenizer.save_pretrained(folder)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit

@@ -22,9 +22,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
-                             check_writable, data_files, format_perplexity, load_checkpoint, load_texts, model_names,
-                             perplexity, rows_nll, run_script, sliding_windows, token_stream, with_rope_scaling,
-                             write_json)
+                             check_window, check_writable, data_files, format_perplexity, load_checkpoint,
+                             load_texts, model_names, perplexity, rows_nll, run_script, sliding_windows,
+                             token_stream, with_rope_scaling, write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
 OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
@@ -50,6 +50,8 @@ def extrapolation_rows(name: str, path: str, texts: list[str], args, scaling: st
         row.update(model=name, path=path, positional=getattr(model.config, "positional", model.config.model_type),
                    train_length=length, factor=factor, seq_len=factor * length, windows=len(windows["input_ids"]))
         try:  # a scaling the model's encoding does not take is recorded as a note, like a length it cannot run
+            # learned positions past their table: transformers' models would fail with an IndexError
+            check_window(model, factor * length, "seq_len")
             nll, count = rows_nll(with_rope_scaling(model, scaling, factor, length), windows,
                                   batch_size=args.batch_size, progress=not args.no_progress, desc=f"{name} {factor}x")
         except ValueError as error:  # e.g. learned positions past their table: record it, keep going

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (EvalError, add_loading_arguments, check_argument, check_writable, data_files,
-                             format_perplexity, load_checkpoint, load_texts, run_script, text_perplexity, write_json)
+from helm.evaluation import (EvalError, add_loading_arguments, check_argument, check_window, check_writable,
+                             data_files, format_perplexity, load_checkpoint, load_texts, run_script, text_perplexity,
+                             write_json)
 from helm.nn.validation import integer, optional
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
+    if args.seq_len is not None:  # the default is the model's max_position_embeddings, which fits
+        check_window(model, args.seq_len, "--seq-len")
     result = text_perplexity(model, tokenizer, texts, seq_len=args.seq_len,
                              stride=args.stride, batch_size=args.batch_size, keep_last=args.keep_last,
                              max_tokens=args.max_tokens, max_windows=args.max_windows, add_eos=not args.no_eos,

@@ -31,9 +31,10 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
-           "check_writable", "data_files", "load_checkpoint", "load_texts", "model_names", "packed_inputs",
-           "perplexity", "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity",
-           "token_stream", "with_rope_scaling", "write_json"]
+           "check_hub_model", "check_tokenizer", "check_window", "check_writable", "data_files",
+           "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "packed_inputs", "perplexity",
+           "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream",
+           "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
@@ -315,6 +316,34 @@ def text_perplexity(model, tokenizer, texts: list[str], *, seq_len: Optional[int
             "stride": stride or seq_len, "document_attention": document_attention}
 
 
+# transformers' names of a learned table of absolute positions (GPT-2 and GPT-Neo: wpe; OPT, BioGPT: embed_positions)
+_POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def learned_position_limit(model) -> Optional[int]:
+    """The most positions ``model`` takes when a learned table of absolute positions bounds them (HELM's
+    ``positional: learned``, GPT-2's ``wpe``, OPT's ``embed_positions``): its ``max_position_embeddings``. None
+    when its encoding computes any position (rotary, ALiBi, sinusoidal, none): longer windows are then an
+    extrapolation to measure, not an index past a table."""
+    for name, module in model.named_modules():
+        helm_table = getattr(module, "absolute", False) and isinstance(getattr(module, "max_positions", None), int)
+        if helm_table or (isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLE_NAMES):
+            limit = getattr(model.config, "max_position_embeddings", None)
+            return limit if isinstance(limit, int) else (module.max_positions if helm_table else module.num_embeddings)
+    return None
+
+
+def check_window(model, length: int, option: str) -> None:
+    """An :class:`EvalError` when windows of ``length`` tokens (the value of ``option``) run past ``model``'s
+    learned position table (:func:`learned_position_limit`), checked before any window is scored: the model would
+    fail on the first one (an index error for transformers' models)."""
+    limit = learned_position_limit(model)
+    if limit is not None and length > limit:
+        advice = f"; use {option} <= {limit}" if option.startswith("--") else ""
+        raise EvalError(f"{option}={length} is longer than the model's learned position table "
+                        f"(max_position_embeddings={limit}), which has no row for later positions{advice}")
+
+
 def add_loading_arguments(parser) -> None:
     """The ``eval/`` scripts' options of :func:`load_checkpoint`: ``--device``, ``--dtype``, ``--trust-remote-code``."""
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
@@ -331,21 +360,26 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
     saved with them, and ``transformers`` models load as usual. Code saved with any other checkpoint runs only
     with ``trust_remote_code``. ``dtype``: ``float32``, ``bfloat16``, ``float16``, ``float64`` or ``auto``.
     """
+    from helm.data.tokenizer import no_vocabulary_hint
+
     path = check_checkpoint(path, trust_remote_code)
+    check_hub_model(path)
     device = check_device(device)
     if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
         raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
+    # the tokenizer's files are checked before the weights load, which can take minutes
+    tokenizer = check_tokenizer(tokenizer, "--tokenizer") if tokenizer is not None else check_tokenizer(
+        path, "--model", f"pass --tokenizer and {TOKENIZER_ADVICE}")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         hint = f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in str(error) else ""
         raise EvalError(f"could not load checkpoint {path!r}: {' '.join(str(error).split())}{hint}") from error
-    tokenizer = os.fspath(tokenizer or path)
     try:
-        tok = AutoTokenizer.from_pretrained(check_tokenizer(tokenizer), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         text = " ".join(str(error).split())
-        hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else
+        hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else no_vocabulary_hint(tokenizer) or
                 " (save one next to the model with tokenizer.save_pretrained, or name its folder)")
         raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {text}{hint}") from error
     return model.to(device).eval(), tok
@@ -419,12 +453,14 @@ def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -
     saved with it, is refused unless ``trust_remote_code``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from helm.training.checkpoint import model_folder_problem
+
     local = isinstance(path, os.PathLike)  # a Path names a folder, never a hub id
     path = os.fspath(path)
     folder = Path(path).expanduser()
     if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise EvalError(f"checkpoint {path!r} has no config.json; expected a folder written by save_pretrained")
+        if problem := model_folder_problem(folder, path, "--model "):
+            raise EvalError(f"checkpoint {problem}")
         try:
             config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
@@ -435,28 +471,51 @@ def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -
                             f"knows, so loading it would run the code saved with it; {REMOTE_CODE_HINT}")
         return str(folder)
     parts = path.split("/")
+    if folder.is_file():
+        raise EvalError(f"checkpoint not found: {path!r} is a file; give the folder that holds it (written by "
+                        "save_pretrained, with config.json and the weights)")
     if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
         raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
                         "save_pretrained, holding config.json and the weights, or a hub model id)")
     return path
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "config.json")
+def check_hub_model(path: str) -> None:
+    """For a ``path`` that :func:`check_checkpoint` took for a hub id (no such local folder): an :class:`EvalError`
+    when the hub model's config.json cannot be had (not a valid id, no such repository, offline and not cached),
+    saying that there is no such folder either. Only config.json is fetched, no code; loading the model would
+    instead say "Repo id must be in the form ..." or "couldn't connect", over several lines, for a mistyped
+    path."""
+    from transformers.utils import cached_file
+
+    if Path(path).expanduser().is_dir():
+        return
+    try:
+        cached_file(path, "config.json")
+    except (OSError, ValueError) as error:
+        raise EvalError(f"checkpoint not found: {path!r} is neither a local folder (no such folder) nor a model on "
+                        f"the Hugging Face Hub ({' '.join(str(error).split())}); expected a folder written by "
+                        "save_pretrained, holding config.json and the weights, or a hub model id") from None
 
 
-def check_tokenizer(path: str | os.PathLike) -> str:
+TOKENIZER_ADVICE = "name the folder its tokenizer was saved to (tokenizer.save_pretrained), e.g. the data.tokenizer "\
+    "of the train.py run"
+
+
+def check_tokenizer(path: str | os.PathLike, option: str = "--tokenizer", advice: str = TOKENIZER_ADVICE) -> str:
     """``path`` (a str) if it is a folder holding a tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ...;
     a tokenizer-only folder, as ``tokenizer.save_pretrained`` writes and ``train.py`` takes as ``data.tokenizer``,
-    needs no ``config.json``) or a str that looks like a hub id. Whether code saved with it may run is left to
-    ``AutoTokenizer.from_pretrained(..., trust_remote_code=...)``."""
+    needs no ``config.json``) or a str that looks like a hub id; ``option`` names where it came from in the error,
+    ``advice`` says what to do.
+    Whether code saved with it may run is left to ``AutoTokenizer.from_pretrained(..., trust_remote_code=...)``."""
+    from helm.data.tokenizer import tokenizer_files_problem
+
     local = isinstance(path, os.PathLike)
     path = os.fspath(path)
     folder = Path(path).expanduser()
     if folder.is_dir():
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise EvalError(f"tokenizer folder {path!r} holds none of {', '.join(TOKENIZER_FILES[:-1])}; expected "
-                            "a folder written by tokenizer.save_pretrained")
+        if problem := tokenizer_files_problem(folder):
+            raise EvalError(f"{option} {problem}: {advice}")
         return str(folder)
     parts = path.split("/")
     if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):

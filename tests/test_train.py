@@ -172,7 +172,7 @@ def test_overrides_are_typed(tmp_path, run_data):
                          (["--train.mixed_precision=fp8"], "train.mixed_precision must be one of"),
                          (["--train.max_step=3"], "unknown key 'train.max_step'.*did you mean 'train.max_steps'"),
                          (["--trian.max_steps=3"], "unknown key 'trian'"),
-                         (["--model.preset=null"], "set exactly one of model.preset"),
+                         (["--model.preset=null"], "^neither model.preset nor model.pretrained is set; set exactly one"),
                          (["--train.output_dir=''"], "train.output_dir must be set")):
         with pytest.raises(ConfigError, match=message):
             load_run_config(recipe, cli_overrides(bad))

@@ -45,10 +45,10 @@ def _quiet_json_loader():
         quiet.setLevel(level)
 
 
-def _json_problem(file: Path, text_column: str) -> str | None:
+def _json_problem(file: Path, text_column: str, nulls: bool = False) -> str | None:
     """The first line of a JSON (Lines) file that is not valid JSON, or whose ``text_column`` holds a value other
-    than a string or null (null is reported with a count by the caller), as a message; ``None`` when Python's json
-    finds nothing wrong. Read only after datasets refused the file, so valid data costs no second pass."""
+    than a string (or null, or is missing, when ``nulls``), as a message; ``None`` when Python's json finds nothing
+    wrong. Read only after datasets refused the file, so valid data costs no second pass."""
     text = file.read_text(encoding="utf-8")
     if file.suffix.lower() == ".json":
         try:  # one JSON document (an array of records) rather than JSON Lines
@@ -58,7 +58,7 @@ def _json_problem(file: Path, text_column: str) -> str | None:
                 return f"line {error.lineno} is not valid JSON ({error.msg}, column {error.colno})"
         else:
             records = document if isinstance(document, list) else [document]
-            return next(filter(None, (_record_problem(r, text_column, f"record {i}")
+            return next(filter(None, (_record_problem(r, text_column, f"record {i}", nulls)
                                       for i, r in enumerate(records, start=1))), None)
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -67,19 +67,39 @@ def _json_problem(file: Path, text_column: str) -> str | None:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             return f"line {number} is not valid JSON ({error.msg}, column {error.colno})"
-        problem = _record_problem(record, text_column, f"line {number}")
+        problem = _record_problem(record, text_column, f"line {number}", nulls)
         if problem:
             return problem
     return None
 
 
-def _record_problem(record, text_column: str, where: str) -> str | None:
+def _record_problem(record, text_column: str, where: str, nulls: bool = False) -> str | None:
     if not isinstance(record, dict):
         return f"{where} holds {JSON_TYPES.get(type(record), type(record).__name__)}, not a record (object)"
+    if nulls and text_column not in record:
+        return f"{where} has no field {text_column!r}"
+    if nulls and record[text_column] is None:
+        return f"field {text_column!r} must hold strings, got null on {where}"
     value = record.get(text_column)
     if value is not None and not isinstance(value, str):
         return (f"field {text_column!r} must hold strings, got {JSON_TYPES.get(type(value), type(value).__name__)} "
                 f"({json.dumps(value)[:40]}) on {where}")
+    return None
+
+
+def text_problem(source, split: str, text_column: str = "text") -> str | None:
+    """``FILE: line N ...``: the first record of ``source``'s local JSON (Lines) files whose ``text_column`` is not a
+    string (null, missing, another type) or that is not valid JSON; ``None`` when they have none (or ``source`` is
+    no local file). For a stream, which meets such a record as it is read, after its whole split was accepted."""
+    try:
+        files = local_files(source, split)
+    except FileNotFoundError:
+        return None
+    for file in files or ():
+        if BUILDERS.get(file.suffix.lower()) == "json" and file.is_file():
+            problem = _json_problem(file, text_column, nulls=True)
+            if problem:
+                return f"{file}: {problem}"
     return None
 
 
@@ -134,8 +154,9 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 raise ValueError(f"{file}: {problem or f'field {text_column!r} must hold strings'}")
             missing = part.data.column(text_column).null_count if isinstance(part, datasets.Dataset) else 0
             if missing:  # a record without text ({"text": null}, or the field absent), read by Arrow as null
-                raise ValueError(f"{file}: field {text_column!r} must hold strings, but {missing} record(s) hold null "
-                                 "or lack it")
+                first = _json_problem(file, text_column, nulls=True) if builder == "json" else None
+                raise ValueError(f"{file}: {first or f'field {text_column!r} must hold strings'} ({missing} "
+                                 "record(s) hold null or lack it); give every record a text or remove those lines")
             parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late

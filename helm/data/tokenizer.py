@@ -17,6 +17,38 @@ from .loading import load_text_dataset
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
+# The files transformers builds a tokenizer from: a fast tokenizer's tokenizer.json, or a slow one's vocabulary
+# (sentencepiece models, BPE vocab + merges, WordPiece vocab); tokenizer_config.json alone may do for a tokenizer
+# that needs no vocabulary file (ByT5's bytes) or names custom code.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json") + VOCABULARY_FILES[1:]
+
+
+def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
+    """Why the local ``folder`` cannot hold a tokenizer: it has none of :data:`TOKENIZER_FILES` (nor a
+    ``*.tiktoken`` file); ``None`` otherwise. Checked before ``AutoTokenizer.from_pretrained``, whose message for
+    such a folder (a model folder saved without its tokenizer) is about sentencepiece or tiktoken not being
+    installed."""
+    folder = Path(folder).expanduser()
+    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return None
+    hint = ""
+    if (folder / "final" / "tokenizer.json").is_file():
+        hint = f"; its final/ folder holds one ({folder / 'final'})"
+    elif (folder / "config.json").is_file():
+        hint = "; it is a model folder (config.json) saved without its tokenizer"
+    return f"{str(folder)!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken){hint}"
+
+
+def no_vocabulary_hint(folder: str | os.PathLike) -> str:
+    """A note for a failed ``AutoTokenizer.from_pretrained`` of a local folder that has a tokenizer_config.json but
+    none of :data:`VOCABULARY_FILES` (then transformers blames sentencepiece or tiktoken); "" otherwise."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir() or any((folder / name).is_file() for name in VOCABULARY_FILES):
+        return ""
+    return f" ({str(folder)!r} holds no vocabulary file: none of {', '.join(VOCABULARY_FILES)})"
+
 
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_dir: str | os.PathLike, *,
                     vocab_size: int = 8192, min_frequency: int = 2, text_column: str = "text", progress: bool = False):

@@ -257,6 +257,38 @@ def is_run_folder(folder: Path) -> bool:
             and bool(recipe["train"].get("output_dir")))
 
 
+def model_folder_problem(folder: Path, name: str, option: str) -> str | None:
+    """Why the existing folder ``folder`` (given as ``name``) is not a model folder written by ``save_pretrained``
+    (it has no config.json), beginning with ``name`` and saying what to pass instead: a training checkpoint, the
+    checkpoints/ folder of a run or a run folder point to the run's ``final/`` (suggested as ``{option}PATH``, e.g.
+    ``--model.pretrained=`` or ``--model ``) and to ``train.py --resume``; None when it has a config.json.
+    Loading such a folder would fail with transformers' "Unrecognized model ... should have a `model_type` key"."""
+    folder = Path(folder).expanduser()
+    if (folder / "config.json").is_file():
+        return None
+
+    def final_of(run: Path) -> str:
+        final = run / "final"
+        return f"{option}{final}" + ("" if (final / "config.json").is_file() else
+                                     " (it has none yet: finish the run with train.py --resume)")
+
+    if (folder / STATE_FILE).is_file():
+        run = folder.parent.parent if folder.parent.name == "checkpoints" else None
+        final = final_of(run) if run is not None else "the run's final/ folder"
+        return (f"{name!r} is a training checkpoint of train.py (accelerate state, no config.json), not a "
+                f"save_pretrained folder: use the run's final/ model, {final}, or continue training from it with "
+                f"train.py --resume {name}")
+    if folder.name == "checkpoints" and list_checkpoints(folder):
+        return (f"{name!r} is the checkpoints/ folder of a train.py run, not a save_pretrained folder: use the run's "
+                f"final/ model, {final_of(folder.parent)}, or continue training with train.py --resume "
+                f"{list_checkpoints(folder)[-1][1]}")
+    if is_run_folder(folder):
+        return (f"{name!r} is a run folder of train.py (checkpoints, metrics, the recipe), not a save_pretrained "
+                f"folder: use its final/ model, {final_of(folder)}")
+    return (f"{name!r} has no config.json; expected a folder written by save_pretrained (config.json and the "
+            "weights)")
+
+
 def foreign_run_entries(output_dir: Path) -> list[str]:
     """The paths (relative to ``output_dir``) inside ``checkpoints/``, ``final/`` and ``tensorboard/`` that train.py
     did not write (in ``tensorboard/``: files other than TensorBoard's ``events.out.tfevents.*``),
@@ -395,6 +427,37 @@ def non_finite_parameters(model: torch.nn.Module) -> list[str]:
     if bool(finite.all()):
         return []
     return [name for (name, _), ok in zip(params, finite.tolist()) if not ok]
+
+
+def non_finite_optimizer_state(optimizer, scheduler=None, names: dict | None = None) -> list[str]:
+    """What in ``optimizer``'s state (its moments, per parameter) and hyperparameters, and in ``scheduler``'s
+    learning rates, is NaN or inf, e.g. ``exp_avg of model.embed_tokens.weight``, ``lr of param group 0``:
+    ``names`` maps parameters to their names. One reduction on the device and one read on the host; for a check
+    after loading a checkpoint, never in the training loop."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    names = names or {}
+    found, tensors = [], []
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                local = value.to_local() if hasattr(value, "to_local") else value  # an FSDP shard: this process's
+                tensors.append((f"{key} of {names.get(param, 'a parameter')}", local))
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            numbers = value if isinstance(value, (tuple, list)) else [value]
+            if key != "params" and any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+                found.append(f"{key} of param group {index}")
+    if scheduler is not None:
+        state = getattr(scheduler, "scheduler", scheduler).state_dict()
+        for key in ("base_lrs", "_last_lr"):
+            if any(isinstance(v, float) and not math.isfinite(v) for v in state.get(key) or ()):
+                found.append(f"{key} of the learning-rate schedule")
+    if tensors:
+        device = tensors[0][1].device
+        finite = torch.stack([t.detach().isfinite().all().to(device) for _, t in tensors])
+        if not bool(finite.all()):
+            found = [name for (name, _), ok in zip(tensors, finite.tolist()) if not ok] + found
+    return found
 
 
 def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None, manifest: bool = True) -> None:

@@ -120,7 +120,10 @@ class TrainConfig:
     in a run folder train.py wrote (its .helm-train-run marker, or an older train.py's config.yaml), and never files
     it did not write inside checkpoints/ or final/: those are refused (exit 2), nothing deleted."""
     max_steps: int = MISSING
-    """Optimiser steps. Required."""
+    """Optimiser steps. Required. May change on --resume, to a step past the checkpoint's (extend a run, or end it
+    earlier), as with transformers' Trainer: the warmup + cosine schedule is then recomputed for the new length
+    (warmup_ratio x max_steps warmup steps, cosine to max_steps) and the learning rate continues on it from the
+    resumed step, so it jumps there to the new curve (up when extending during the decay)."""
     batch_size: int = 8
     """Packed rows per process per micro-batch."""
     grad_accum: int = 1
@@ -387,12 +390,19 @@ def validate(c: RunConfig) -> None:
         ("optim.final_lr_ratio", 0 <= c.optim.final_lr_ratio <= 1, "must be in [0, 1]"),
         ("data.holdout_documents", c.data.validation_split is not None or c.data.holdout_documents >= 1,
          "must be >= 1 when data.validation_split is null (documents held out of the training split for validation)"),
-        ("model.preset", (c.model.preset is None) != (c.model.pretrained is None), "and model.pretrained: set exactly "
-         "one of model.preset (a preset name or JSON file) and model.pretrained (a save_pretrained folder or hub "
-         f"name); got pretrained={c.model.pretrained!r}, preset")) if not ok]
+        ) if not ok]
     if problems:
         key, requirement = problems[0]
         raise ConfigError(f"{key} {requirement}, got {value(key)!r}")
+    # two keys, so not a "KEY must ..., got VALUE" row: one sentence naming both values and the way out
+    if c.model.preset is not None and c.model.pretrained is not None:
+        raise ConfigError(f"model.preset ({c.model.preset!r}) and model.pretrained ({c.model.pretrained!r}) are both "
+                          "set; set exactly one: model.preset to train a new model from scratch, model.pretrained to "
+                          "continue from trained weights (e.g. --model.preset=null --model.pretrained=PATH)")
+    if c.model.preset is None and c.model.pretrained is None:
+        raise ConfigError("neither model.preset nor model.pretrained is set; set exactly one: model.preset (a preset "
+                          "name from helm/presets or a JSON config file) to train from scratch, model.pretrained (a "
+                          "save_pretrained folder or hub id) to continue from trained weights")
     if c.train.logger != "jsonl":
         try:
             import tensorboard  # noqa: F401
@@ -401,9 +411,11 @@ def validate(c: RunConfig) -> None:
                               "(pip install tensorboard), or use train.logger: jsonl") from None
 
 
-# Keys that may change on resume (they do not change what is computed); any other difference is refused.
+# Keys that may change on resume (they do not change what is computed up to the saved step; train.max_steps past
+# it, which re-plans the learning-rate schedule from there on); any other difference is refused.
 RESUMABLE_CHANGES = frozenset({
-    "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.log_every", "train.eval_every",
+    "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps", "train.log_every",
+    "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
     "train.divergence_factor", "train.divergence_patience", "train.logger",
     "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",

@@ -15,6 +15,8 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..data import iter_packed, load_text_dataset, pack_rows, tokenize
+from ..data.loading import text_problem
+from ..data.tokenizer import no_vocabulary_hint, tokenizer_files_problem
 from .config import ConfigError, DataConfig
 
 
@@ -35,6 +37,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     local = looks_local(name)
     if local and not Path(name).expanduser().is_dir():
         raise ConfigError(f"data.tokenizer: no such directory {name!r}")
+    if local and (problem := tokenizer_files_problem(name)):
+        raise ConfigError(f"data.tokenizer: {problem}: set data.tokenizer to the folder a tokenizer was saved to "
+                          "(tokenizer.save_pretrained; a run's final/ holds its tokenizer), or a hub name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name,
                                                   trust_remote_code=trust_remote_code)
@@ -42,7 +47,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         where = "local folder" if local else "local folder, nor loadable from the Hugging Face Hub"
         text = " ".join(str(error).split())
         hint = ("; it names custom code (auto_map): pass --model.trust_remote_code=true to run it, if you trust it"
-                if "trust_remote_code" in text else "")
+                if "trust_remote_code" in text else no_vocabulary_hint(name) if local else "")
         raise ConfigError(f"data.tokenizer: {name!r} is not a usable {where}: {text}{hint}") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"data.tokenizer: {name!r} has no eos token, which packing puts after every document")
@@ -219,7 +224,8 @@ class StreamRows(IterableDataset):
                     empty = False
                     yield row
             except ValueError as error:  # a record whose text is not a string, met as the stream is read
-                raise ConfigError(f"data.dataset: {' '.join(str(error).split())}") from None
+                where = text_problem(self.data.dataset, self.data.train_split, self.data.text_column)
+                raise ConfigError(f"data.dataset: {where or ' '.join(str(error).split())}") from None
             if empty:
                 raise ConfigError(f"data.dataset: {self.data.dataset!r} yields no complete row of "
                                   f"data.seq_len={self.data.seq_len} tokens")

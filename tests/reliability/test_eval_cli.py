@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,8 +34,41 @@ def tiny_checkpoint(tokenizer, tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def learned_checkpoints(tokenizer, tmp_path_factory):
+    """Saved models whose positions are a learned table of 8 rows, with the shared tokenizer: a transformers GPT-2
+    (``wpe``; an index past it is an IndexError) and a HELM-D with ``positional: learned`` (a ValueError)."""
+    import helm
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    folders = {}
+    for name, config in (
+            ("gpt2", GPT2Config(vocab_size=len(tokenizer), n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                bos_token_id=0, eos_token_id=0)),
+            ("helmlearned", tiny_config("helm_d", vocab_size=len(tokenizer), positional="learned",
+                                        max_position_embeddings=8))):
+        folder = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        folders[name] = str(folder)
+    return folders
+
+
+def _train_run_layout(root, model):
+    """The folders train.py leaves (marker, recipe, a checkpoint of accelerate files, final/), without training."""
+    run = root / "old-run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / ".helm-train-run").write_text('{"written_by": "train.py"}\n')
+    (run / "config.yaml").write_text(f"model: {{}}\ndata: {{}}\noptim: {{}}\ntrain: {{output_dir: {run}}}\n"
+                                     "demo: {}\n")
+    for name in ("custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "manifest.json"):
+        (run / "checkpoints" / "step-00000002" / name).write_bytes(b"")
+    shutil.copytree(model, run / "final")
+    return run
+
+
 @pytest.fixture
-def paths(tmp_path, tiny_checkpoint):
+def paths(tmp_path, tiny_checkpoint, learned_checkpoints):
     """``{missing}``, ``{text}``, ``{link}`` (a symlink to it), ``{bare}`` (a folder with only a Llama config.json),
     ``{custom}`` (an unknown model type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder),
     ``{result}`` (a result file in the folder ``{results}``), ``{tmp}``."""
@@ -59,7 +93,13 @@ def paths(tmp_path, tiny_checkpoint):
                   auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]})
     (remotetok / "tokenizer_config.json").write_text(json.dumps(config))
     (remotetok / "tokenization_x.py").write_text("raise SystemExit('remote code ran')\n")
-    return {"missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
+    modelonly = tmp_path / "no-tokenizer"  # a model folder saved without its tokenizer
+    shutil.copytree(tiny_checkpoint, modelonly, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    run = _train_run_layout(tmp_path, tiny_checkpoint)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join(["one two three four five"] * 20)}) + "\n")
+    return {**learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
+            "trainckpt": str(run / "checkpoints" / "step-00000002"), "checkpoints": str(run / "checkpoints"),
+            "missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
             "remotetok": str(remotetok),
             "custom": str(custom), "nocfg": str(nocfg), "tmp": str(tmp_path),
             "bad": str(tmp_path / "bad.jsonl"), "model": tiny_checkpoint, "link": str(tmp_path / "link.jsonl"),
@@ -186,6 +226,56 @@ CASES = [
      r"--seq-len must be an integer >= 1, got -3"),
     ("harness", ["--model", "{bare}", "--limit", "inf", "--dry-run"], 2, r"--limit must be a positive count"),
     ("harness", ["--model", "{bare}", "--limit", "nan", "--dry-run"], 2, r"--limit must be a positive count"),
+    # reliability probe, item 1: a window past a learned position table is refused naming both lengths, before
+    # any window is scored (GPT-2 would raise an IndexError, HELM's learned table a ValueError: tracebacks)
+    ("perplexity", ["--model", "{gpt2}", "--files", "{long}", "--seq-len", "16"], 2,
+     r"^error: --seq-len=16 is longer than the model's learned position table \(max_position_embeddings=8\), which "
+     r"has no row for later positions; use --seq-len <= 8$"),
+    ("perplexity", ["--model", "{helmlearned}", "--files", "{long}", "--seq-len", "9", "--document-attention"], 2,
+     r"--seq-len=9 is longer than the model's learned position table \(max_position_embeddings=8\)"),
+    ("curvature", ["--model", "{gpt2}", "--files", "{long}", "--seq-len", "12", "--output-dir", "{tmp}/o"], 2,
+     r"--seq-len=12 is longer than the model's learned position table \(max_position_embeddings=8\)"),
+    # item 3: a folder without tokenizer files says so and lists what was looked for, before the weights load
+    # ({bare} has no weights: loading them first would fail with another message)
+    ("perplexity", ["--model", "{bare}", "--files", "{text}"], 2,
+     r"^error: --model '.*bare' has no tokenizer files \(looked for tokenizer\.json, tokenizer_config\.json, "
+     r"tokenizer\.model, vocab\.json, merges\.txt, vocab\.txt, spiece\.model, sentencepiece\.bpe\.model, "
+     r"\*\.tiktoken\); it is a model folder \(config\.json\) saved without its tokenizer: pass --tokenizer"),
+    ("perplexity", ["--model", "{model}", "--tokenizer", "{modelonly}", "--files", "{text}"], 2,
+     r"^error: --tokenizer '.*no-tokenizer' has no tokenizer files \(looked for .*\); it is a model folder"),
+    ("length_extrapolation", ["--model", "{modelonly}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2,
+     r"--model '.*no-tokenizer' has no tokenizer files"),
+    ("curvature", ["--model", "{modelonly}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2,
+     r"--model '.*no-tokenizer' has no tokenizer files"),
+    ("harness", ["--model", "{modelonly}", "--suite", "local"], 2,
+     r"--model '.*no-tokenizer' has no tokenizer files .*lm-eval reads the tokenizer from the model folder"),
+    # item 4: a missing path that reads as a hub id, or an invalid one, is "no such folder", never transformers'
+    # "Repo id must ..." or "couldn't connect"; a train.py checkpoint, checkpoints/ or run folder points to final/
+    ("perplexity", ["--model", "no-such-owner-xyz/no-such-model-xyz", "--files", "{text}"], 2,
+     r"^error: checkpoint not found: 'no-such-owner-xyz/no-such-model-xyz' is neither a local folder \(no such "
+     r"folder\) nor a model on the Hugging Face Hub \(.*\); expected a folder written by save_pretrained"),
+    ("perplexity", ["--model", "my model/x", "--files", "{text}"], 2,
+     r"checkpoint not found: 'my model/x' is neither a local folder \(no such folder\)"),
+    ("harness", ["--model", "no-such-owner-xyz/no-such-model-xyz", "--suite", "local"], 2,
+     r"checkpoint not found: 'no-such-owner-xyz/no-such-model-xyz' is neither a local folder"),
+    ("perplexity", ["--model", "{trainckpt}", "--files", "{text}"], 2,
+     r"^error: checkpoint '.*step-00000002' is a training checkpoint of train\.py \(accelerate state, no "
+     r"config\.json\), not a save_pretrained folder: use the run's final/ model, --model .*old-run/final, or "
+     r"continue training from it with train\.py --resume .*step-00000002$"),
+    ("length_extrapolation", ["--model", "{trainckpt}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2,
+     r"step-00000002' is a training checkpoint of train\.py"),
+    ("curvature", ["--model", "{trainckpt}", "--files", "{text}", "--output-dir", "{tmp}/o"], 2,
+     r"step-00000002' is a training checkpoint of train\.py"),
+    ("harness", ["--model", "{trainckpt}", "--suite", "local"], 2, r"step-00000002' is a training checkpoint"),
+    ("perplexity", ["--model", "{checkpoints}", "--files", "{text}"], 2,
+     r"checkpoint '.*old-run/checkpoints' is the checkpoints/ folder of a train\.py run, not a save_pretrained "
+     r"folder: use the run's final/ model, --model .*old-run/final, or continue training with train\.py --resume "
+     r".*step-00000002$"),
+    ("perplexity", ["--model", "{run}", "--files", "{text}"], 2,
+     r"checkpoint '.*old-run' is a run folder of train\.py .* use its final/ model, --model .*old-run/final$"),
+    ("harness", ["--model", "{run}", "--dry-run"], 2, r"'.*old-run' is a run folder of train\.py"),
+    ("perplexity", ["--model", "{model}/model.safetensors", "--files", "{text}"], 2,
+     r"checkpoint not found: '.*model\.safetensors' is a file; give the folder that holds it"),
 ]
 
 
@@ -230,7 +320,8 @@ def test_perplexity_loads_a_tokenizer_only_folder(paths, tokenizer, tmp_path, ca
         run_script(load_script("perplexity").main, ["--model", str(model), "--tokenizer", paths["nocfg"],
                                                     "--files", paths["text"], "--seq-len", "4"])
     assert exit_info.value.code == 2
-    assert re.search(r"error: .*tokenizer folder .*nocfg.* holds none of", capsys.readouterr().err)
+    assert re.search(r"error: --tokenizer '.*nocfg' has no tokenizer files \(looked for tokenizer\.json",
+                     capsys.readouterr().err)
 
 
 def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
@@ -263,3 +354,37 @@ def test_convert_official_refuses_a_tokenizer_naming_custom_code(tokenizer, tmp_
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "pass --trust-remote-code" in err, err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_learned_position_limit_is_found_only_for_learned_tables(learned_checkpoints, tiny_checkpoint):
+    """Item 1's rule: a learned table of absolute positions (transformers' wpe, HELM's learned) bounds the window at
+    max_position_embeddings; rotary models (the tiny Llama) extrapolate and are never refused."""
+    from transformers import AutoModelForCausalLM
+
+    from helm.evaluation import learned_position_limit
+
+    assert learned_position_limit(AutoModelForCausalLM.from_pretrained(learned_checkpoints["gpt2"])) == 8
+    assert learned_position_limit(AutoModelForCausalLM.from_pretrained(learned_checkpoints["helmlearned"])) == 8
+    assert learned_position_limit(AutoModelForCausalLM.from_pretrained(tiny_checkpoint)) is None
+
+
+def test_a_rotary_model_is_scored_past_its_max_position_embeddings(paths, capsys):
+    """Longer windows than max_position_embeddings are an extrapolation for a rotary model, not an error."""
+    import json as json_module
+
+    limit = json_module.loads((Path(paths["model"]) / "config.json").read_text())["max_position_embeddings"]
+    record = run_script(load_script("perplexity").main, ["--model", paths["model"], "--files", paths["long"],
+                                                         "--seq-len", str(2 * limit), "--keep-last", "--no-progress"])
+    assert next(iter(record["results"].values()))["seq_len"] == 2 * limit, capsys.readouterr().err
+
+
+def test_length_extrapolation_notes_a_length_past_a_learned_table(paths, tmp_path, capsys):
+    """eval/length_extrapolation.py records a factor past GPT-2's table as a note (an empty cell), as it does for
+    HELM's learned table, instead of an IndexError traceback, and scores the factors that fit."""
+    rows = run_script(load_script("length_extrapolation").main, [
+        "--model", paths["gpt2"], "--files", paths["long"], "--train-length", "4", "--factors", "1", "2", "4",
+        "--output-dir", str(tmp_path / "o"), "--no-progress"])
+    assert [row["factor"] for row in rows if row["perplexity"] != ""] == [1, 2]
+    [row] = [row for row in rows if row["factor"] == 4]
+    assert row["perplexity"] == "" and re.search(r"seq_len=16 is longer than the model's learned position table "
+                                                 r"\(max_position_embeddings=8\)", row["note"]), row

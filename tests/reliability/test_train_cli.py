@@ -150,6 +150,29 @@ def _training_checkpoint_as_pretrained(tmp_path, run_data):
     return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
+def _checkpoints_folder_as_pretrained(tmp_path, run_data):
+    folder = _training_checkpoint_as_pretrained(tmp_path, run_data)[-1].split("=", 1)[1]
+    return ["--model.preset=null", f"--model.pretrained={os.path.dirname(folder)}"]
+
+
+def _file_as_pretrained(tmp_path, run_data):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    return ["--model.preset=null", f"--model.pretrained={tmp_path / 'model.safetensors'}"]
+
+
+def _model_folder_as_tokenizer(tmp_path, run_data):
+    """A model folder saved without its tokenizer (config.json and weights): transformers' message for it is about
+    sentencepiece or tiktoken not being installed."""
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_train import MICRO_D
+
+    folder = tmp_path / "model-without-tokenizer"
+    AutoModelForCausalLM.from_config(helm.load_config("tiny-helm-d", **MICRO_D)).save_pretrained(folder)
+    return [f"--data.tokenizer={folder}"]
+
+
 def _metrics_but_no_checkpoint(tmp_path, run_data):
     _legacy_config(tmp_path / "run")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
@@ -212,13 +235,46 @@ CASES = [
      r"already holds a run .*--resume.*train\.overwrite"),
     ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"in use by another training run \(pid {os.getppid()}"),
     # issue 25 item 10: messages that say what is wrong
+    # reliability probe, item 7: the first such record is named by its line
     ("data-text-null", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{"text": null}\n' * 50), [], 2,
-     r"data\.dataset: .*train\.jsonl: field 'text' must hold strings, but 50 record\(s\) hold null or lack it"),
+     r"^error: data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got null on line 2 \(50 record\(s\) "
+     r"hold null or lack it\); give every record a text or remove those lines$"),
+    ("data-text-missing", "tiny-helm-d",
+     lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n' * 3 + b'{"body": "x"}\n' + b'{"text": "ok"}\n' * 50), [], 2,
+     r"data\.dataset: .*/train\.jsonl: line 4 has no field 'text' \(1 record\(s\) hold null or lack it\)"),
     ("pretrained-missing-local-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
      ["--model.pretrained=./no-such-model"], 2,
      r"model\.pretrained: no such folder './no-such-model' \(a save_pretrained folder"),
     ("pretrained-is-a-training-checkpoint", "tiny-helm-d", _training_checkpoint_as_pretrained, [], 2,
      r"model\.pretrained: .*step-00000002' is a training checkpoint .*final/.*--resume"),
+    # reliability probe, item 4: whatever the path looks like, never transformers' "Repo id must ..." / "couldn't
+    # connect" / "should have a `model_type` key" for a path that is not a model folder
+    ("pretrained-missing-hub-like-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
+     ["--model.pretrained=no-such-owner-xyz/no-such-model-xyz"], 2,
+     r"^error: model\.pretrained: 'no-such-owner-xyz/no-such-model-xyz' is neither a local folder \(no such folder\) "
+     r"nor a model on the Hugging Face Hub \(.*\); give a save_pretrained folder such as a run's final/, or a hub "
+     r"model id$"),
+    ("pretrained-invalid-repo-id", "tiny-helm-d", lambda t, r: ["--model.preset=null"], ["--model.pretrained=my run/x"],
+     2, r"model\.pretrained: 'my run/x' is neither a local folder \(no such folder\) nor a model on the Hugging Face"),
+    ("pretrained-is-the-checkpoints-folder", "tiny-helm-d", _checkpoints_folder_as_pretrained, [], 2,
+     r"model\.pretrained: '.*old-run/checkpoints' is the checkpoints/ folder of a train\.py run, not a "
+     r"save_pretrained folder: use the run's final/ model, --model\.pretrained=.*old-run/final \(it has none yet: "
+     r"finish the run with train\.py --resume\), or continue training with train\.py --resume .*step-00000002$"),
+    ("pretrained-is-a-file", "tiny-helm-d", _file_as_pretrained, [], 2,
+     r"model\.pretrained: '.*model\.safetensors' is a file; give the folder that holds it"),
+    # item 3: a tokenizer folder without tokenizer files, before transformers blames sentencepiece
+    ("tokenizer-is-a-model-folder", "tiny-helm-d", _model_folder_as_tokenizer, [], 2,
+     r"^error: data\.tokenizer: '.*model-without-tokenizer' has no tokenizer files \(looked for tokenizer\.json, "
+     r"tokenizer_config\.json, tokenizer\.model, vocab\.json, merges\.txt, vocab\.txt, spiece\.model, "
+     r"sentencepiece\.bpe\.model, \*\.tiktoken\); it is a model folder \(config\.json\) saved without its tokenizer: "
+     r"set data\.tokenizer to the folder a tokenizer was saved to"),
+    # item 6: preset and pretrained, both or neither, in one sentence
+    ("preset-and-pretrained-both-set", "tiny-helm-d", lambda t, r: [], ["--model.pretrained=runs/x/final"], 2,
+     r"^error: model\.preset \('tiny-helm-d'\) and model\.pretrained \('runs/x/final'\) are both set; set exactly "
+     r"one: model\.preset to train a new model from scratch, model\.pretrained to continue from trained weights "
+     r"\(e\.g\. --model\.preset=null --model\.pretrained=PATH\)$"),
+    ("preset-and-pretrained-neither-set", "tiny-helm-d", lambda t, r: [], ["--model.preset=null"], 2,
+     r"^error: neither model\.preset nor model\.pretrained is set; set exactly one: model\.preset \(a preset name"),
     ("resume-without-checkpoint-in-a-used-folder", "tiny-helm-d", _metrics_but_no_checkpoint, ["--resume"], 2,
      r"--resume: train\.output_dir .* holds no checkpoint to resume from .*--train\.overwrite=true"),
     ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2,
@@ -425,6 +481,118 @@ def test_resume_from_a_checkpoint_with_non_finite_weights_names_the_checkpoint(v
     assert "Traceback" not in captured.err
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*")
             if p.is_file() and "checkpoints" in p.parts} == kept
+
+
+def _poison_optimizer(key, value):
+    """Set one entry of optimizer.bin to ``value``: a moment tensor of the first parameter with state, or (``key``
+    "lr") the learning rate of the first parameter group."""
+    def damage(checkpoint):
+        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+        if key == "lr":
+            state["param_groups"][0]["lr"] = value
+        else:
+            moments = next(entry for entry in state["state"].values() if key in entry)
+            moments[key] = torch.full_like(moments[key], value)
+        torch.save(state, checkpoint / "optimizer.bin")
+    return damage
+
+
+# (case, damage, what the error names)
+NON_FINITE_OPTIMIZER = [
+    ("nan-first-moment", _poison_optimizer("exp_avg", float("nan")), r"1 entry, e\.g\. exp_avg of model\.\S+"),
+    ("inf-second-moment", _poison_optimizer("exp_avg_sq", float("inf")), r"1 entry, e\.g\. exp_avg_sq of model\.\S+"),
+    ("nan-learning-rate", _poison_optimizer("lr", float("nan")), r"1 entry, e\.g\. lr of param group 0"),
+]
+
+
+@pytest.mark.parametrize("case, damage, named", NON_FINITE_OPTIMIZER, ids=[c[0] for c in NON_FINITE_OPTIMIZER])
+def test_resume_from_a_checkpoint_with_a_non_finite_optimizer_state_names_the_file(case, damage, named, tmp_path,
+                                                                                   run_data, capsys):
+    """Reliability probe item 2: finite weights but NaN/inf in optimizer.bin (manifest re-hashed, so it passes the
+    hash check) would make the first resumed step NaN, reported as a non-finite loss blamed on the learning-rate
+    settings. Checked once after loading: exit 3, one line naming the checkpoint, optimizer.bin and the entry,
+    suggesting an earlier checkpoint; nothing trained or written."""
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
+                          demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    damage(checkpoint)
+    (checkpoint / "manifest.json").unlink()
+    write_manifest(checkpoint, 2)
+    kept = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert re.search(r"the checkpoint .*step-00000002 has a non-finite optimizer state: its optimizer\.bin holds NaN "
+                     rf"or inf in {named} \(its weights are finite", error), error
+    assert "nothing was trained or written" in error and "--resume" in error and "step-00000001" in error, error
+    assert "non-finite loss" not in error and "optim.lr" not in error, error
+    assert "Traceback" not in captured.err and "[train] step 3/" not in captured.out
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*")
+            if p.is_file() and "checkpoints" in p.parts} == kept
+
+
+def _schedule(config, max_steps: int) -> dict[int, float]:
+    """The learning rate train.py's schedule gives each step 1..max_steps of a run of max_steps steps."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optim.lr)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=round(config.optim.warmup_ratio * max_steps), num_training_steps=max_steps,
+        min_lr_rate=config.optim.final_lr_ratio)
+    rates = {}
+    for step in range(1, max_steps + 1):
+        rates[step] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, capsys):
+    """Reliability probe item 5: --resume with another train.max_steps extends a run (or ends it earlier), as
+    transformers' Trainer does, when the new length lies past the checkpoint's step; the warmup + cosine schedule is
+    recomputed for the new length and the learning rate continues on it from the resumed step (logged lrs equal the
+    new schedule's, not the old one's). A length at or before the checkpoint's step is refused (exit 2)."""
+    from helm.training import load_run_config
+    from tests.test_train import read_metrics
+
+    recipe = write_recipe(tmp_path, run_data, optim={"warmup_ratio": 0.25},
+                          train={"max_steps": 4, "save_every": 2, "keep_last": 4, "eval_at_start": False},
+                          demo={"prompt": None})
+    config, run = load_run_config(recipe), tmp_path / "run"
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    # extend: 4 -> 8 from the last checkpoint (a finished run)
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=8"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "train.max_steps changed from 4 to 8" in out and "the learning rate of step 5 is 7.750e-03" in out, out
+    rates = {m["step"]: m["lr"] for m in read_metrics(run) if "lr" in m}
+    old, new = _schedule(config, 4), _schedule(config, 8)
+    assert [rates[s] for s in range(1, 5)] == [old[s] for s in range(1, 5)]
+    assert [rates[s] for s in range(5, 9)] == [new[s] for s in range(5, 9)], rates
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6, 8]
+    assert json.loads((run / "final" / "manifest.json").read_text())["step"] == 8
+    # end earlier: 8 -> 6 from step 2 (the checkpoint's recipe said 4)
+    assert train_script.main(["--config", str(recipe), "--resume", str(run / "checkpoints" / "step-00000002"),
+                              "--train.max_steps=6"]) == 0, capsys.readouterr()
+    rates, six = {m["step"]: m["lr"] for m in read_metrics(run) if "lr" in m}, _schedule(config, 6)
+    assert sorted(rates) == list(range(1, 7)) and [rates[s] for s in range(3, 7)] == [six[s] for s in range(3, 7)]
+    capsys.readouterr()
+    # a length not past the checkpoint's step: refused, naming both
+    six_steps = str(run / "checkpoints" / "step-00000006")
+    for steps in (5, 3):
+        code = train_script.main(["--config", str(recipe), "--resume", six_steps, f"--train.max_steps={steps}"])
+        captured = capsys.readouterr()
+        assert code == 2, captured.out + captured.err
+        [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+        assert re.search(rf"with train\.max_steps={steps}: the checkpoint is at step 6, and a changed train\.max_steps "
+                         r"must lie past it \(it was 6\)", error), error
+    # unchanged (6, as step-00000006 was saved with): a finished run, resumed as before
+    assert train_script.main(["--config", str(recipe), "--resume", six_steps, "--train.max_steps=6"]) == 0
 
 
 def test_overwrite_of_a_run_folder_keeps_the_users_other_files(tmp_path, run_data, capsys):
@@ -871,14 +1039,15 @@ def test_checkpoint_files_that_cannot_be_loaded_are_named(case, damage, rehash, 
 
 def test_a_null_text_in_a_stream_is_one_error_line(tmp_path, run_data, capsys):
     """Issue 25 item 10: a stream is tokenised as it is read, so {"text": null} is met during training: still one
-    line, exit 2, naming the field."""
+    line, exit 2, naming the field, and (reliability probe item 7) the file and line."""
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 0}, demo={"prompt": None})
     extra = _data_folder(tmp_path, run_data, b'{"text": "ok"}\n{"text": null}\n' * 50)
     code = train_script.main(["--config", str(recipe), *extra, "--data.streaming=true"])
     captured = capsys.readouterr()
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert re.search(r"data\.dataset: field 'text' must hold strings, got a record with None", error), error
+    assert re.search(r"^error: data\.dataset: .*/data/train\.jsonl: field 'text' must hold strings, got null on "
+                     r"line 2$", error), error
     assert "Traceback" not in captured.err and not (tmp_path / "run" / "final").exists()
 
 
