@@ -114,11 +114,13 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
         safe = torch.where(keep, targets, 0)
         total = torch.zeros((), dtype=acc, device=x.device)
         grad_x = torch.empty(x.shape, dtype=acc, device=x.device) if need_x else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_w else None
+        # dL/dW accumulated transposed, [D, V]: xᵀ·dl runs faster than dlᵀ·x on CPU BLAS when D is odd (129: 57 vs
+        # 74 ms at 2048 x 8192), and is made contiguous once at the end
+        grad_wt = torch.zeros(weight.shape[::-1], dtype=acc, device=x.device) if need_w else None
         grad_s = torch.zeros((), dtype=acc, device=x.device) if need_s else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
-        # views taken once: `grad_w[:, lo:] += ...` would also copy the [V, D] result onto itself (setitem)
-        gw, gwt = (grad_w[:, lo:], grad_w[:, 0]) if need_w else (None, None)
+        # views taken once: `grad_wt[lo:] += ...` would also copy the [D, V] result onto itself (setitem)
+        gw, gwt = (grad_wt[lo:], grad_wt[0]) if need_w else (None, None)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             xc, kc, tc = xm[rows], keep[rows], safe[rows, None]
@@ -155,11 +157,12 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
                         grad_s -= (ut * xt[rows]).sum()
             if need_w:
                 if mm == acc:
-                    gw.addmm_(dl.T, xc)
+                    gw.addmm_(xc.T, dl)
                 else:
-                    gw += dlm.T @ xc  # fp32 accumulation inside the GEMM, rounded to mm once per chunk
+                    gw += xc.T @ dlm  # fp32 accumulation inside the GEMM, rounded to mm once per chunk
                 if minkowski:
                     gwt -= dl.T @ xt[rows]
+        grad_w = grad_wt.T.contiguous() if need_w else None
         if s is not None:
             for g in (grad_x, grad_w):
                 if g is not None:
