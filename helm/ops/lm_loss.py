@@ -146,7 +146,7 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
             dlm = dl.to(mm) if need_x or need_s or need_w else None  # once for both GEMMs (dl itself for fp32)
             ut = dl @ wt if minkowski and (need_x or need_s) else None  # dL/dx_0 = -s·ut, fp32
             if need_x or need_s:
-                u = (dlm @ wm).to(acc)  # dL/dx_{lo:} for s = 1
+                u = (wm.T @ dlm.T).T.to(acc)  # dL/dx_{lo:} for s = 1; as (Wᵀ dlᵀ)ᵀ: faster for odd D on CPU BLAS
                 if need_x:
                     grad_x[rows, lo:] = u
                     if minkowski:
