@@ -452,6 +452,34 @@ def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tm
     assert not (tmp_path / "run" / ".tmp-final").exists()
 
 
+def _resume_damaged_checkpoint(tmp_path, run_data, capsys, damage) -> str:
+    """Train 4 steps keeping every checkpoint, ``damage(step-00000002)``, re-hash its manifest (so the damage passes
+    the hash check) and ``--resume`` from it: asserts exit 3, no traceback, no step trained and every checkpoint file
+    unchanged; returns the ``error:`` line."""
+    from helm.manifest import write_manifest
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
+                          demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    damage(checkpoint)
+    (checkpoint / "manifest.json").unlink()
+    write_manifest(checkpoint, 2)
+
+    def checkpoint_files():
+        return {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
+
+    kept = checkpoint_files()
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    assert "Traceback" not in captured.err and "[train] step 3/" not in captured.out
+    assert checkpoint_files() == kept
+    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    return error
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_resume_from_a_checkpoint_with_non_finite_weights_names_the_checkpoint(value, tmp_path, run_data, capsys,
                                                                                monkeypatch):
@@ -459,28 +487,10 @@ def test_resume_from_a_checkpoint_with_non_finite_weights_names_the_checkpoint(v
     check) with steps left to train: exit 3 with one line naming the checkpoint and its non-finite weights and
     suggesting an earlier checkpoint, checked once after loading, never blamed on the recipe as a non-finite loss at
     the next step; nothing is trained or written."""
-    from helm.manifest import write_manifest
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
-                          demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    checkpoints = tmp_path / "run" / "checkpoints"
-    checkpoint = checkpoints / "step-00000002"
-    _poison_weights(value)(checkpoint, monkeypatch)
-    (checkpoint / "manifest.json").unlink()
-    write_manifest(checkpoint, 2)
-    kept = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
-    captured = capsys.readouterr()
-    assert code == 3, captured.out + captured.err
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    error = _resume_damaged_checkpoint(tmp_path, run_data, capsys, lambda c: _poison_weights(value)(c, monkeypatch))
     assert re.search(r"the checkpoint .*step-00000002 has non-finite weights \(NaN or inf\)", error), error
     assert "earlier checkpoint" in error and "step-00000001" in error, error
     assert "non-finite loss" not in error and "learning rate" not in error, error
-    assert "Traceback" not in captured.err
-    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*")
-            if p.is_file() and "checkpoints" in p.parts} == kept
 
 
 def _poison_optimizer(key, value):
@@ -512,28 +522,11 @@ def test_resume_from_a_checkpoint_with_a_non_finite_optimizer_state_names_the_fi
     hash check) would make the first resumed step NaN, reported as a non-finite loss blamed on the learning-rate
     settings. Checked once after loading: exit 3, one line naming the checkpoint, optimizer.bin and the entry,
     suggesting an earlier checkpoint; nothing trained or written."""
-    from helm.manifest import write_manifest
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
-                          demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
-    damage(checkpoint)
-    (checkpoint / "manifest.json").unlink()
-    write_manifest(checkpoint, 2)
-    kept = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
-    captured = capsys.readouterr()
-    assert code == 3, captured.out + captured.err
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    error = _resume_damaged_checkpoint(tmp_path, run_data, capsys, damage)
     assert re.search(r"the checkpoint .*step-00000002 has a non-finite optimizer state: its optimizer\.bin holds NaN "
                      rf"or inf in {named} \(its weights are finite", error), error
     assert "nothing was trained or written" in error and "--resume" in error and "step-00000001" in error, error
     assert "non-finite loss" not in error and "optim.lr" not in error, error
-    assert "Traceback" not in captured.err and "[train] step 3/" not in captured.out
-    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*")
-            if p.is_file() and "checkpoints" in p.parts} == kept
 
 
 def _schedule(config, max_steps: int) -> dict[int, float]:
