@@ -271,6 +271,10 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         check_booleans(recipe, dotlist)
         check_containers(recipe, dotlist)
         mixed_precision_no(recipe, dotlist)
+        placeholders = sorted(OmegaConf.missing_keys(dotlist))
+        if placeholders:  # the merge would keep the recipe's value and drop the override without a word
+            raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key in --print-config, it is not a "
+                              f"value; give {placeholders[0]} a value or drop the override")
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
