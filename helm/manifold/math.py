@@ -281,9 +281,16 @@ def check_k(k: Curv, name: str = "k") -> None:
 def curvature_to_k(curvature: float) -> float:
     """Paper curvature ``K < 0`` (``<x,x>_L = 1/K``) to geoopt's ``k = -1/K > 0``.
 
-    This is the one place where the paper's signed curvature is converted; configs speak ``K``.
+    This is the one place where the paper's signed curvature is converted; configs speak ``K``. ``curvature`` is a
+    Python (or NumPy) real number: a tensor is a ``TypeError`` (no device read is made for it), anything else that
+    is not a negative finite number a ``ValueError``.
     """
-    if not (isinstance(curvature, (int, float)) and math.isfinite(curvature) and curvature < 0):
+    if isinstance(curvature, torch.Tensor):
+        raise TypeError("curvature must be a Python number (a float K < 0, the paper's convention), got a "
+                        f"torch.Tensor of shape {tuple(curvature.shape)}; pass float(K) (configs speak numbers: a "
+                        "learnable curvature is a k parametrisation, not this conversion)")
+    if not (isinstance(curvature, numbers.Real) and not isinstance(curvature, bool) and math.isfinite(curvature)
+            and curvature < 0):
         raise ValueError(f"curvature must be a negative finite number (paper convention K < 0), got {curvature!r}")
     return -1.0 / float(curvature)
 
@@ -416,7 +423,20 @@ class _Lift(torch.autograd.Function):
 
 
 def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-    """The origin ``(sqrt(k), 0, ..., 0)`` of ``H^n_k``; ``size`` includes the time coordinate (``1+n``)."""
+    """The origin ``(sqrt(k), 0, ..., 0)`` of ``H^n_k``; ``size`` includes the time coordinate (``1+n``).
+
+    ``size``: non-negative ints (or one tuple of them), at least one, the last (``1+n``) at least 1, else a
+    ``ValueError`` naming ``size``; ``dtype``: None (the default dtype) or fp16/bf16/fp32/fp64, else a ``TypeError``
+    (an integer origin ``(round(sqrt k), 0, ...)`` is on no hyperboloid)."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not size or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size) \
+            or size[-1] < 1:
+        raise ValueError(f"origin: size must be non-negative ints [..., 1+n], the last (1+n, time coordinate "
+                         f"included) at least 1, got size {size!r}")
+    if dtype is not None and dtype not in _FLOATS:
+        raise TypeError(f"origin: dtype must be None or a floating-point dtype (float16, bfloat16, float32 or "
+                        f"float64), got {dtype}")
     out = torch.zeros(*size, dtype=dtype, device=device)
     out[..., 0] = _sqrt(_kt(k, out))
     return out
@@ -425,43 +445,96 @@ def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -
 def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
     """Squared Lorentz distance ``d²(x, y) = <x-y, x-y>_L = -2k - 2<x, y>_L`` (paper: ``2/K - 2<x,y>_L``).
 
-    Evaluated as the Minkowski norm of the difference, which has no cancellation for nearby points, and
-    clamped at 0: for two points of ``H^n_k`` the difference is space-like, so the exact value is >= 0.
-    ``k`` is accepted for a uniform signature (and checked); the difference form does not need it.
     ``x`` and ``y`` must be points of ``H^n_k`` (upper sheet, ``<x, x>_L = -k``: checked on CPU, see the module
-    docstring; a point of the lower sheet would give a time-like difference, clamped to about 0, and a point of
-    another curvature a distance on no hyperboloid), with the same number of coordinates and broadcastable batch
-    dims (``ValueError`` naming both shapes). Returns the statistics dtype.
+    docstring; a point of the lower sheet or of another curvature gives a distance on no hyperboloid), with the same
+    number of coordinates and broadcastable batch dims (``ValueError`` naming both shapes). Returns the statistics
+    dtype, ``>= 0``.
+
+    Accuracy (:func:`_sqdist_accurate`): backward stable in the statistics dtype for every pair of points, also
+    nearby points far from the origin, where ``<x-y, x-y>_L`` of the stored coordinates loses everything (at
+    ``|x_s| = 1e4`` in fp32 the time coordinates carry a rounding of ``1e-3``, more than the distance of points
+    ``1e-4`` apart, and that form gave ``0``). Measured against fp64 on the same fp32 inputs over space-part norms
+    ``1..1e4`` and separations ``1e-4..1e4``: a relative error of a few ``u`` (``u = 2^-24``), except for nearby
+    points on one ray from the origin, where the distance itself moves by up to ``u · |x_s + y_s| / sqrt(k)`` of
+    itself under a one-ulp rotation of an input and the error stays below that
+    (``tests/reliability/test_numerics.py``).
+
+    Inside a model's forward (:func:`trusted_points`) the layers' one-pass form ``<x-y, x-y>_L`` (clamped at 0) is
+    kept: the Lorentz residual and MiCE add ``w · d²`` to ``k (1 + w)²``, where its absolute rounding,
+    ``u · |x - y| · (|x| + |y|)``, is what their normalisation can use, and the accurate form costs about 6x that
+    pass (forward and backward) on the CPU: a training step must not pay for it. Standalone calls (analysis, tests,
+    the layers called outside a model) get the accurate form.
     """
     _check_tensor("sqdist", "x", x)
     _check_tensor("sqdist", "y", y)
-    check_k(k)
-    _check_k_shape(k, x)
+    kk = _kt(k, to_stat(x))
     _check_pair("sqdist", x, y)
     _check_points("sqdist", k, x=x, y=y)
-    return _sqdist(x, y, keepdim)
+    if not _DOMAIN_CHECKS:  # a model's forward: the layers' hot path (see above)
+        return _sqdist(x, y, keepdim)
+    d2 = _sqdist_accurate(x, y, kk)
+    return d2 if keepdim else d2.squeeze(-1)
 
 
 def _sqdist(x: torch.Tensor, y: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """:func:`sqdist` without the checks."""
+    """``<x-y, x-y>_L`` clamped at 0, unchecked: one pass, accurate to ``u · |x - y| · (|x| + |y|)`` absolute (the
+    rounding of the stored time coordinates), the form of the layers' hot path and :func:`centroid`'s pairwise
+    norm (both add it to ``k (Σ w)²``)."""
     return sqnorm(to_stat(x) - to_stat(y), keepdim=keepdim).clamp_min(0)
+
+
+def _sqdist_accurate(x: torch.Tensor, y: torch.Tensor, kk: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``d²(x, y)`` as ``[..., 1]`` in the statistics dtype, unchecked, from one of two forms chosen per pair by
+    which is better conditioned (both exact for points of ``H_k``; ``Δ = x_s - y_s``, ``Σ = x_s + y_s``,
+    ``p = x_s · y_s``, ``τ = x_t y_t``):
+
+    * apart, ``τ - k - p >= (τ + |p|) / 4``: the inner-product form ``2 (τ - k - p)``, whose terms cancel by at most
+      a factor 4 there;
+    * nearby (the rest, including every pair of points near the origin and every pair closer than about its norm):
+      ``d² = ((|Σ|² + 4k) |Δ|² - (Δ·Σ)²) / (2 (k + τ + p))``, from ``(τ - k - p)(τ + k + p) = τ² - (k + p)²``
+      and ``x_t² = |x_s|² + k`` (Lagrange's identity turns ``|x_s|²|y_s|² - p²`` into ``(|Σ|²|Δ|² - (Δ·Σ)²)/4``).
+      The denominator has no cancellation there (it is at least ``5k/3``), the stored time coordinates enter only
+      as a relative factor, and the numerator is evaluated without cancellation as
+      ``|Σ|² |Δ - cΣ|² - (ck)² + 4k |Δ|²`` with ``c = Δ·Σ / (|Σ|² + k)`` (a projection of ``Δ`` off ``Σ``; the
+      ``+k`` keeps it finite at ``Σ = 0`` and the ``(ck)²`` term, at most ``k|Δ|²/4``, undoes it exactly).
+
+    Every quantity is finite for finite points with ``|x_s|, |y_s| < 9e18`` (fp32) and so is its gradient, also at
+    ``x = y`` (the gradient is 0 there): the form not selected gets safe operands."""
+    x, y = to_stat(x), to_stat(y)
+    xt, xs = x[..., :1], x[..., 1:]
+    yt, ys = y[..., :1], y[..., 1:]
+    delta, sigma = xs - ys, xs + ys
+    dd = delta.square().sum(-1, keepdim=True)
+    ss = sigma.square().sum(-1, keepdim=True)
+    ds = (delta * sigma).sum(-1, keepdim=True)
+    p = (xs * ys).sum(-1, keepdim=True)
+    tt = xt * yt
+    apart = 4 * (tt - kk - p) >= tt + p.abs()
+    den = kk + tt + torch.where(apart, torch.zeros_like(p), p)  # >= k + τ > 0 where not selected
+    c = ds / (ss + kk)
+    perp = torch.addcmul(delta, c, sigma, value=-1)
+    near = ((ss / den) * perp.square().sum(-1, keepdim=True) - (c * kk).square() / den + (4 * kk) * dd / den) / 2
+    return torch.where(apart, 2 * (tt - kk - p), near).clamp_min(0)
 
 
 def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) -> torch.Tensor:
     """Geodesic distance ``sqrt(k) · arcosh(-<x, y>_L / k)``.
 
-    Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``), which is
-    exact at ``x = y`` where ``arcosh`` has an infinite slope. For analysis and tests, not the forward pass.
-    Points of ``H^n_k`` only, shapes as :func:`sqdist` (both checked as there). Returns the statistics dtype.
+    Evaluated as ``2 sqrt(k) · asinh(sqrt(d²/(4k)))`` (since ``d² = 4k sinh²(d/(2 sqrt k))``) from :func:`sqdist`,
+    which is exact at ``x = y`` where ``arcosh`` has an infinite slope (finite gradient there: 0) and keeps
+    :func:`sqdist`'s accuracy, also for nearby points far from the origin. For analysis and tests, not the forward
+    pass. Points of ``H^n_k`` only, shapes as :func:`sqdist` (both checked as there). Returns the statistics dtype.
     """
     _check_tensor("dist", "x", x)
     _check_tensor("dist", "y", y)
     kk = _kt(k, to_stat(x))
     _check_pair("dist", x, y)
     _check_points("dist", k, x=x, y=y)
-    d2 = _sqdist(x, y, keepdim)
+    d2 = _sqdist(x, y, True) if not _DOMAIN_CHECKS else _sqdist_accurate(x, y, kk)
     tiny = torch.finfo(d2.dtype).tiny
-    return 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
+    out = 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
+    out = torch.where(d2 > 0, out, torch.zeros_like(out))  # exactly 0 (not sqrt(tiny)) for equal points
+    return out if keepdim else out.squeeze(-1)
 
 
 def expmap0(u: torch.Tensor, *, k: Curv) -> torch.Tensor:
@@ -567,22 +640,70 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     broadcasting against the time coordinates (shape always checked; its values where free to read, as ``k``).
     A non-finite result where free to read (NaN/inf in ``s``, or ``|<s, s>_L| = 0`` with no positive floor: ``s``
     light-like or zero has no point on its ray) is a ``ValueError`` naming ``s``.
+
+    ``s`` must be time-like: where free to read, a space-like ``s`` (``<s, s>_L > point_rtol · (s_t² + |s_s|²)``,
+    beyond the rounding of that form) is a ``ValueError`` naming ``s`` (it used to land on the point of its space
+    part's direction). Within that rounding of the light cone the sign of ``<s, s>_L`` cannot be told in the
+    statistics dtype and ``s`` is not refused: that includes time-like vectors close to a scaled hyperboloid far from
+    the origin (``2.5 x`` at ``|x_s| >= 1e3`` in fp32, where ``<s, s>_L ~ -6k`` against terms ``~ 6 |x_s|²``), which
+    is why such callers pass ``norm2``. Not read on accelerators, while compiling or in a model's forward.
+
+    ``norm2``: None or a floating-point tensor broadcasting against the time coordinates ``s[..., :1]`` without
+    growing them (``TypeError`` / ``ValueError`` naming ``norm2``, always), whose values must be positive and finite
+    (non-negative with a ``floor``): ``ValueError`` naming ``norm2`` where free to read.
     """
     _check_tensor("normalize", "s", s)
+    rtol = point_rtol(s.dtype)
     s = to_stat(s)
     _check_upper("normalize", s=s)
     _check_floor(floor, s)
+    _check_norm2(norm2, floor, s)
+    given = norm2 is not None
+    minkowski = None
+    if readable_for_free(s) and s.numel():  # the sign of <s, s>_L: refuse a clearly space-like s
+        minkowski = sqnorm(s.detach(), keepdim=True)
+        scale = s.detach().square().sum(-1, keepdim=True)
+        if not bool((minkowski <= rtol * scale).all()):
+            worst = ((minkowski - rtol * scale) / scale).flatten().argmax()
+            value, row = float(minkowski.flatten()[worst]), s.detach().reshape(-1, s.shape[-1])[worst]
+            raise ValueError(f"normalize: s must be time-like (<s, s>_L = -s_t² + |s_s|² < 0, s_t > |s_s|), got a "
+                             f"space-like vector with <s, s>_L = {value:.6g} (s_t = {float(row[0]):g}, |s_s| = "
+                             f"{float(row[1:].norm()):g}): no point of H^n_k lies on its ray")
     if norm2 is None:
-        norm2 = sqnorm(s, keepdim=True).abs()
+        norm2 = (minkowski if minkowski is not None and not s.requires_grad else sqnorm(s, keepdim=True)).abs()
     if floor is not None:
         norm2 = norm2.clamp_min(floor) if not isinstance(floor, torch.Tensor) else torch.maximum(norm2, floor)
     kk = _kt(k, s)
     out = _lift(s[..., 1:] * (_sqrt(kk) * norm2.rsqrt()), kk)
     if readable_for_free(s) and out.numel() and not bool(torch.isfinite(out.detach()[..., 0]).all()):
+        if given:
+            raise ValueError("normalize: s must be finite, got NaN or inf coordinates" if not bool(
+                torch.isfinite(s).all()) else "normalize: norm2 = 0 for some rows (and no positive floor): "
+                "|<s, s>_L| must be > 0, pass a floor > 0 for rows that may reach 0")
         raise ValueError("normalize: s must be finite and time-like, |<s, s>_L| > 0 (or pass a floor > 0), got "
                          + ("NaN or inf coordinates" if not bool(torch.isfinite(s).all()) else
                             "a vector with |<s, s>_L| = 0 (light-like or zero: no point of H^n_k on its ray)"))
     return out
+
+
+def _check_norm2(norm2, floor, like: torch.Tensor) -> None:
+    """:func:`normalize`'s ``norm2``: ``TypeError`` unless None or a floating-point tensor, ``ValueError`` naming it
+    unless it broadcasts against the time coordinates of ``like`` without growing them (always: a shape
+    comparison) and, where its values are free to read (:func:`readable_for_free`), they are finite and positive
+    (non-negative with a ``floor``, which bounds them from below)."""
+    if norm2 is None:
+        return
+    _check_tensor("normalize", "norm2", norm2, what="a tensor [..., 1] (|<s, s>_L| per row)", coordinates=None)
+    _check_k_shape(norm2, like, "normalize: norm2")
+    if readable_for_free(norm2) and norm2.numel():
+        values = norm2.detach()
+        ok = torch.isfinite(values) & ((values >= 0) if floor is not None else (values > 0))
+        if not bool(ok.all()):
+            values = values.float()
+            raise ValueError("normalize: norm2 must be " + ("non-negative" if floor is not None else "positive")
+                             + " and finite (|<s, s>_L| of s, a positive number for a time-like s), got a tensor "
+                             f"with values in [{float(values.min()):g}, {float(values.max()):g}]"
+                             + (" (NaN included)" if bool(values.isnan().any()) else ""))
 
 
 def _check_floor(floor, like: torch.Tensor) -> None:
@@ -677,20 +798,47 @@ def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int =
     """Lorentz concatenation (HCat): concatenate the space parts, recompute one time coordinate.
 
     ``xs`` is a sequence of points ``[..., 1+n_i]`` or one tensor stacking them along ``dim``
-    (e.g. heads ``[..., H, 1+d] -> [..., 1+H·d]``). ``hcat(lift(a), lift(b)) = lift(cat(a, b))``; the time
-    coordinates of ``xs`` are not read, and the range and checks are :func:`lift`'s.
+    (e.g. heads ``[..., H, 1+d] -> [..., 1+H·d]``). ``hcat(lift(a), lift(b)) = lift(cat(a, b))``; the result is
+    computed from the space parts alone, and the range and checks of the result are :func:`lift`'s.
+
+    Checks: the inputs must be points of ``H_k`` for this ``k`` (a point of another curvature would be
+    concatenated silently as if it were one of ``H_k``): :func:`_check_points`, where free to read
+    (:func:`readable_for_free`: not on accelerators, while compiling or in a model's forward); ``k`` broadcasts
+    against the result's time coordinates (for a stacked tensor, those of ``xs`` without ``dim``). Always (shapes):
+    a sequence needs at least one tensor, all with the same batch dims, and a stacked tensor a valid ``dim`` other
+    than the coordinates (last): ``ValueError`` naming ``hcat`` and the shapes.
     """
     if isinstance(xs, torch.Tensor):
         _check_tensor("hcat", "xs", xs)
-        dim = dim if dim >= 0 else xs.dim() + dim
-        space = xs[..., 1:].movedim(dim, -2)
+        if xs.dim() < 2:
+            raise ValueError(f"hcat: a stacked xs must be points [..., H, 1+d] stacked along dim, got shape "
+                             f"{tuple(xs.shape)}")
+        ndim = dim if dim >= 0 else xs.dim() + dim
+        if not 0 <= ndim < xs.dim() - 1:
+            raise ValueError(f"hcat: dim={dim} must index the stacked points of xs {tuple(xs.shape)}, not the "
+                             "coordinate (last) dim")
+        stacked = xs.movedim(ndim, -2)
+        kk = _kt(k, stacked[..., 0, :])
+        _check_points("hcat", kk.unsqueeze(-2) if isinstance(kk, torch.Tensor) and kk.dim() else k, xs=stacked)
+        space = stacked[..., 1:]
         space = space.reshape(*space.shape[:-2], -1)
     else:
+        if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence):
+            raise TypeError(f"hcat: xs must be a tensor or a sequence of tensors, got {type(xs).__name__}")
+        if not len(xs):
+            raise ValueError("hcat: xs must hold at least one tensor of points [..., 1+n], got an empty sequence")
         for i, x in enumerate(xs):
             _check_tensor("hcat", f"xs[{i}]", x)
+        batch = [tuple(x.shape[:-1]) for x in xs]
+        if len(set(batch)) > 1:
+            raise ValueError("hcat: the points xs[i] must have the same batch dims (all but the last), got shapes "
+                             + ", ".join(str(tuple(x.shape)) for x in xs))
+        kk = _kt(k, xs[0])
+        for i, x in enumerate(xs):
+            _check_points("hcat", k, **{f"xs[{i}]": x})
         space = torch.cat([x[..., 1:] for x in xs], dim=-1)
     space = to_stat(space)
-    out = _lift(space, _kt(k, space))
+    out = _lift(space, kk if not isinstance(kk, torch.Tensor) else kk.to(space.dtype))
     _check_lifted("hcat", "xs", space, out)
     return out
 

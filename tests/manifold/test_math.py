@@ -212,3 +212,18 @@ def test_half_precision_tangents_map_in_their_dtype_with_fp32_gradients_inside(d
     assert torch.equal(x, expmap0(u.detach().float(), k=0.7).to(dtype))
     x.float().sum().backward()
     assert u.grad.dtype == dtype and torch.isfinite(u.grad).all() and u.grad[:, 1:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("pair", ["nearby far out", "apart", "antipodal", "at the origin"])
+def test_sqdist_gradcheck_in_both_forms(pair):
+    """sqdist picks the inner-product form for points apart and the difference form for nearby ones (per row): the
+    gradient is the exact derivative of whichever is evaluated, and finite where they meet."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    b = {"nearby far out": 50 * a + 0.1 * torch.randn(3, 4, generator=g, dtype=torch.float64),
+         "apart": torch.randn(3, 4, generator=g, dtype=torch.float64) * 5, "antipodal": -3 * a,
+         "at the origin": torch.zeros(3, 4, dtype=torch.float64)}[pair]
+    x = lift(50 * a if pair == "nearby far out" else a, k=0.7).requires_grad_()
+    y = lift(b, k=0.7).requires_grad_()
+    assert torch.autograd.gradcheck(lambda p, q: sqdist(p, q, k=0.7), (x, y))
+    assert torch.autograd.gradcheck(lambda p, q: dist(p, q, k=0.7), (x, y))

@@ -10,6 +10,7 @@ the interpreter set up by that folder's conftest).
 
 from __future__ import annotations
 
+import fractions
 import math
 
 import pytest
@@ -118,6 +119,61 @@ def test_manifold_function_far_from_origin(name, r, request):
     # manifold_error measures in fp64 whatever it is given; every other function returns the input precision
     assert out32.dtype == (torch.float64 if name == "manifold_error" else torch.float32)
     assert_close(out32, out64, rtol=bound, msg=f"{name} at |x_s| = {r:g}")
+
+
+# sqdist / dist of two points against fp64 on the same fp32 inputs over space-part norms 1..1e4 and separations
+# 1e-4..1e4 (the second re-probe: nearby points far out gave dist 1.1e-19 for 1e-4, sqdist 0). Directions of the
+# separation: random, tangential (orthogonal to x_s), and along the ray of x_s (outwards and inwards). Along the ray
+# the distance of nearby far points itself moves under a one-ulp rotation of an input by up to u·|x_s + y_s|/sqrt(k)
+# of itself, so the bound there is SEP_RAY_BOUND u·κ, κ = 1 + |x_s + y_s|/sqrt(k) (measured up to 1.3 u·κ); elsewhere
+# the error is a few u (measured 4e-7). The old <x-y, x-y>_L of the stored points was off by up to 5e4 (relative).
+SEPARATIONS = [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3, 1e4]
+SEP_TOL = 2e-6
+SEP_RAY_BOUND = 4.0
+
+
+def _separated_pairs(r, direction, n=16, rows=32):
+    """fp32 point pairs of H_K: x at space norm r, y = x + sep·v for every separation (rows each), lifted from the
+    fp32-rounded space parts."""
+    g = torch.Generator().manual_seed(int(r) + len(direction))
+    u = torch.randn(len(SEPARATIONS), rows, n, generator=g, dtype=torch.float64)
+    u = u / u.norm(dim=-1, keepdim=True)
+    v = torch.randn(len(SEPARATIONS), rows, n, generator=g, dtype=torch.float64)
+    if direction == "tangent":
+        v = v - (v * u).sum(-1, keepdim=True) * u
+    elif direction in ("outwards", "inwards"):
+        v = u if direction == "outwards" else -u
+    v = v / v.norm(dim=-1, keepdim=True)
+    sep = torch.tensor(SEPARATIONS, dtype=torch.float64)[:, None, None]
+    return M.lift((r * u).float(), k=K), M.lift((r * u + sep * v).float(), k=K)
+
+
+@pytest.mark.parametrize("direction", ["random", "tangent", "outwards", "inwards"])
+@pytest.mark.parametrize("r", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize("fn", [M.sqdist, M.dist], ids=["sqdist", "dist"])
+def test_distance_of_points_at_every_separation_far_from_the_origin(fn, r, direction):
+    x, y = _separated_pairs(r, direction)
+    out, ref = fn(x, y, k=K), fn(x.double(), y.double(), k=K)
+    assert out.dtype == torch.float32 and (out >= 0).all()
+    err = (out.double() - ref).abs() / ref.where(ref > 0, torch.ones_like(ref))  # equal fp32 inputs: both exactly 0
+    assert (out[ref == 0] == 0).all()
+    if direction in ("outwards", "inwards"):
+        kappa = 1 + (x[..., 1:] + y[..., 1:]).double().norm(dim=-1) / math.sqrt(K)
+        worst = float((err / (U * kappa)).max())
+        assert worst <= SEP_RAY_BOUND, f"{fn.__name__} along the ray at |x_s| = {r:g}: {worst:.2f} u·κ"
+    else:
+        worst = float(err.max())
+        assert worst <= SEP_TOL, f"{fn.__name__} ({direction}) at |x_s| = {r:g}: relative error {worst:.2e}"
+
+
+def test_distance_far_apart_on_one_ray_is_exact_to_rounding():
+    """The other end of the sweep: the origin and points 1e4 out on one ray, where the difference form alone
+    cancels (its denominator) and the inner-product form is the well-conditioned one: exact asinh differences."""
+    r = torch.tensor([1e-3, 1.0, 1e2, 1e4], dtype=torch.float64)
+    x = M.origin(4, 5, k=K)
+    y = M.lift(torch.cat([r[:, None], torch.zeros(4, 3, dtype=torch.float64)], -1).float(), k=K)
+    ref = math.sqrt(K) * torch.asinh(y[..., 1].double() / math.sqrt(K))
+    assert_close(M.dist(x, y, k=K).double(), ref, rtol=1e-6)
 
 
 def test_every_public_function_is_swept():
@@ -439,7 +495,7 @@ BAD_ARGUMENTS = [
     ("lift of inf, with a gradient", lambda: M.lift(torch.tensor([[_inf, 1.0]], requires_grad=True), k=1.0),
      ValueError, r"^lift: x_s must be finite, got NaN or inf"),
     ("hcat with a NaN head", lambda: M.hcat([_pts, _pts * _nan], k=1.0), ValueError,
-     r"^hcat: xs must be finite, got NaN or inf"),
+     r"^hcat: xs\[1\] must be finite points of H\^n_k, got NaN or inf"),
     ("expmap0 of NaN", lambda: M.expmap0(torch.tensor([[0.0, _nan, 1.0]]), k=1.0), ValueError,
      r"^expmap0: u must be finite, got NaN or inf coordinates in u\[\.\.\., 1:\]"),
     ("expmap0 of inf", lambda: M.expmap0(torch.tensor([[0.0, 1.0, -_inf]]), k=1.0), ValueError,
@@ -481,6 +537,43 @@ BAD_ARGUMENTS = [
      r"^sqdist: x of shape \(3, 3\) and y of shape \(3, 1\) must have the same number"),
     ("inner of (3, 3) and (2, 3)", lambda: M.inner(_pts, _pts[:2]), ValueError,
      r"^inner: x of shape \(3, 3\) and y of shape \(2, 3\) must have the same number"),
+    # second re-probe: silently wrong results and raw torch errors of normalize, hcat, origin, curvature_to_k
+    ("normalize of a space-like s (was a point)", lambda: M.normalize(torch.tensor([[0.1, 5.0, 0.0]]), k=1.0),
+     ValueError, r"^normalize: s must be time-like .*got a space-like vector with <s, s>_L = 24.99 \(s_t = 0.1, "
+                 r"\|s_s\| = 5\)"),
+    ("normalize norm2 of shape [7] (raw broadcast error)", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.ones(7)),
+     ValueError, r"^normalize: norm2 must broadcast against the time coordinates x\[\.\.\., :1\] of shape \(3, 1\)"
+                 r".*got a tensor of shape \(7,\)"),
+    ("normalize norm2=-1 (blamed s)", lambda: M.normalize(2 * _pts, k=1.0, norm2=-torch.ones(3, 1)), ValueError,
+     r"^normalize: norm2 must be positive and finite .*got a tensor with values in \[-1, -1\]"),
+    ("normalize norm2=nan (blamed s)", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.full((3, 1), _nan)),
+     ValueError, r"^normalize: norm2 must be positive and finite .*\(NaN included\)"),
+    ("normalize norm2=0 without a floor", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.zeros(3, 1)), ValueError,
+     r"^normalize: norm2 must be positive and finite"),
+    ("normalize norm2 of ints", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.ones(3, 1, dtype=torch.long)),
+     TypeError, r"^normalize: norm2 must be a floating-point tensor"),
+    ("hcat of a point of k=2 with k=1 (was concatenated)", lambda: M.hcat([_pts, M.lift(_pts[..., 1:], k=2.0)],
+                                                                          k=1.0), ValueError,
+     rf"^hcat: xs\[1\] {_ON_H}k = 1 .*hyperboloid of k = 2;"),
+    ("hcat of stacked heads of k=2 with k=1", lambda: M.hcat(M.lift(torch.randn(3, 4, 5), k=2.0), k=1.0, dim=-2),
+     ValueError, rf"^hcat: xs {_ON_H}k = 1 .*hyperboloid of k = 2;"),
+    ("hcat of nothing (raw torch.cat error)", lambda: M.hcat([], k=1.0), ValueError,
+     r"^hcat: xs must hold at least one tensor of points \[\.\.\., 1\+n\], got an empty sequence"),
+    ("hcat of (3, 3) and (2, 3) (raw torch.cat error)", lambda: M.hcat([_pts, _pts[:2]], k=1.0), ValueError,
+     r"^hcat: the points xs\[i\] must have the same batch dims \(all but the last\), got shapes \(3, 3\), "
+     r"\(2, 3\)"),
+    ("hcat along the coordinate dim", lambda: M.hcat(_pts[None], k=1.0, dim=-1), ValueError,
+     r"^hcat: dim=-1 must index the stacked points of xs \(1, 3, 3\), not the coordinate \(last\) dim"),
+    ("origin of an integer dtype (was an integer point)", lambda: M.origin(2, 3, k=2.0, dtype=torch.long),
+     TypeError, r"^origin: dtype must be None or a floating-point dtype .*got torch.int64"),
+    ("origin of size -1 (raw torch error)", lambda: M.origin(-1, 3, k=1.0), ValueError,
+     r"^origin: size must be non-negative ints \[\.\.\., 1\+n\], .*got size \(-1, 3\)"),
+    ("origin of no coordinates (raw IndexError)", lambda: M.origin(2, 0, k=1.0), ValueError,
+     r"^origin: size must be non-negative ints .*the last \(1\+n, time coordinate included\) at least 1, got size "
+     r"\(2, 0\)"),
+    ("curvature_to_k of a tensor (said 'must be a negative finite number')",
+     lambda: M.curvature_to_k(torch.tensor(-2.0)), TypeError,
+     r"^curvature must be a Python number \(a float K < 0, the paper's convention\), got a torch.Tensor"),
 ]
 
 
@@ -491,6 +584,22 @@ def test_bad_arguments_are_refused_naming_them(case, call, exc, message):
 
 
 # The other side of those checks: what they let through, and the documented results. (case, call, check)
+_far4 = M.lift(torch.full((1, 4), 1e4), k=1.0)  # |x_s| = 2e4 in fp32; the probe's nearby pair
+_far4b = M.lift(torch.full((1, 4), 1e4 + 1), k=1.0)
+
+
+_np_half = fractions.Fraction(-1, 2)  # a numbers.Real that is no float (as NumPy's float32 scalars)
+
+
+def _grad_at_equal_points():
+    grads = []
+    for fn in (M.dist, M.sqdist):
+        for x in (M.lift(torch.randn(3, 8), k=K), _far4.expand(3, 5)):
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            fn(a, b, k=K if x.shape[-1] == 9 else 1.0).sum().backward()
+            grads += [a.grad, b.grad]
+    return grads
+
 _x64_of_fp32 = M.lift(space_parts((4,), 16, "random", torch.float64), k=K).float().double()  # fp32-rounded points
 DOCUMENTED_RESULTS = [
     ("far fp32 points on H_k (|x_s| = 1e4): finite distances", lambda: M.dist(_far, _far.flip(0), k=K),
@@ -519,6 +628,28 @@ DOCUMENTED_RESULTS = [
      lambda d: d.shape == (3,) and d[0] < 1e-6 and (d[1:] > 1).all()),
     ("inside a model's forward nothing is read (trusted_points)", lambda: M.trusted_points(
         lambda: M.logmap0(_pts, k=0.7))(), lambda u: torch.isfinite(u).all()),
+    # second re-probe
+    ("dist of nearby fp32 points at |x_s| = 2e4 (was 1.1e-19, sqdist 0): fp64's 9.9995e-5",
+     lambda: torch.cat([M.dist(_far4, _far4b, k=1.0), M.sqdist(_far4, _far4b, k=1.0)]),
+     lambda d: abs(float(d[0]) / 9.99950003e-05 - 1) < 1e-5 and abs(float(d[1]) / 9.99900010e-09 - 1) < 1e-5),
+    ("dist of equal points is exactly 0 (was sqrt(tiny) = 1.1e-19)", lambda: M.dist(_far4, _far4, k=1.0),
+     lambda d: bool((d == 0).all())),
+    ("dist and sqdist of x and itself have finite (zero) gradients, also far out",
+     lambda: _grad_at_equal_points(), lambda g: all(bool(torch.isfinite(t).all() and (t == 0).all()) for t in g)),
+    ("inside a model's forward sqdist keeps the layers' one-pass form (documented)",
+     lambda: M.trusted_points(lambda: M.sqdist(_far4, _far4b, k=1.0))(), lambda d: bool((d == 0).all())),
+    ("normalize of s within rounding of the light cone far out is not refused (documented): 2.5 x at 1e4",
+     lambda: M.normalize(2.5 * _far, k=K), lambda x: torch.isfinite(x).all()),
+    ("normalize norm2 = 0 with a floor is bounded by the floor", lambda: M.normalize(2 * _pts, k=1.0, floor=4.0,
+                                                                                    norm2=torch.zeros(3, 1)),
+     lambda x: torch.allclose(x, _pts)),
+    ("normalize norm2 as a 0-dim tensor broadcasts", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.tensor(4.0)),
+     lambda x: torch.allclose(x, _pts)),
+    ("hcat of stacked heads with a per-row tensor k", lambda: M.hcat(M.lift(torch.randn(3, 4, 5), k=_k3[:, None]),
+                                                                     k=_k3, dim=-2), lambda x: x.shape == (3, 21)),
+    ("origin of a size tuple", lambda: M.origin((2, 3), k=2.0), lambda x: x.shape == (2, 3) and x[0, 0] == 2 ** 0.5),
+    ("curvature_to_k of a Fraction (a numbers.Real, not a float)", lambda: M.curvature_to_k(_np_half),
+     lambda k: k == 2.0),
 ]
 
 
