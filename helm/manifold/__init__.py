@@ -16,6 +16,7 @@ from .math import (
     origin,
     rescale,
     sqdist,
+    sqdist_one_pass,
     sqnorm,
 )
 from .lorentz import Lorentz
@@ -37,5 +38,6 @@ __all__ = [
     "origin",
     "rescale",
     "sqdist",
+    "sqdist_one_pass",
     "sqnorm",
 ]

@@ -68,6 +68,7 @@ __all__ = [
     "lift",
     "origin",
     "sqdist",
+    "sqdist_one_pass",
     "dist",
     "expmap0",
     "logmap0",
@@ -459,27 +460,25 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     itself under a one-ulp rotation of an input and the error stays below that
     (``tests/reliability/test_numerics.py``).
 
-    Inside a model's forward (:func:`trusted_points`) the layers' one-pass form ``<x-y, x-y>_L`` (clamped at 0) is
-    kept: the Lorentz residual and MiCE add ``w · d²`` to ``k (1 + w)²``, where its absolute rounding,
-    ``u · |x - y| · (|x| + |y|)``, is what their normalisation can use, and the accurate form costs about 6x that
-    pass (forward and backward) on the CPU: a training step must not pay for it. Standalone calls (analysis, tests,
-    the layers called outside a model) get the accurate form.
+    The layers (the Lorentz residual, MiCE's mixture) call :func:`sqdist_one_pass` instead: they add ``w · d²`` to
+    ``k (1 + w)²``, where its absolute rounding, ``u · |x - y| · (|x| + |y|)``, is what their normalisation can use,
+    and this form costs about 6x that pass (forward and backward) on the CPU.
     """
     _check_tensor("sqdist", "x", x)
     _check_tensor("sqdist", "y", y)
     kk = _kt(k, to_stat(x))
     _check_pair("sqdist", x, y)
     _check_points("sqdist", k, x=x, y=y)
-    if not _DOMAIN_CHECKS:  # a model's forward: the layers' hot path (see above)
-        return _sqdist(x, y, keepdim)
     d2 = _sqdist_accurate(x, y, kk)
     return d2 if keepdim else d2.squeeze(-1)
 
 
-def _sqdist(x: torch.Tensor, y: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """``<x-y, x-y>_L`` clamped at 0, unchecked: one pass, accurate to ``u · |x - y| · (|x| + |y|)`` absolute (the
-    rounding of the stored time coordinates), the form of the layers' hot path and :func:`centroid`'s pairwise
-    norm (both add it to ``k (Σ w)²``)."""
+def sqdist_one_pass(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+    """``d²(x, y)`` as ``<x-y, x-y>_L`` clamped at 0, in the statistics dtype: one pass, accurate to
+    ``u · |x - y| · (|x| + |y|)`` absolute (the rounding of the stored time coordinates), not relative to ``d²``
+    itself as :func:`sqdist` is (far out, nearby points can get 0). The form of the layers' hot path and
+    :func:`centroid`'s pairwise norm, which add it to ``k (Σ w)²``, where that absolute rounding is what they can
+    use. Points are not checked."""
     return sqnorm(to_stat(x) - to_stat(y), keepdim=keepdim).clamp_min(0)
 
 
@@ -530,7 +529,7 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
     kk = _kt(k, to_stat(x))
     _check_pair("dist", x, y)
     _check_points("dist", k, x=x, y=y)
-    d2 = _sqdist(x, y, True) if not _DOMAIN_CHECKS else _sqdist_accurate(x, y, kk)
+    d2 = _sqdist_accurate(x, y, kk)
     tiny = torch.finfo(d2.dtype).tiny
     out = 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
     out = torch.where(d2 > 0, out, torch.zeros_like(out))  # exactly 0 (not sqrt(tiny)) for equal points
@@ -777,7 +776,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     if given:  # scale-free: (Σ w)² and Σ w_i w_j d² under- or overflow fp32 for tiny or huge common scales
         wm = wm / wm.amax(-1, keepdim=True)
     s = (wm.unsqueeze(-1) * xm).sum(-2)
-    d2 = _sqdist(xm.unsqueeze(-2), xm.unsqueeze(-3))
+    d2 = sqdist_one_pass(xm.unsqueeze(-2), xm.unsqueeze(-3))
     norm2 = kc * wm.sum(-1, keepdim=True).square() + \
         0.5 * (wm.unsqueeze(-1) * wm.unsqueeze(-2) * d2).sum((-1, -2)).unsqueeze(-1)
     return normalize(s, k=k, norm2=norm2)

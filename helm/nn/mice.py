@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist, sqnorm
+from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist_one_pass, sqnorm
 from ..precision import to_stat
 from .validation import (
     CURVATURE_RANGE,
@@ -116,7 +116,7 @@ def scaled_lresnet(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, *, k: floa
     """
     dtype = torch.promote_types(torch.promote_types(to_stat(x).dtype, to_stat(y).dtype), to_stat(w).dtype)
     x, y, w = x.to(dtype), y.to(dtype), w.to(dtype)
-    norm2 = (k * (1 + w) ** 2 + w * sqdist(x, y, k=k, keepdim=True)).abs()
+    norm2 = (k * (1 + w) ** 2 + w * sqdist_one_pass(x, y, keepdim=True)).abs()
     if floor is not None:
         norm2 = norm2.clamp_min(floor)
     z = normalize(x + w * y, k=k, norm2=norm2)

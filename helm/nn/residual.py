@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..manifold.math import lift, normalize, sqdist
+from ..manifold.math import lift, normalize, sqdist_one_pass
 from ..precision import to_stat
 from .validation import check, check_k, check_positive, residual_weight
 
@@ -55,7 +55,7 @@ class LorentzResidual(nn.Module):
         kk = self.k if k is None else k
         w = self.weight
         # |<x + w fx, x + w fx>_L| = k (1 + w)² + w d²(x, fx): the centroid's well-conditioned form for two points
-        norm2 = kk * (1 + w) ** 2 + w * sqdist(x, fx, k=kk, keepdim=True)
+        norm2 = kk * (1 + w) ** 2 + w * sqdist_one_pass(x, fx, keepdim=True)
         s = to_stat(x) + w * to_stat(fx)
         if self.space_scale is None:
             return normalize(s, k=kk, norm2=norm2)
