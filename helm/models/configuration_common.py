@@ -8,6 +8,10 @@ Derived values are properties, never stored: ``k`` (from ``curvature``) and ``re
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import inspect
 import math
 
 from transformers import PreTrainedConfig
@@ -110,6 +114,78 @@ INHERITED_FIELDS: dict = {
 }
 
 
+# Keys that are not fields of a HELM config but that transformers itself writes into config.json, reads from it, or
+# passes to the config's constructor (PreTrainedConfig's settable properties are added in known_config_keys);
+# anything else in a saved config, or as a keyword of from_pretrained, is refused as an unknown field (a typo such
+# as "hiden_size" would otherwise become a stray attribute and the model be built with the default).
+TRANSFORMERS_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "model_type", "dtype", "torch_dtype", "name_or_path",
+    "output_attentions", "attn_implementation", "experts_implementation", "quantization_config", "fusion_config",
+    "per_layer_config", "custom_pipelines", "use_return_dict",
+    # attributes of transformers 4's PretrainedConfig, written by the configs it saved (its generation parameters
+    # are dropped by transformers 5 when it reads them, see known_config_keys)
+    "use_bfloat16", "tf_legacy_loss", "cross_attention_hidden_size", "finetuning_task", "tokenizer_class", "prefix",
+    "sep_token_id", "decoder_start_token_id", "task_specific_params", "gradient_checkpointing", "max_length",
+    "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature",
+    "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+})
+# Keywords of ``from_pretrained`` / ``AutoConfig.from_pretrained`` that are loading options rather than fields
+# (transformers consumes most of them before the config is built; those it leaves are ignored by it)
+LOADING_KWARGS = frozenset({
+    "return_unused_kwargs", "cache_dir", "force_download", "local_files_only", "token", "revision", "proxies",
+    "trust_remote_code", "code_revision", "subfolder", "gguf_file", "use_auth_token", "resume_download",
+    "user_agent", "_from_auto", "_from_pipeline", "_configuration_file", "_commit_hash",
+    # keywords of the model's from_pretrained: pipeline(model=..., model_kwargs=...) hands them to
+    # AutoConfig.from_pretrained as well (without return_unused_kwargs), then to the model
+    "config", "device_map", "max_memory", "offload_folder", "offload_buffers", "offload_state_dict", "state_dict",
+    "output_loading_info", "quantization_config", "load_in_8bit", "load_in_4bit", "use_safetensors", "weights_only",
+    "variant", "ignore_mismatched_sizes", "low_cpu_mem_usage", "tp_plan", "tp_size", "device_mesh",
+    "distributed_config", "key_mapping", "adapter_name", "adapter_kwargs", "generation_config", "use_kernels",
+    "kernel_config", "allow_all_kernels", "fusion_config", "disable_mmap", "tqdm_class", "from_tf", "from_flax",
+    "mirror", "_fast_init", "use_flash_attention_2",
+})
+
+
+@functools.lru_cache(maxsize=None)
+def config_fields(config_class: type) -> frozenset:
+    """The fields of ``config_class`` a user sets (its dataclass fields, transformers' inherited fields with HELM
+    rules, the legacy names it upgrades): the candidates of a "did you mean"."""
+    names = {f.name for f in dataclasses.fields(config_class)} | set(INHERITED_FIELDS) - {"_output_attentions"}
+    names |= set(getattr(config_class, "legacy_kwargs", ())) | {"rope_scaling", "partial_rotary_factor"}
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=None)
+def known_config_keys(config_class: type) -> frozenset:
+    """Every key a saved config (or a constructor keyword) of ``config_class`` may carry: its fields,
+    :data:`TRANSFORMERS_KEYS`, ``PreTrainedConfig``'s settable properties (``num_labels``, ...) and the generation
+    parameters transformers drops from older configs. Keys starting with ``_`` are transformers' bookkeeping
+    (``_name_or_path``, ``_attn_implementation_autoset``, ...) and are accepted too, see :func:`is_known_key`."""
+    from transformers import GenerationConfig, PreTrainedConfig
+
+    names = set(config_fields(config_class)) | TRANSFORMERS_KEYS
+    names |= {n for n, v in inspect.getmembers(PreTrainedConfig) if isinstance(v, property) and v.fset is not None}
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:
+        names |= set(defaults())
+    return frozenset(names)
+
+
+def is_known_key(config_class: type, key) -> bool:
+    return isinstance(key, str) and (key.startswith("_") or key in known_config_keys(config_class))
+
+
+def unknown_field_error(config_class: type, key: str, candidates, where: str) -> ValueError:
+    """The error of ``helm.load_config`` for an unknown override (``unknown config field 'hiden_size' for
+    HelmDConfig; did you mean 'hidden_size'?``), saying where the key came from."""
+    close = difflib.get_close_matches(key, sorted(candidates), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown config field {key!r} for {config_class.__name__}{hint} ({where})")
+
+
 # Old field names read from saved configs: (old name -> new name). ``pe_options`` keys map to typed fields.
 _PE_OPTION_FIELDS = {"chunk_size": "rope3d_chunk_size", "chunk_base": "rope3d_chunk_base",
                      "theta_prime": "hope_boost_theta_prime", "angle_scale": "hope_boost_angle_scale",
@@ -155,7 +231,11 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     One validation path for every source of a value: constructor keywords, ``config.json``, keywords of
     ``from_pretrained`` / ``AutoConfig.from_pretrained`` (merged before the config is built, see :meth:`from_dict`),
     ``helm.load_config`` presets and overrides, and train.py's ``model.overrides``. A field assigned after construction
-    is checked by its own rule (:meth:`__setattr__`). Boolean fields accept ``True`` / ``False`` only (``"false"``,
+    is checked by its own rule (:meth:`__setattr__`). A key that no field reads is refused from every source, naming
+    it and the closest field (``unknown config field 'hiden_size' for HelmDConfig; did you mean 'hidden_size'?``):
+    a constructor keyword, a key of ``config.json`` (besides those transformers writes, :data:`TRANSFORMERS_KEYS`),
+    a keyword of ``from_pretrained`` (besides transformers' loading options, :data:`LOADING_KWARGS`; with
+    ``return_unused_kwargs=True``, as the models' ``from_pretrained`` asks, unknown keywords are returned instead). Boolean fields accept ``True`` / ``False`` only (``"false"``,
     ``"no"``, ``0`` are refused, naming the field); ``tie_word_embeddings`` accepts only ``False``. The fields
     inherited from ``transformers`` (or read by the task heads) go through the same path with the rules of
     :data:`INHERITED_FIELDS`: ``return_dict``, ``output_hidden_states``, ``output_attentions`` booleans or None;
@@ -389,12 +469,38 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             output["rope_parameters"] = None
         return output
 
+    def refuse_unknown_keys(self, kwargs: dict) -> None:
+        """Constructor keywords that are no field (left after :meth:`upgrade_old_fields`) are refused, naming the
+        closest field, like the overrides of ``helm.load_config`` (transformers would keep them as attributes)."""
+        for key in kwargs:
+            if not is_known_key(type(self), key):
+                raise unknown_field_error(type(self), key, config_fields(type(self)),
+                                          f"constructor keywords must be fields of the config class; "
+                                          f"{type(self).__name__} has no such option")
+
     def default_head_dim(self) -> None:
         """``head_dim = 1 + ⌊(hidden_size - 1) / num_attention_heads⌋`` when not given (the paper's 115M model:
-        390 ambient, 6 heads of 1 + 64; the output HLT maps the ``1 + H·d`` joined heads back to ``hidden_size``)."""
-        if self.head_dim is None and all(isinstance(v, int) and v > 0
-                                         for v in (self.hidden_size, self.num_attention_heads)):
-            self.head_dim = 1 + (self.hidden_size - 1) // self.num_attention_heads
+        390 ambient, 6 heads of 1 + 64; the output HLT maps the ``1 + H·d`` joined heads back to ``hidden_size``).
+        A derived width the positional encoding cannot use is refused here, naming ``hidden_size`` and
+        ``num_attention_heads`` (the user never set ``head_dim``)."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        if self.head_dim is not None or not all(isinstance(v, int) and not isinstance(v, bool) and v >= low
+                                                for v, low in ((hidden, 2), (heads, 1))):
+            return  # (a hidden_size or num_attention_heads outside its own rule is refused by that rule)
+        self.head_dim = 1 + (hidden - 1) // heads
+        derived = (f"got {self.head_dim} = 1 + (hidden_size - 1) // num_attention_heads with hidden_size={hidden} and "
+                   f"num_attention_heads={heads} (head_dim is derived from them when not set)")
+        if self.head_dim < 2:
+            raise ValueError(f"head_dim must be an integer >= 2, {derived}; a head needs its time and at least one "
+                             f"space dim: raise hidden_size to at least {1 + heads}, lower num_attention_heads, or set "
+                             "head_dim")
+        space = self.head_dim - 1
+        if space % 2 and isinstance(self.positional, str) and self.positional in POSITIONAL_ENCODINGS and \
+                positional_encoding_class(self.positional).pairs:
+            sizes = " or ".join(str(1 + heads * d) for d in (space - 1, space + 1) if d > 0)
+            raise ValueError(f"head_dim must be 1 + an even number for positional={self.positional!r} (it acts on "
+                             f"pairs of space dims), {derived}; use hidden_size = 1 + num_attention_heads · an even "
+                             f"number (e.g. {sizes}), another num_attention_heads, or set head_dim")
 
     def positional_dims(self) -> dict[str, int]:
         """Config field -> space dims the attention's positional encoding acts on (per head)."""
@@ -462,5 +568,21 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         # into the dict (and skips dtype="auto", a request to from_pretrained rather than a value)
         inherited = set(INHERITED_FIELDS) - {"dtype", "num_labels", "output_attentions", "_output_attentions"}
         names = declared | set(cls.legacy_kwargs) | {"rope_scaling", "partial_rotary_factor"} | inherited
+        # A key of the saved config (or of the dict given) that no field reads is refused like an unknown override
+        # of helm.load_config: transformers would keep it as a stray attribute, and a typo ("hiden_size") would
+        # leave the field it meant at its default.
+        for key in config_dict:
+            if not is_known_key(cls, key):
+                raise unknown_field_error(cls, key, config_fields(cls), f"a key of the saved config (config.json): "
+                                          f"{cls.__name__} has no such field, and transformers writes no such key")
+        # An unknown keyword is refused too (transformers would drop it silently), unless the caller asks for the
+        # unused keywords back (return_unused_kwargs=True, as the models' from_pretrained does with its own).
+        if not kwargs.get("return_unused_kwargs", False):
+            for key, value in kwargs.items():
+                if key not in names and key not in LOADING_KWARGS and key not in known_config_keys(cls):
+                    candidates = config_fields(cls) | {k for k in LOADING_KWARGS if not k.startswith("_")}
+                    raise unknown_field_error(cls, key, candidates, f"keyword {key}={value!r} of from_pretrained: "
+                                              f"{cls.__name__} has no such field, and transformers no such loading "
+                                              "option; return_unused_kwargs=True returns unknown keywords instead")
         config_dict = {**config_dict, **{key: kwargs.pop(key) for key in list(kwargs) if key in names}}
         return super().from_dict(config_dict, **kwargs)

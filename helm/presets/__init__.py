@@ -8,9 +8,11 @@ Overrides are checked by name (``load_config("tiny-helm-d", hiden_size=64)`` is 
 ``hidden_size``), for the HELM configs and the Euclidean baselines alike: a key must be a field of the preset's
 config class (its dataclass fields, ``attribute_map`` aliases and declared legacy names), a standard
 ``PreTrainedConfig`` attribute, or (Euclidean baselines only) a key of the preset file itself. The keys of a HELM
-preset file (shipped or a user's JSON path) are checked the same way, naming the file. ``from_pretrained`` / ``AutoConfig`` loading
-of saved configs is not affected (saved files carry extra keys such as ``auto_map``). The values are checked by the
-config class itself (field rules and ``validate_architecture`` for the HELM types).
+preset file (shipped or a user's JSON path) are checked the same way, naming the file. ``from_pretrained`` /
+``AutoConfig`` loading of saved HELM configs refuses unknown keys with the same error, accepting besides the fields
+the keys transformers itself writes (``auto_map``, ``architectures``, ...; see
+:data:`helm.models.configuration_common.TRANSFORMERS_KEYS`). The values are checked by the config class itself
+(field rules and ``validate_architecture`` for the HELM types).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 from pathlib import Path
 
 from transformers import AutoConfig, PreTrainedConfig
@@ -31,6 +34,10 @@ def available_presets() -> tuple:
 
 
 def preset_path(name_or_path: str) -> Path:
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"load_config: the preset argument name_or_path must be a preset name or the path of a JSON "
+                        f"config file (str or os.PathLike), got {name_or_path!r}; the presets are "
+                        f"{available_presets()}")
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
         return path

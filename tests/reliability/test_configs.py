@@ -506,3 +506,169 @@ def test_baseline_boolean_fields_take_booleans_only(preset, overrides):
     with pytest.raises(ValueError, match=rf"^{name} must be a bool, got {value!r}"):
         helm.load_config(preset, **overrides)
     assert getattr(helm.load_config(preset, **{name: False}), name) is False
+
+
+# Probe items 1 and 2: a key no field reads, in a saved config.json or as a keyword of from_pretrained (or of the
+# constructor), is refused like an unknown override of helm.load_config, naming it and the closest field;
+# transformers kept it as a stray attribute (config.json, constructor) or dropped it (keyword), silently.
+# (source, key, value, the field suggested)
+UNKNOWN_KEYS = [
+    ("config.json", "hiden_size", 129, "hidden_size"),
+    ("config.json", "curvatur", -2.0, "curvature"),
+    ("config.json", "posistional", "alibi", "positional"),
+    ("AutoConfig.from_pretrained-keyword", "curvatur", -2.0, "curvature"),
+    ("AutoConfig.from_pretrained-keyword", "hiden_size", 129, "hidden_size"),
+    ("AutoConfig.from_pretrained-keyword", "revison", "main", "revision"),  # a loading option, misspelt
+    ("HelmDConfig.from_pretrained-keyword", "use_cahce", False, "use_cache"),
+    ("constructor", "hiden_size", 129, "hidden_size"),
+    ("constructor", "curvatur", -2.0, "curvature"),
+]
+UNKNOWN_KEY_WHERE = {"config.json": r"a key of the saved config \(config\.json\)",
+                     "AutoConfig.from_pretrained-keyword": "keyword {key}={value} of from_pretrained",
+                     "HelmDConfig.from_pretrained-keyword": "keyword {key}={value} of from_pretrained",
+                     "constructor": "constructor keywords must be fields"}
+SOURCES["HelmDConfig.from_pretrained-keyword"] = lambda tmp_path, name, value: HelmDConfig.from_pretrained(
+    _saved(tmp_path), **{name: value})
+
+
+@pytest.mark.parametrize("source, key, value, suggested", UNKNOWN_KEYS,
+                         ids=[f"{s}-{k}" for s, k, _, _ in UNKNOWN_KEYS])
+def test_unknown_keys_of_saved_configs_and_keywords_are_refused_naming_them(source, key, value, suggested, tmp_path):
+    import re
+
+    where = UNKNOWN_KEY_WHERE[source].format(key=key, value=re.escape(repr(value)))
+    with pytest.raises(ValueError, match=rf"^unknown config field '{key}' for HelmDConfig; did you mean "
+                                         rf"'{suggested}'\? \({where}"):
+        SOURCES[source](tmp_path, key, value)
+
+
+def test_an_unknown_key_of_a_mice_config_json_is_refused(tmp_path):
+    import json
+
+    from transformers import AutoConfig
+
+    folder = _saved(tmp_path, "helm_mice")
+    data = json.loads((folder / "config.json").read_text())
+    data["n_routed_expert"] = 8
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"^unknown config field 'n_routed_expert' for HelmMiCEConfig; did you mean "
+                                         r"'n_routed_experts'\? \(a key of the saved config"):
+        AutoConfig.from_pretrained(folder)
+
+
+# What transformers itself writes into config.json, or passes to from_pretrained, still loads: keys of older
+# transformers versions (generation parameters, private bookkeeping), its loading options and documented model
+# keywords, and return_unused_kwargs=True still hands back what no field reads. (source, keywords or keys)
+KEPT_KEYS = [
+    ("config.json", dict(_name_or_path="x", _attn_implementation_autoset=True, torch_dtype="float32")),
+    ("config.json", dict(max_length=20, do_sample=False, tokenizer_class=None, use_bfloat16=False, prefix=None)),
+    ("config.json", dict(quantization_config={"quant_method": "bitsandbytes"}, custom_pipelines={})),
+    ("config.json", dict(pruned_heads={}, is_decoder=True, output_attentions=False, architectures=["X"])),
+    ("AutoConfig", dict(cache_dir="unused-cache", revision="main", local_files_only=True, token=None,
+                        force_download=False, subfolder="", trust_remote_code=True, code_revision=None)),
+    ("AutoConfig", dict(attn_implementation="eager", dtype="bfloat16", name_or_path="x", num_labels=3)),
+    ("AutoConfig", dict(_from_auto=True, _from_pipeline="text-generation", _commit_hash=None)),
+    ("AutoConfig", dict(device_map="cpu", low_cpu_mem_usage=True, output_loading_info=True)),  # pipeline(model_kwargs)
+    ("model", dict(attn_implementation="eager")),
+    ("model", dict(dtype=torch.bfloat16)),
+    ("model", dict(device_map="cpu")),
+    ("model", dict(output_loading_info=True, use_safetensors=True, curvature=-2.0)),
+]
+
+
+@pytest.mark.parametrize("source, keys", KEPT_KEYS, ids=[f"{s}-{'-'.join(k)}" for s, k in KEPT_KEYS])
+def test_keys_and_keywords_of_transformers_still_load(source, keys, tmp_path):
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers import tiny_model
+
+    tiny_model("helm_d").save_pretrained(tmp_path)
+    if source == "config.json":
+        data = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**data, **keys}))
+        assert AutoConfig.from_pretrained(tmp_path).hidden_size == data["hidden_size"]
+    elif source == "AutoConfig":
+        assert isinstance(AutoConfig.from_pretrained(tmp_path, **keys), HelmDConfig)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, **keys)
+        model = model[0] if isinstance(model, tuple) else model
+        assert model.config.curvature == keys.get("curvature", -1.0)
+
+
+def test_return_unused_kwargs_keeps_its_meaning(tmp_path):
+    from transformers import AutoConfig
+
+    config, unused = AutoConfig.from_pretrained(_saved(tmp_path), curvatur=-2.0, curvature=-3.0,
+                                                return_unused_kwargs=True)
+    assert config.curvature == -3.0 and unused == {"curvatur": -2.0}
+
+
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
+@pytest.mark.parametrize("head", ["AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                                  "AutoModelForTokenClassification"])
+def test_every_config_json_the_repo_saves_loads(family, head, tmp_path):
+    """Round trips of both families and the task heads (labels, problem type): save_pretrained, from_pretrained of
+    the config and of the model, and from_dict(to_dict()) (helm.evaluation rebuilds scaled configs that way)."""
+    import transformers
+    from transformers import AutoConfig
+
+    from tests.helpers import tiny_config
+
+    extra = {} if head == "AutoModelForCausalLM" else dict(num_labels=3, id2label={0: "a", 1: "b", 2: "c"},
+                                                           label2id={"a": 0, "b": 1, "c": 2},
+                                                           problem_type="single_label_classification")
+    config = tiny_config(family, **extra)
+    auto = getattr(transformers, head)
+    auto.from_config(config).save_pretrained(tmp_path)
+    def fields(c):
+        return {k: v for k, v in c.to_dict().items() if k not in ("_name_or_path", "auto_map", "architectures")}
+
+    assert fields(AutoConfig.from_pretrained(tmp_path)) == fields(type(config).from_dict(config.to_dict())) == \
+        fields(config)
+    assert auto.from_pretrained(tmp_path).config.num_labels == config.num_labels
+
+
+# Probe item 3: load_config's preset argument of the wrong type names the argument and lists the presets (was a
+# pathlib TypeError). (argument)
+PRESET_ARGUMENTS = [None, 3, ["tiny-helm-d"]]
+
+
+@pytest.mark.parametrize("argument", PRESET_ARGUMENTS, ids=[repr(a) for a in PRESET_ARGUMENTS])
+def test_load_config_names_its_preset_argument(argument):
+    import re
+
+    with pytest.raises(TypeError, match=rf"^load_config: the preset argument name_or_path must be a preset name or the "
+                                        rf"path of a JSON config file .*got {re.escape(repr(argument))}; the presets "
+                                        r"are \(.*'tiny-helm-d'"):
+        helm.load_config(argument)
+
+
+# Probe item 4: a head_dim derived from hidden_size and num_attention_heads that the positional encoding (or a head)
+# cannot use names those two fields and the derived width (the user never set head_dim). (source, keywords, match)
+DERIVED_HEAD_DIMS = [
+    (HelmDConfig, dict(hidden_size=130), r"^head_dim must be 1 \+ an even number for positional='hope' .*got 22 = 1 "
+                                         r"\+ \(hidden_size - 1\) // num_attention_heads with hidden_size=130 and "
+                                         r"num_attention_heads=6 .*e\.g\. 121 or 133"),
+    (HelmDConfig, dict(hidden_size=61, num_attention_heads=4, positional="rope3d"),
+     r"got 16 = .*hidden_size=61 and num_attention_heads=4.*e\.g\. 57 or 65"),
+    (HelmMiCEConfig, dict(attention_type="mha", hidden_size=130), r"got 22 = .*hidden_size=130 and "
+                                                                  r"num_attention_heads=6"),
+    (HelmDConfig, dict(hidden_size=4, num_attention_heads=6), r"^head_dim must be an integer >= 2, got 1 = 1 \+ "
+                                                              r"\(hidden_size - 1\) // num_attention_heads with "
+                                                              r"hidden_size=4 and num_attention_heads=6"),
+    ("tiny-helm-d", dict(hidden_size=125, head_dim=None), r"got 32 = .*hidden_size=125 and num_attention_heads=4"),
+]
+
+
+@pytest.mark.parametrize("source, kwargs, match", DERIVED_HEAD_DIMS, ids=[str(k) for _, k, _ in DERIVED_HEAD_DIMS])
+def test_a_derived_head_dim_names_hidden_size_and_num_attention_heads(source, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        helm.load_config(source, **kwargs) if isinstance(source, str) else source(**kwargs)
+
+
+def test_an_explicit_head_dim_keeps_its_own_message():
+    with pytest.raises(ValueError, match=r"^head_dim must be 1 \+ an even number for positional='hope' \(it acts on "
+                                         r"pairs of space dims\), got 40$"):
+        HelmDConfig(head_dim=40)

@@ -22,6 +22,7 @@ class HelmDConfig(HelmConfigBase):
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)
+        self.refuse_unknown_keys(kwargs)
         self.default_head_dim()
         self.validate_architecture()
         super().__post_init__(**kwargs)

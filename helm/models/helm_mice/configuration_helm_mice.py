@@ -73,6 +73,7 @@ class HelmMiCEConfig(HelmConfigBase):
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)
+        self.refuse_unknown_keys(kwargs)
         if self.attention_type == "mha":
             self.default_head_dim()
         if self.routed_curvatures is None and isinstance(self.n_routed_experts, int) and self.n_routed_experts > 0:
