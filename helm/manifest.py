@@ -1,7 +1,8 @@
 """SHA-256 manifests of folders written by the zoo (training checkpoints and ``train.py``'s ``final/``).
 
 ``manifest.json`` = ``{"format": 2, "step": N, "files": {relative path: {"sha256", "bytes"}}}`` (plus ``"val_loss"``
-for training checkpoints validated when saved), written last and
+for training checkpoints validated when saved; ``"step": null`` and the weight files only for a ``save_pretrained``
+folder), written last and
 atomically, after every listed file has been flushed to disk: a folder with a manifest was written completely,
 and :func:`manifest_problem` detects any later truncation or corruption of the files it lists.
 """
@@ -39,11 +40,16 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def write_manifest(folder: Path, step: int, val_loss: Optional[float] = None) -> None:
-    """Hash (and flush to disk) every file in ``folder``, then write ``manifest.json`` atomically, last;
-    ``val_loss`` (a training checkpoint's validation loss, for keeping the best one) is recorded when given."""
+def write_manifest(folder: Path, step: Optional[int], val_loss: Optional[float] = None,
+                   which: Optional[Callable[[str], bool]] = None) -> None:
+    """Hash (and flush to disk) every file in ``folder`` (those whose relative path ``which`` selects, when given),
+    then write ``manifest.json`` atomically, last; ``val_loss`` (a training checkpoint's validation loss, for keeping
+    the best one) is recorded when given. ``step`` is None for a folder written outside training
+    (``save_pretrained``, which lists only the weight files)."""
+    folder = Path(folder)
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+                       and (which is None or which(p.relative_to(folder).as_posix()))):
         digest, size = hash_file(path, fsync=True)
         files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
     tmp = folder / (MANIFEST + ".tmp")

@@ -4,7 +4,10 @@ config, and the causal-LM loss."""
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
+import numbers
 import os
 import re
 from pathlib import Path
@@ -20,7 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import can_return_tuple as _transformers_can_return_tuple
 from transformers.utils import logging
 
-from ..manifest import MANIFEST, manifest_problem, read_manifest
+from ..manifest import MANIFEST, manifest_problem, read_manifest, write_manifest
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import lift
 from ..nn.attention import LorentzAttentionBase
@@ -161,7 +164,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         :meth:`restore_geometry`. ``output_loading_info=True`` returns ``(model, info)`` as in ``transformers``."""
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        _check_local_folder(cls.__name__, where)
+        _check_local_folder(cls.__name__, where, config=args[1] if len(args) > 1 else kwargs.get("config"),
+                            subfolder=kwargs.get("subfolder") or "", gguf_file=kwargs.get("gguf_file"))
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
             # names them instead (and honours the caller's ignore_mismatched_sizes)
@@ -183,6 +187,7 @@ class HelmPreTrainedModel(PreTrainedModel):
         model._weight_conversions = [c for c in getattr(model, "_weight_conversions", None) or []
                                      if list(c.source_patterns) != list(LEGACY_KEY_MAPPING)]
         model.restore_geometry()
+        check_finite_weights(cls.__name__, where, model, subfolder=kwargs.get("subfolder") or "")
         return (model, info) if want_info else model
 
     def _allow_new_head(self, where, info: dict) -> dict:
@@ -273,15 +278,32 @@ class HelmPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``transformers``' save plus a flattened copy of the code and ``auto_map`` (see :mod:`.remote_code`), so
-        the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed. A ``manifest.json`` left
-        there by ``train.py`` describes the old weights, so it is removed (it would refuse the new ones)."""
-        if kwargs.get("is_main_process", True):
-            (Path(save_directory) / MANIFEST).unlink(missing_ok=True)
+        the directory loads with ``trust_remote_code=True`` where ``helm`` is not installed, and a ``manifest.json``
+        with the SHA-256 of the weight files it wrote (:func:`helm.manifest.write_manifest`, ``"step": null``):
+        :meth:`from_pretrained` refuses the folder when they change on disk afterwards (bit rot, truncation, a
+        partial copy). A manifest already there (``train.py``'s, or an older save's) describes the old weights: it
+        is removed before saving and replaced by the new one. The manifest lists the weight files only (tokenizer,
+        config and code files may be edited); with ``push_to_hub=True`` the upload happens inside ``transformers``'
+        save, before the manifest is written, so the hub copy has none.
+
+        A ``save_directory`` that is an existing file (or lies under one) is a ``NotADirectoryError`` naming it
+        (``transformers`` would log an error and save nothing)."""
+        path = Path(save_directory)
+        blocking = next((p for p in (path, *path.parents) if p.is_file()), None)
+        if blocking is not None:
+            what = "is an existing file" if blocking == path else f"lies under {str(blocking)!r}, an existing file"
+            raise NotADirectoryError(f"{type(self).__name__}.save_pretrained({str(save_directory)!r}): the save "
+                                     f"directory {what}; give a folder (it is created if missing)")
+        main = kwargs.get("is_main_process", True)
+        if main:
+            (path / MANIFEST).unlink(missing_ok=True)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
+        if main:
             from .remote_code import write_remote_code
 
             write_remote_code(save_directory, type(self))
+            if path.is_dir():
+                write_manifest(path, None, which=_WEIGHT_FILE.match)
 
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -289,10 +311,14 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
 
-def _check_local_folder(name: str, where) -> None:
+def _check_local_folder(name: str, where, *, config=None, subfolder: str = "", gguf_file=None) -> None:
     """Clear errors for a local path that is not a checkpoint folder (transformers would read a missing folder as a
-    malformed hub id), and the manifest check of folders written by ``train.py``: weights changed on disk after
-    they were written (truncation, bit rot) are refused instead of loaded."""
+    malformed hub id, and a folder without ``config.json`` as one of an unknown model type), and the manifest check
+    of folders written by ``save_pretrained`` or ``train.py``: weights changed on disk after they were written
+    (truncation, bit rot) are refused instead of loaded.
+
+    A folder needs no ``config.json`` when a config is passed (``config=``), for a GGUF file, or when it is a
+    PEFT adapter folder (``adapter_config.json``: transformers loads its base model first)."""
     if not isinstance(where, (str, os.PathLike)):
         return
     path = Path(where)
@@ -302,6 +328,14 @@ def _check_local_folder(name: str, where) -> None:
                       f"not a file; use {str(path.parent)!r}")
     if looks_local and not path.exists():
         raise OSError(f"{name}.from_pretrained({str(where)!r}): no such folder")
+    path = path / subfolder if subfolder else path
+    if path.is_dir() and config is None and gguf_file is None and not (path / "config.json").is_file() \
+            and not (path / "adapter_config.json").is_file():
+        weights = sorted(p.name for p in path.iterdir() if _WEIGHT_FILE.match(p.name))
+        held = f"it holds {', '.join(weights)} but no config.json" if weights else "it has no config.json"
+        raise OSError(f"{name}.from_pretrained({str(where)!r}): not a checkpoint folder: {held} (a save_pretrained "
+                      "folder holds config.json and the weights); save the model's config there "
+                      "(model.config.save_pretrained), or pass config=")
     if (path / MANIFEST).is_file():
         try:
             problem = manifest_problem(path, read_manifest(path), _WEIGHT_FILE.match)
@@ -326,6 +360,47 @@ def _mentions_weights(err: BaseException, files: list) -> bool:
     text = str(err)
     return any(f.name in text or str(f) in text for f in files) or "safetensors" in text.lower() \
         or "header" in text.lower()
+
+
+def check_finite_weights(name: str, where, model: nn.Module, *, subfolder: str = "") -> None:
+    """``OSError`` naming the first parameter that holds a NaN or an inf after loading, and the weight file it came
+    from (a checkpoint of a diverged run, or one damaged and re-saved): every output of such a model is NaN.
+    Parameters on the CPU only (reading the result there is no device synchronisation; a model loaded onto an
+    accelerator with ``device_map`` is not checked), one fused max-|x| per dtype and one read."""
+    params = [(n, p) for n, p in model.named_parameters()
+              if p.device.type == "cpu" and p.is_floating_point() and p.numel()]
+    if not params:
+        return
+    largest = torch._foreach_norm([p.detach() for _, p in params], float("inf"))
+    finite = torch.stack([m.float() for m in largest]).isfinite()
+    if bool(finite.all()):
+        return
+    bad = [n for (n, _), ok in zip(params, finite.tolist()) if not ok]
+    more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if len(bad) > 1 \
+        else ""
+    raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {bad[0]!r}{more} holds NaN or inf values in "
+                  f"{_weight_file_of(where, bad[0], model.base_model_prefix, subfolder)}; every output of this "
+                  "model would be NaN: load an earlier checkpoint (this one comes from a diverged run or was damaged)")
+
+
+def _weight_file_of(where, name: str, prefix: str, subfolder: str = "") -> str:
+    """The file of a local checkpoint that holds the weight ``name`` (by the shard index when sharded), or a
+    description of the checkpoint when that cannot be told."""
+    try:
+        folder = Path(where) / subfolder
+        if folder.is_dir():
+            for index in sorted(folder.glob("*.index.json")):
+                weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+                stem = name[len(prefix) + 1:] if name.startswith(prefix + ".") else None
+                for key in (name, f"{prefix}.{name}", stem):
+                    if key in weight_map:
+                        return str(folder / weight_map[key])
+            files = [f for f in _local_weight_files(folder) if not f.name.endswith(".index.json")]
+            if len(files) == 1:
+                return str(files[0])
+    except (TypeError, OSError, ValueError, AttributeError):
+        pass
+    return f"the checkpoint {str(where)!r}"
 
 
 def check_loading_info(name: str, where, info: dict, *, ignore_mismatched_sizes: bool = False) -> None:
@@ -371,6 +446,72 @@ def check_flags(**flags) -> None:
             raise ValueError(f"{name} must be a bool (True or False) or None for the config's default, got {value!r}")
 
 
+def _transformers_kwargs() -> frozenset:
+    try:
+        from transformers.utils import TransformersKwargs
+    except ImportError:  # an older transformers: the names below cover it
+        return frozenset()
+    return frozenset(TransformersKwargs.__optional_keys__) | frozenset(TransformersKwargs.__required_keys__)
+
+
+# The keywords a HELM forward takes beyond its named parameters, because transformers passes them to every model:
+# TransformersKwargs (Trainer's num_items_in_batch, DataCollatorWithFlattening's packing kwargs cu_seq_lens_* /
+# max_length_* / seq_idx, is_causal, output_router_logits), generate's model_kwargs (cache_position for remote code,
+# token_type_ids from tokenizers that make them: ignored, as LlamaForCausalLM ignores them) and return_dict. HELM
+# reads none of the packing kwargs: packed rows take segment_ids.
+FORWARD_KWARGS = _transformers_kwargs() | frozenset({
+    "num_items_in_batch", "output_hidden_states", "output_attentions", "output_router_logits", "cu_seq_lens_q",
+    "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "is_causal", "seq_idx", "cache_position",
+    "return_dict", "token_type_ids", "use_cache"})
+# the keywords of transformers' ForCausalLMLoss that a …ForCausalLM passes on to its loss
+LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index", "shift_labels"})
+
+
+def check_forward_kwargs(model, kwargs: dict, accepted: frozenset) -> None:
+    """``TypeError`` naming the keywords of ``kwargs`` (a forward's ``**kwargs``) that are not in ``accepted``
+    (:data:`FORWARD_KWARGS`, plus :data:`LOSS_KWARGS` for a causal LM), with the closest known name: a misspelt
+    ``attention_masks=`` would otherwise be ignored without a word. A membership test per keyword (no tensor is
+    read), also while compiling."""
+    unknown = [key for key in kwargs if key not in accepted]
+    if unknown:
+        _refuse_kwargs(model, unknown, accepted)
+
+
+def _refuse_kwargs(model, unknown: list, accepted: frozenset) -> None:
+    import inspect
+
+    named = [n for n, p in inspect.signature(type(model).forward).parameters.items()
+             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    known = sorted(set(named) | accepted)
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{type(model).__name__}.forward() got unexpected keyword argument(s) {', '.join(hints)}; it "
+                    f"takes {', '.join(named)} and transformers' {', '.join(sorted(accepted - set(named)))}")
+
+
+def check_logits_to_keep(logits_to_keep) -> None:
+    """``ValueError`` naming ``logits_to_keep`` unless it is an int >= 0 (0: every position; ``n``: the last ``n``)
+    or a 1-D integer tensor of sequence positions (transformers' two forms). Type checks only."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype.is_complex \
+                or logits_to_keep.dtype == torch.bool:
+            raise ValueError(f"logits_to_keep as a tensor must hold 1-D integer sequence positions, got a "
+                             f"{logits_to_keep.dim()}-D {logits_to_keep.dtype} tensor")
+    elif isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, numbers.Integral) or logits_to_keep < 0:
+        raise ValueError("logits_to_keep must be an int >= 0 (0 keeps every position, n the last n) or a 1-D tensor "
+                         f"of positions, got {logits_to_keep!r}")
+
+
+def kept_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The positions of ``hidden_states [B, T, ...]`` the LM head scores (:func:`check_logits_to_keep`)."""
+    check_logits_to_keep(logits_to_keep)
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden_states[:, logits_to_keep]
+    return hidden_states[:, -int(logits_to_keep):] if logits_to_keep else hidden_states
+
+
 def can_return_tuple(forward):
     """``transformers``' ``can_return_tuple`` (``return_dict=False``, or ``config.return_dict = False``, returns the
     output as a tuple) with ``return_dict`` checked by :func:`check_flags` first: ``transformers`` pops it and
@@ -385,12 +526,31 @@ def can_return_tuple(forward):
     return wrapper
 
 
+# generate's integer lengths and counts, with their least value (transformers compares them with ints, and a
+# string fails deep inside with "'<=' not supported")
+GENERATION_INTEGERS = {"max_new_tokens": 1, "max_length": 1, "min_new_tokens": 0, "min_length": 0,
+                       "num_return_sequences": 1, "num_beams": 1}
+
+
+def check_generation_lengths(kwargs: dict) -> None:
+    """``ValueError`` naming the first of :data:`GENERATION_INTEGERS` that ``generate``'s keywords (or the
+    ``generation_config`` they pass) set to something other than None or an int (not a bool) >= its least value."""
+    config = kwargs.get("generation_config")
+    for name, least in GENERATION_INTEGERS.items():
+        for value, where in ((kwargs.get(name), name), (getattr(config, name, None), f"generation_config.{name}")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                      or value < least):
+                raise ValueError(f"{where} must be an int >= {least} (or None for the default), got {value!r}")
+
+
 class HelmGenerationMixin(GenerationMixin):
-    """``transformers``' ``GenerationMixin`` with ``generate``'s cache argument checked: ``past_key_values`` (or
+    """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
+    them: the integer lengths and counts (:func:`check_generation_lengths`), and the cache: ``past_key_values`` (or
     ``cache``) must be a ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an
     ``AttributeError`` from inside ``generate``."""
 
     def generate(self, *args, **kwargs):
+        check_generation_lengths(kwargs)
         for name in ("past_key_values", "cache"):
             value = kwargs.get(name)
             if value is not None and not isinstance(value, Cache):
@@ -694,6 +854,7 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                          alternative=(1, 1, seq_len, layout.kv_len), note=" (a 4-D mask)")
         else:
             check_tensor(attention_mask, "attention_mask", (batch, total), "[B, T_past+T]", alternative=static)
+            check_mask_values(config, attention_mask)
     if segment_ids is not None:
         check_tensor(segment_ids, "segment_ids", (batch, total), "[B, T_past+T]", dtype="integer", alternative=static)
     for name, t in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
@@ -708,6 +869,29 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                          f"{config.max_position_embeddings}, and the 'learned' positional encoding cannot extend "
                          "beyond its table; use a relative encoding (e.g. positional='hope') for longer inputs")
     return batch, seq_len, layout
+
+
+def check_mask_values(config, attention_mask: torch.Tensor) -> None:
+    """``ValueError`` naming ``attention_mask`` unless a 2-D mask holds only 1 (attend) and 0 (padding), or is a
+    bool tensor: a mask of 2s or 0.5s, or an additive one (0 / -inf, which would be read backwards: -inf as a token,
+    0 as padding), is refused instead of being read as a boolean. The dtype is checked always (bool, integer or
+    floating); the values with ``config.validate_inputs`` for CPU tensors outside ``torch.compile`` (one read, no
+    device synchronisation). A 2-D mask on an accelerator is not value-checked. 4-D masks (transformers' bool or
+    additive form) are used as given and not checked here."""
+    if attention_mask.dtype.is_complex:
+        raise ValueError(f"attention_mask must be a bool or 0/1 integer or floating tensor, got {attention_mask.dtype}")
+    if attention_mask.dtype == torch.bool or not config.validate_inputs or attention_mask.device.type != "cpu" \
+            or torch.compiler.is_compiling():
+        return
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bool(bad.any()):
+        values = attention_mask[bad]
+        shown = ", ".join(str(v) for v in values.unique()[:4].tolist())
+        additive = " An additive mask (0 = attend, -inf = masked) reads backwards as a 2-D mask: pass " \
+            "(mask == 0).long(), or the 4-D form [B, 1, T, T_kv], which is used as given." \
+            if bool((values < 0).any()) else ""
+        raise ValueError(f"attention_mask must hold only 1 (attend) and 0 (padding), or be a bool tensor; got values "
+                         f"{shown}.{additive}")
 
 
 def check_token_ids(config, ids: torch.Tensor, name: str, *, ignore_index: Optional[int] = None,
@@ -791,10 +975,11 @@ def default_position_ids(attention_mask: Optional[torch.Tensor], layout: CacheLa
     """``[B, T]`` positions: from a 2-D padding mask (left padding starts real tokens at 0) or a plain range
     ``past_len + (0 .. T-1)`` (also for a 4-D mask, as in ``LlamaModel``).
 
-    ``attention_mask`` is read as a boolean (nonzero = real token), like :class:`helm.ops.AttentionMask`."""
+    ``attention_mask`` is read as a boolean (nonzero = real token), like :class:`helm.ops.AttentionMask`
+    (:func:`check_mask_values` refuses other values than 0 and 1 where it can read them)."""
     steps = torch.arange(seq_len, device=device)
     if attention_mask is not None and attention_mask.dim() == 2:
-        # the mask is boolean (nonzero = keep), as in the attention itself: a mask of 2s or 0.5s means the same
+        # the mask is boolean (nonzero = keep), as in the attention itself
         pos = (attention_mask.bool().long().cumsum(-1) - 1).clamp_min(0)
         if not isinstance(layout.past_len, torch.Tensor) and pos.shape[-1] == layout.past_len + seq_len:
             return pos[:, -seq_len:]
@@ -886,7 +1071,9 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
 
 __all__ = ["CACHE_FIELD", "CacheLayout", "CacheOrigin", "HelmDynamicCache", "HelmGenerationMixin",
            "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "cache_signature", "can_return_tuple",
-           "causal_lm_loss", "check_cache_layers", "check_cache_origin", "check_flags", "check_inputs",
-           "check_loading_info", "default_position_ids",
+           "causal_lm_loss", "check_cache_layers", "check_cache_origin", "check_finite_weights", "check_flags",
+           "check_forward_kwargs", "check_generation_lengths", "check_inputs", "check_loading_info",
+           "check_logits_to_keep", "check_mask_values", "default_position_ids", "FORWARD_KWARGS", "kept_positions",
+           "LOSS_KWARGS",
            "fused_causal_lm_loss", "lift_inputs_embeds", "lm_logits_and_loss", "AttentionWeights",
            "positional_encoding", "resolve_cache"]

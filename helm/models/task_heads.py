@@ -24,7 +24,11 @@ from transformers.utils import logging
 
 from ..manifold.math import lift
 from ..nn.head import LorentzLMHead
-from .modeling_common import CACHE_FIELD, can_return_tuple, check_flags, resolve_cache
+from .modeling_common import (CACHE_FIELD, FORWARD_KWARGS, can_return_tuple, check_flags, check_forward_kwargs,
+                              resolve_cache)
+
+# what a head passes on to its base model's forward besides the arguments it names
+BASE_KWARGS = FORWARD_KWARGS | frozenset({"segment_ids", "output_hidden_states", "output_attentions"})
 
 logger = logging.get_logger(__name__)
 
@@ -47,6 +51,9 @@ class HelmTaskHead:
 
     def base_forward(self, input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds, use_cache,
                      kwargs):
+        """The base model's outputs; keywords neither the head nor its base model takes are a ``TypeError`` naming
+        them (:func:`~helm.models.modeling_common.check_forward_kwargs`)."""
+        check_forward_kwargs(self, kwargs, BASE_KWARGS)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=resolve_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
                           use_cache=use_cache, **kwargs)

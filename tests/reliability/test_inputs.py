@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 
 from helm.manifold import lift, manifold_error
 from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config, tiny_model
@@ -79,6 +79,22 @@ BAD_INPUTS = [
     ("output_attentions 'false'", lambda: dict(input_ids=ids(), output_attentions="false"), ValueError, r"^output_attentions must be a bool \(True or False\) or None .*got 'false'"),
     ("skip_logits 'no'", lambda: dict(input_ids=ids(), labels=ids(), skip_logits="no"), ValueError, r"^skip_logits must be a bool \(True or False\) or None .*got 'no'"),
     ("use_cache tensor", lambda: dict(input_ids=ids(), use_cache=torch.tensor(True)), ValueError, r"^use_cache must be a bool"),
+    # probe items 1-3: masks other than 0/1 (read as booleans before: a mask of 2s, 0.5s or -1s gave the logits of all
+    # ones, an additive 0/-inf mask was read backwards), negative or non-int logits_to_keep (-1 dropped the first
+    # position; "1" was "bad operand type for unary -"), and keywords the forward does not take (ignored before)
+    ("attention_mask 2s", lambda: dict(input_ids=ids(), attention_mask=torch.full((B, T), 2)), ValueError, r"^attention_mask must hold only 1 \(attend\) and 0 \(padding\), or be a bool tensor; got values 2\.$"),
+    ("attention_mask 0.5s", lambda: dict(input_ids=ids(), attention_mask=torch.full((B, T), 0.5)), ValueError, r"^attention_mask must hold only 1 \(attend\) and 0 \(padding\), or be a bool tensor; got values 0\.5"),
+    ("attention_mask -1s", lambda: dict(input_ids=ids(), attention_mask=-torch.ones(B, T)), ValueError, r"^attention_mask must hold only 1 .*got values -1\.0\. An additive mask"),
+    ("attention_mask additive 0/-inf", lambda: dict(input_ids=ids(), attention_mask=torch.zeros(B, T).index_fill(1, torch.tensor([0]), float("-inf"))), ValueError, r"^attention_mask must hold only 1 .*got values -inf\. An additive mask \(0 = attend, -inf = masked\) reads backwards"),
+    ("attention_mask NaN", lambda: dict(input_ids=ids(), attention_mask=torch.full((B, T), float("nan"))), ValueError, r"^attention_mask must hold only 1 .*got values nan"),
+    ("attention_mask complex", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T, dtype=torch.complex64)), ValueError, r"^attention_mask must be a bool or 0/1 integer or floating tensor, got torch.complex64"),
+    ("logits_to_keep -1", lambda: dict(input_ids=ids(), logits_to_keep=-1), ValueError, r"^logits_to_keep must be an int >= 0 \(0 keeps every position, n the last n\) or a 1-D tensor of positions, got -1"),
+    ("logits_to_keep '1'", lambda: dict(input_ids=ids(), logits_to_keep="1"), ValueError, r"^logits_to_keep must be an int >= 0 .*got '1'"),
+    ("logits_to_keep 1.0", lambda: dict(input_ids=ids(), logits_to_keep=1.0), ValueError, r"^logits_to_keep must be an int >= 0 .*got 1\.0"),
+    ("logits_to_keep float tensor", lambda: dict(input_ids=ids(), logits_to_keep=torch.tensor([1.0])), ValueError, r"^logits_to_keep as a tensor must hold 1-D integer sequence positions, got a 1-D torch.float32 tensor"),
+    ("unknown keyword foo", lambda: dict(input_ids=ids(), foo=1), TypeError, r"^Helm\w+ForCausalLM\.forward\(\) got unexpected keyword argument\(s\) 'foo'; it takes input_ids, attention_mask"),
+    ("misspelt attention_masks", lambda: dict(input_ids=ids(), attention_masks=torch.ones(B, T)), TypeError, r"got unexpected keyword argument\(s\) 'attention_masks' \(did you mean 'attention_mask'\?\)"),
+    ("misspelt label", lambda: dict(input_ids=ids(), label=ids()), TypeError, r"'label' \(did you mean 'labels'\?\)"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 
@@ -276,23 +292,89 @@ def test_position_ids_of_one_row_broadcast_like_llama(models, family):
     assert torch.equal(model(x, position_ids=torch.arange(T, dtype=torch.int32)[None]).logits, default)
 
 
-# attention_mask is boolean (nonzero = keep) everywhere, default positions included: (case id, mask fill value)
-MASK_VALUES = [("2s", 2), ("0.5s", 0.5), ("2.0s float", 2.0), ("bool", True)]
+# 0/1 masks of every dtype mean the same (masks of other values are refused: BAD_INPUTS): (case id, fill value, dtype)
+MASK_VALUES = [("1.0 float", 1.0, torch.float32), ("bool", True, torch.bool), ("int32", 1, torch.int32),
+               ("fp16", 1.0, torch.float16)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("case,value", MASK_VALUES, ids=[c for c, _ in MASK_VALUES])
-def test_attention_mask_values_are_read_as_booleans(models, family, case, value):
-    """A mask of 2s (or 0.5s) gives the logits of a mask of 1s: default position ids come from ``mask.bool()``
-    (a cumsum of 2s would double the positions), as does the attention mask itself; left padding likewise."""
+@pytest.mark.parametrize("case,value,dtype", MASK_VALUES, ids=[c for c, *_ in MASK_VALUES])
+def test_attention_masks_of_0_and_1_in_any_dtype_agree(models, family, case, value, dtype):
+    """A 0/1 mask of any dtype gives the logits of the long one, with and without left padding."""
     model = models[family]
     x = ids()
     ones = torch.ones(B, T, dtype=torch.long)
-    mask = torch.full((B, T), value)
+    mask = torch.full((B, T), value, dtype=dtype)
     assert torch.equal(model(x, attention_mask=mask).logits, model(x, attention_mask=ones).logits)
     ones[0, :2] = 0
     mask[0, :2] = 0
     assert torch.equal(model(x, attention_mask=mask).logits, model(x, attention_mask=ones).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mask_values_are_checked_only_where_free(family):
+    """The value check of a 2-D mask is a CPU read, switched off with validate_inputs (a mask of 2s is then read
+    as a boolean, as before); a 4-D mask (transformers' additive form) is used as given."""
+    model = tiny_model(family, validate_inputs=False)
+    x = ids()
+    assert torch.equal(model(x, attention_mask=torch.full((B, T), 2)).logits,
+                       model(x, attention_mask=torch.ones(B, T, dtype=torch.long)).logits)
+    model = tiny_model(family)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    additive = torch.zeros(B, 1, T, T).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert torch.allclose(model(x, attention_mask=additive).logits, model(x).logits, atol=1e-5)
+
+
+# probe item 2: logits_to_keep's accepted forms (transformers': an int n >= 0, or a 1-D tensor of positions)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_to_keep_forms(models, family):
+    model, x = models[family], ids()
+    full = model(x).logits
+    assert torch.equal(model(x, logits_to_keep=0).logits, full)
+    assert_close(model(x, logits_to_keep=2).logits, full[:, -2:])  # fewer GEMM rows: rounding may differ
+    assert torch.equal(model(x, logits_to_keep=T + 10).logits, full)
+    assert_close(model(x, logits_to_keep=torch.tensor([0, 3])).logits, full[:, [0, 3]])
+
+
+# probe item 3: the keywords transformers passes (Trainer, generate, packing collators) are still taken
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_keywords_are_accepted(models, family):
+    model, x = models[family], ids()
+    extra = dict(num_items_in_batch=torch.tensor(3), cache_position=torch.arange(T), return_dict=True,
+                 token_type_ids=torch.zeros(B, T, dtype=torch.long), is_causal=True, output_router_logits=False,
+                 ignore_index=-100, shift_labels=None)
+    assert model(x, labels=x, **extra).loss is not None
+    extra = {k: v for k, v in extra.items() if k not in ("ignore_index", "shift_labels")}
+    assert model.model(x, **extra).last_hidden_state.shape[:2] == (B, T)
+    with pytest.raises(TypeError, match=r"^Helm\w+Model\.forward\(\) got unexpected keyword argument\(s\) 'labels'"):
+        model.model(x, labels=x)
+
+
+def _generation_config(**fields):
+    config = GenerationConfig(max_new_tokens=2)  # its own validation compares some fields with ints as well
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+# probe item 6: generate's integer lengths and counts: (case id, generate keywords, message fragment)
+BAD_GENERATE = [
+    ("max_new_tokens '5'", dict(max_new_tokens="5"), r"^max_new_tokens must be an int >= 1 \(or None for the default\), got '5'"),
+    ("max_new_tokens 2.0", dict(max_new_tokens=2.0), r"^max_new_tokens must be an int >= 1 .*got 2\.0"),
+    ("max_length '9'", dict(max_length="9"), r"^max_length must be an int >= 1 .*got '9'"),
+    ("min_new_tokens -1", dict(max_new_tokens=2, min_new_tokens=-1), r"^min_new_tokens must be an int >= 0 .*got -1"),
+    ("min_length '1'", dict(max_new_tokens=2, min_length="1"), r"^min_length must be an int >= 0 .*got '1'"),
+    ("num_return_sequences 0", dict(max_new_tokens=2, num_return_sequences=0), r"^num_return_sequences must be an int >= 1 .*got 0"),
+    ("num_beams '2'", dict(max_new_tokens=2, num_beams="2"), r"^num_beams must be an int >= 1 .*got '2'"),
+    ("generation_config", dict(generation_config=_generation_config(num_beams="2")), r"^generation_config\.num_beams must be an int >= 1 .*got '2'"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,kwargs,match", BAD_GENERATE, ids=[c[0] for c in BAD_GENERATE])
+def test_bad_generation_lengths_are_named(models, family, case, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models[family].generate(ids(), do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])
@@ -363,10 +445,23 @@ def saved(tmp_path_factory, models):
 
 
 def _rewrite(fn):
+    """The weights edited and re-saved with a matching manifest (as if saved so): the load checks behind it act."""
     def edit(path):
+        from helm.manifest import write_manifest
+
         sd = load_file(path / "model.safetensors")
         fn(sd)
         save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+        write_manifest(path, None, which=lambda name: name == "model.safetensors")
+    return edit
+
+
+def _without_manifest(damage):
+    """``damage`` to a folder without save_pretrained's manifest (saved before it wrote one, or the manifest
+    deleted): the weights file itself is read."""
+    def edit(path):
+        os.remove(path / "manifest.json")
+        damage(path)
     return edit
 
 
@@ -380,16 +475,36 @@ def _drop_tail(path):  # header intact, tensor data cut short
     (path / "model.safetensors").write_bytes(data[:-64])
 
 
+def _flip_one_bit(path):
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-100] ^= 0x40  # an exponent bit of a weight: still a valid file, a different model
+    (path / "model.safetensors").write_bytes(bytes(data))
+
+
 WEIGHT = "model.layers.0.attn_residual.raw_weight"
 MATRIX = "model.layers.1.self_attn.o_proj.weight"
 # (case id, damage to the saved directory, exception, message fragment)
 DAMAGED = [
-    ("no weights file", lambda p: os.remove(p / "model.safetensors"), OSError, "no file named model.safetensors"),
+    ("no weights file", _without_manifest(lambda p: os.remove(p / "model.safetensors")), OSError,
+     "no file named model.safetensors"),
     # a corrupt file: an OSError naming the file, chained from safetensors' error (checked below)
-    ("truncated file", _truncate, OSError, r"model\.safetensors is corrupted or truncated.*deserializing header"),
-    ("tensor data cut", _drop_tail, OSError, r"model\.safetensors is corrupted or truncated"),
-    ("not safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100), OSError,
+    ("truncated file", _without_manifest(_truncate), OSError,
+     r"model\.safetensors is corrupted or truncated.*deserializing header"),
+    ("tensor data cut", _without_manifest(_drop_tail), OSError, r"model\.safetensors is corrupted or truncated"),
+    ("not safetensors", _without_manifest(lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100)), OSError,
      r"model\.safetensors is corrupted or truncated.*header"),
+    # probe item 4: save_pretrained writes a manifest of its weight files, so damage after saving is refused
+    ("one byte flipped", lambda p: _flip_one_bit(p), OSError,
+     r"the checkpoint is corrupted: the SHA-256 of model\.safetensors does not match its manifest"),
+    ("truncated, manifest kept", _truncate, OSError,
+     r"the checkpoint is truncated or corrupted: model\.safetensors has \d+ bytes, the manifest records \d+"),
+    ("weights deleted, manifest kept", lambda p: os.remove(p / "model.safetensors"), OSError,
+     r"the checkpoint is incomplete: model\.safetensors is missing"),
+    # probe item 5: non-finite weights are named with their file (NaN logits before)
+    ("NaN weight", _rewrite(lambda sd: sd[MATRIX].view(-1)[0].fill_(float("nan"))), OSError,
+     rf"the weight '{MATRIX}' holds NaN or inf values in \S*model\.safetensors; every output of this model would be NaN"),
+    ("inf scalar", _rewrite(lambda sd: sd[WEIGHT].fill_(float("inf"))), OSError,
+     rf"the weight '{WEIGHT}' holds NaN or inf values in \S*model\.safetensors"),
     ("missing key", _rewrite(lambda sd: sd.pop(MATRIX)), RuntimeError, rf"missing from the checkpoint.*{MATRIX}"),
     ("missing scalar", _rewrite(lambda sd: sd.pop(WEIGHT)), RuntimeError, rf"missing from the checkpoint.*{WEIGHT}"),
     ("missing lm_head", _rewrite(lambda sd: sd.pop("lm_head.weight")), RuntimeError, "lm_head.weight"),
@@ -410,20 +525,14 @@ def test_damaged_checkpoints_fail_loudly(saved, tmp_path, family, case, damage, 
     damage(path)
     with pytest.raises(exc, match=match) as err:
         AutoModelForCausalLM.from_pretrained(path)
-    if "corrupted" in match:
+    if "corrupted or truncated" in match:
         assert str(path) in str(err.value) and isinstance(err.value.__cause__, SafetensorError)
-
-
-def _flip_one_bit(path):
-    data = bytearray((path / "model.safetensors").read_bytes())
-    data[-100] ^= 0x40  # an exponent bit of a weight: still a valid file, a different model
-    (path / "model.safetensors").write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weights_changed_after_train_py_wrote_them_are_refused(saved, tmp_path, family):
     """train.py writes final/ with a SHA-256 manifest; from_pretrained checks the weight files against it."""
-    from helm.manifest import write_manifest
+    from helm.manifest import read_manifest, write_manifest
 
     path = tmp_path / family
     shutil.copytree(saved / family, path)
@@ -432,21 +541,93 @@ def test_weights_changed_after_train_py_wrote_them_are_refused(saved, tmp_path, 
     _flip_one_bit(path)
     with pytest.raises(OSError, match="is corrupted: the SHA-256 of model.safetensors does not match its manifest"):
         AutoModelForCausalLM.from_pretrained(path)
-    # saving new weights there drops the old manifest instead of leaving one that refuses them
+    # saving new weights there replaces the old manifest with one of the new weights (not one that refuses them)
     model = AutoModelForCausalLM.from_config(tiny_config(family))
     model.save_pretrained(path)
-    assert not (path / "manifest.json").exists()
+    manifest = read_manifest(path)
+    assert manifest["step"] is None and list(manifest["files"]) == ["model.safetensors"]
     AutoModelForCausalLM.from_pretrained(path)
+    # which the remote code (no helm import) checks as well
+    _flip_one_bit(path)
+    with pytest.raises(OSError, match="is corrupted: the SHA-256 of model.safetensors does not match its manifest"):
+        AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 
-@pytest.mark.parametrize("where,match", [("/no/such/folder", "no such folder"),
-                                         ("model.safetensors", "expects the checkpoint folder")])
-def test_paths_that_are_not_checkpoint_folders_are_named(saved, where, match):
-    from helm.models.helm_d import HelmDForCausalLM
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_saves_are_listed_and_a_nan_weight_names_its_shard(tmp_path, family):
+    """save_pretrained's manifest lists every shard and the index; a NaN weight is named with the shard it is in."""
+    from helm.manifest import read_manifest, write_manifest
 
-    target = saved / "helm_d" / where if where == "model.safetensors" else where
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    files = read_manifest(tmp_path)["files"]
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and sorted(files) == sorted(shards + ["model.safetensors.index.json"])
+    assert AutoModelForCausalLM.from_pretrained(tmp_path) is not None
+    last = tmp_path / shards[-1]
+    sd = load_file(last)
+    name = sorted(sd)[0]
+    sd[name].view(-1)[0] = float("nan")
+    save_file(sd, last, metadata={"format": "pt"})
+    with pytest.raises(OSError, match="SHA-256"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    write_manifest(tmp_path, None)
+    with pytest.raises(OSError, match=rf"the weight '{name}' holds NaN or inf values in {last}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def _no_config(saved, tmp_path, family):
+    shutil.copytree(saved / family, tmp_path / family)
+    os.remove(tmp_path / family / "config.json")
+    return tmp_path / family
+
+
+# (case id, the path to load from (saved, tmp_path, family), class, message fragment)
+NOT_CHECKPOINT_FOLDERS = [
+    ("no such folder", lambda saved, tmp, family: "/no/such/folder", "HelmDForCausalLM", "no such folder"),
+    ("a file", lambda saved, tmp, family: saved / family / "model.safetensors", "HelmDForCausalLM",
+     "expects the checkpoint folder"),
+    # probe item 7: "Unrecognized model ... Should have a model_type key" before
+    ("helm_d folder without config.json", lambda saved, tmp, family: _no_config(saved, tmp, "helm_d"),
+     "HelmDForCausalLM", r"not a checkpoint folder: it holds model\.safetensors but no config\.json \(a save_pretrained "
+     r"folder holds config\.json and the weights\)"),
+    ("helm_mice folder without config.json", lambda saved, tmp, family: _no_config(saved, tmp, "helm_mice"),
+     "HelmMiCEForCausalLM", r"not a checkpoint folder: it holds model\.safetensors but no config\.json"),
+    ("empty folder", lambda saved, tmp, family: tmp, "HelmDModel", r"not a checkpoint folder: it has no config\.json"),
+]
+
+
+@pytest.mark.parametrize("case,where,cls,match", NOT_CHECKPOINT_FOLDERS, ids=[c[0] for c in NOT_CHECKPOINT_FOLDERS])
+def test_paths_that_are_not_checkpoint_folders_are_named(saved, tmp_path, case, where, cls, match):
+    import helm.models as models
+
     with pytest.raises(OSError, match=match):
-        HelmDForCausalLM.from_pretrained(target)
+        getattr(models, cls).from_pretrained(where(saved, tmp_path, "helm_d"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_folder_without_config_json_loads_with_config(models, saved, tmp_path, family):
+    """config= makes config.json unnecessary, as in transformers."""
+    path = _no_config(saved, tmp_path, family)
+    loaded = type(models[family]).from_pretrained(path, config=models[family].config)
+    assert torch.equal(loaded.eval()(ids()).logits, models[family].eval()(ids()).logits)
+
+
+# probe item 8: (case id, the save directory under tmp_path, message fragment); NotADirectoryError about
+# config.json/manifest.json before
+BAD_SAVE_DIRECTORIES = [
+    ("an existing file", "file.txt", r"save_pretrained\('.*file\.txt'\): the save directory is an existing file"),
+    ("under an existing file", "file.txt/sub", r"the save directory lies under '.*file\.txt', an existing file"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,where,match", BAD_SAVE_DIRECTORIES, ids=[c[0] for c in BAD_SAVE_DIRECTORIES])
+def test_saving_onto_a_file_is_named(models, tmp_path, family, case, where, match):
+    (tmp_path / "file.txt").write_text("keep me")
+    with pytest.raises(NotADirectoryError, match=match):
+        models[family].save_pretrained(tmp_path / where)
+    assert (tmp_path / "file.txt").read_text() == "keep me"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

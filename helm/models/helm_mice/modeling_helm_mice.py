@@ -24,6 +24,8 @@ from ...nn.residual import LorentzResidual
 from ...ops.attention import AttentionMask
 from ..modeling_common import (
     CACHE_FIELD,
+    FORWARD_KWARGS,
+    LOSS_KWARGS,
     AttentionWeights,
     HelmDynamicCache,
     HelmGenerationMixin,
@@ -31,12 +33,15 @@ from ..modeling_common import (
     attention_mask_for,
     can_return_tuple,
     check_flags,
+    check_forward_kwargs,
     check_inputs,
+    check_logits_to_keep,
     default_position_ids,
+    kept_positions,
     lift_inputs_embeds,
     lm_logits_and_loss,
-    resolve_cache,
     positional_encoding,
+    resolve_cache,
 )
 from ..task_heads import QuestionAnsweringHead, SequenceClassificationHead, TokenClassificationHead
 from .configuration_helm_mice import HelmMiCEConfig
@@ -147,6 +152,7 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
                 use_cache: Optional[bool] = None,
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, **kwargs) -> MoeModelOutputWithPast:
+        check_forward_kwargs(self, kwargs, FORWARD_KWARGS)
         check_flags(use_cache=use_cache, output_hidden_states=output_hidden_states,
                     output_attentions=output_attentions)
         attentions = AttentionWeights(self, output_attentions)
@@ -212,6 +218,8 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, HelmGenerationMixin):
                 use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 logits_to_keep: int = 0, skip_logits: Optional[bool] = None, **kwargs) -> MoeCausalLMOutputWithPast:
+        check_forward_kwargs(self, kwargs, FORWARD_KWARGS | LOSS_KWARGS)
+        check_logits_to_keep(logits_to_keep)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=resolve_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
                              use_cache=use_cache,
@@ -219,7 +227,7 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, HelmGenerationMixin):
                              output_attentions=output_attentions)
         hidden_states = outputs.last_hidden_state
         # in training with labels (config.fused_lm_loss) the loss is fused and logits is None: lm_logits_and_loss
-        kept = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+        kept = kept_positions(hidden_states, logits_to_keep)
         logits, loss = lm_logits_and_loss(self, kept, labels, skip_logits, **kwargs)
         aux_loss = self.balance_loss()
         if loss is not None and aux_loss is not None:
