@@ -173,6 +173,18 @@ class HelmPreTrainedModel(PreTrainedModel):
                 *args, output_loading_info=True,
                 **{**kwargs, "ignore_mismatched_sizes": True,
                    "key_mapping": {**LEGACY_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}})
+        except TypeError as err:
+            # a keyword that is neither a config field nor a loading option reaches the model's __init__
+            unexpected = re.search(r"__init__\(\) got an unexpected keyword argument '(\w+)'", str(err))
+            if unexpected is None:
+                raise
+            from .configuration_common import LOADING_KWARGS, config_fields, unknown_field_error
+
+            key = unexpected.group(1)
+            candidates = config_fields(cls.config_class) | {k for k in LOADING_KWARGS if not k.startswith("_")}
+            raise unknown_field_error(cls.config_class, key, candidates,
+                                      f"keyword {key}= of {cls.__name__}.from_pretrained: {cls.config_class.__name__} "
+                                      "has no such field, and transformers no such loading option") from None
         except (SafetensorError, OSError) as err:
             files = _local_weight_files(where)
             if not files or (isinstance(err, OSError) and not isinstance(err, SafetensorError)

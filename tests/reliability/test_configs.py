@@ -522,13 +522,28 @@ UNKNOWN_KEYS = [
     ("HelmDConfig.from_pretrained-keyword", "use_cahce", False, "use_cache"),
     ("constructor", "hiden_size", 129, "hidden_size"),
     ("constructor", "curvatur", -2.0, "curvature"),
+    # the model's loader hands the keywords its config returns unused to the model's __init__
+    ("AutoModelForCausalLM.from_pretrained-keyword", "curvatur", -2.0, "curvature"),
 ]
 UNKNOWN_KEY_WHERE = {"config.json": r"a key of the saved config \(config\.json\)",
                      "AutoConfig.from_pretrained-keyword": "keyword {key}={value} of from_pretrained",
                      "HelmDConfig.from_pretrained-keyword": "keyword {key}={value} of from_pretrained",
-                     "constructor": "constructor keywords must be fields"}
+                     "constructor": "constructor keywords must be fields",
+                     "AutoModelForCausalLM.from_pretrained-keyword":
+                         "keyword {key}= of HelmDForCausalLM.from_pretrained"}
 SOURCES["HelmDConfig.from_pretrained-keyword"] = lambda tmp_path, name, value: HelmDConfig.from_pretrained(
     _saved(tmp_path), **{name: value})
+
+
+def _model_from_pretrained(tmp_path, name, value):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(HelmDConfig.from_pretrained(_saved(tmp_path))).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, **{name: value})
+
+
+SOURCES["AutoModelForCausalLM.from_pretrained-keyword"] = _model_from_pretrained
 
 
 @pytest.mark.parametrize("source, key, value, suggested", UNKNOWN_KEYS,
