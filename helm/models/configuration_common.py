@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import math
+import warnings
 
 from transformers import PreTrainedConfig
 from transformers.utils import logging
@@ -552,6 +553,12 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             spec = type(self).__dataclass_fields__.get(name)
             for rule in spec.metadata.get("validator", ()) if spec is not None else ():
                 check(value, name, rule)
+            if spec is None and name not in self.__dict__ and not is_known_key(type(self), name):
+                # transformers keeps any attribute, so "config.curvatur = -2.0" would build the default curvature
+                # without a word; a warning, not an error: libraries may hang their own attributes on a config
+                warnings.warn(str(unknown_field_error(type(self), name, config_fields(type(self)),
+                                                      "assigned after construction: it is stored, but no HELM "
+                                                      "layer reads it")), UserWarning, stacklevel=2)
         super().__setattr__(name, value)
 
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import numbers
 import os
 import re
@@ -555,14 +556,63 @@ def check_generation_lengths(kwargs: dict) -> None:
                 raise ValueError(f"{where} must be an int >= {least} (or None for the default), got {value!r}")
 
 
+# generate's switches (transformers reads a truthy string such as "yes" as True), and its numbers with their ranges
+GENERATION_BOOLEANS = ("do_sample", "use_cache", "output_scores", "output_logits", "return_dict_in_generate",
+                       "output_attentions", "output_hidden_states", "renormalize_logits", "early_stopping")
+GENERATION_RANGES = {  # name: (test, what the message says it must be)
+    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "typical_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "temperature": (lambda v: v > 0 and math.isfinite(v), "a positive finite number"),
+    "repetition_penalty": (lambda v: v > 0 and math.isfinite(v), "a positive finite number (1.0: no penalty)"),
+    "top_k": (lambda v: v >= 0 and float(v).is_integer(), "an int >= 0"),
+}
+GENERATION_TOKENS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+
+
+def check_generation_arguments(kwargs: dict, vocab_size: Optional[int]) -> None:
+    """``ValueError`` naming the first of ``generate``'s keywords (or fields of the ``generation_config`` passed)
+    that ``transformers`` would accept although it cannot mean what it says: a switch that is not a bool
+    (:data:`GENERATION_BOOLEANS`), a probability, temperature or penalty out of its range
+    (:data:`GENERATION_RANGES`), a special token id outside ``[0, vocab_size)`` (an ``eos_token_id`` that can never
+    be generated), ``min_new_tokens > max_new_tokens``; and the integer lengths (:func:`check_generation_lengths`)."""
+    check_generation_lengths(kwargs)
+    config = kwargs.get("generation_config")
+
+    def given(name):
+        yield kwargs.get(name), name
+        yield getattr(config, name, None), f"generation_config.{name}"
+
+    for name in GENERATION_BOOLEANS:
+        for value, where in given(name):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{where} must be True or False (or None for the default), got {value!r}")
+    for name, (ok, what) in GENERATION_RANGES.items():
+        for value, where in given(name):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value)):
+                raise ValueError(f"{where} must be {what}, got {value!r}")
+    for name in GENERATION_TOKENS:
+        for value, where in given(name):
+            ids = value.tolist() if isinstance(value, torch.Tensor) else value
+            for token in ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids]:
+                if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0 or (
+                        vocab_size is not None and token >= vocab_size):
+                    raise ValueError(f"{where} must be a token id in [0, vocab_size={vocab_size}) (or a list of "
+                                     f"them), got {value!r}")
+    low, high = kwargs.get("min_new_tokens"), kwargs.get("max_new_tokens")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"min_new_tokens={low} is more than max_new_tokens={high}: generate would stop at "
+                         f"{high} tokens; lower min_new_tokens or raise max_new_tokens")
+
+
 class HelmGenerationMixin(GenerationMixin):
     """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
-    them: the integer lengths and counts (:func:`check_generation_lengths`), and the cache: ``past_key_values`` (or
-    ``cache``) must be a ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an
-    ``AttributeError`` from inside ``generate``."""
+    them (:func:`check_generation_arguments`), and the cache: ``past_key_values`` (or ``cache``) must be a
+    ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an ``AttributeError`` from
+    inside ``generate``."""
 
     def generate(self, *args, **kwargs):
-        check_generation_lengths(kwargs)
+        check_generation_arguments(kwargs, getattr(self.config, "vocab_size", None))
         for name in ("past_key_values", "cache"):
             value = kwargs.get(name)
             if value is not None and not isinstance(value, Cache):
@@ -815,7 +865,8 @@ def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Op
 def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                  segment_ids: Optional[torch.Tensor], *,
-                 dtype: Optional[torch.dtype] = None) -> tuple[int, int, CacheLayout]:
+                 dtype: Optional[torch.dtype] = None,
+                 cache_position: Optional[torch.Tensor] = None) -> tuple[int, int, CacheLayout]:
     """Check a forward's inputs and return ``(B, T, layout)`` (:func:`cache_layout` of ``past_key_values``).
 
     Exactly one of ``input_ids [B, T]`` (integers in ``[0, vocab_size)``) and ``inputs_embeds [B, T, 1+n]``
@@ -826,8 +877,10 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     batch as in ``transformers``); lengths the positional encoding can reach; a cache holding tokens written by a
     model of this architecture (:func:`check_cache_layers`: number of layers, key widths), of this curvature,
     positional encoding and precision, with finite values on the CPU (:func:`check_cache_origin`; ``dtype``: the
-    model's weights) and, for a static cache, room for the new tokens (``past + T <= max_cache_len``). Each error is
-    a ``ValueError`` naming the argument and the expected shape.
+    model's weights) and, for a static cache, room for the new tokens (``past + T <= max_cache_len``);
+    ``cache_position``, which ``generate`` passes and HELM does not read (the positions come from the cache), an
+    integer tensor ``[T]`` or ``[B, T]`` when given: one of another length says the caller's view of where the tokens
+    sit is not the cache's. Each error is a ``ValueError`` naming the argument and the expected shape.
 
     Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
     (skipped while compiling); ``config.validate_inputs = False`` turns it off. With a static cache the exact
@@ -845,6 +898,12 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
         check_tensor(inputs_embeds, "inputs_embeds", (None, None, config.hidden_size), "[B, T, hidden_size]",
                      dtype="floating", nonempty=True, note=" points (time coordinate first)")
         batch, seq_len = inputs_embeds.shape[:2]
+    if cache_position is not None and (not isinstance(cache_position, torch.Tensor) or cache_position.dim() not in (1, 2)
+                                       or cache_position.is_floating_point() or cache_position.shape[-1] != seq_len):
+        got = (f"{cache_position.dtype} {tuple(cache_position.shape)}" if isinstance(cache_position, torch.Tensor)
+               else type(cache_position).__name__)
+        raise ValueError(f"cache_position must be an integer tensor [T] = [{seq_len}] (one entry per new token), "
+                         f"got {got}")
     layout = cache_layout(past_key_values, seq_len)
     cached_batch = cache_batch_size(past_key_values)
     if cached_batch not in (None, batch):

@@ -546,6 +546,23 @@ def _model_from_pretrained(tmp_path, name, value):
 SOURCES["AutoModelForCausalLM.from_pretrained-keyword"] = _model_from_pretrained
 
 
+def test_an_unknown_field_assigned_after_construction_is_named_in_a_warning():
+    """Second re-probe: ``config.curvatur = -2.0`` was kept as a stray attribute and the model built the default
+    curvature without a word. It warns with the did-you-mean (not an error: other libraries hang their own attributes
+    on configs); known fields and transformers' keys stay silent."""
+    import warnings
+
+    config = HelmDConfig()
+    with pytest.warns(UserWarning, match=r"^unknown config field 'curvatur' for HelmDConfig; did you mean "
+                                         r"'curvature'\? \(assigned after construction"):
+        config.curvatur = -2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.curvature = -2.0
+        config.architectures = ["HelmDForCausalLM"]
+        config._private_note = 1
+
+
 @pytest.mark.parametrize("source, key, value, suggested", UNKNOWN_KEYS,
                          ids=[f"{s}-{k}" for s, k, _, _ in UNKNOWN_KEYS])
 def test_unknown_keys_of_saved_configs_and_keywords_are_refused_naming_them(source, key, value, suggested, tmp_path):

@@ -88,6 +88,7 @@ BAD_INPUTS = [
     ("attention_mask additive 0/-inf", lambda: dict(input_ids=ids(), attention_mask=torch.zeros(B, T).index_fill(1, torch.tensor([0]), float("-inf"))), ValueError, r"^attention_mask must hold only 1 .*got values -inf\. An additive mask \(0 = attend, -inf = masked\) reads backwards"),
     ("attention_mask NaN", lambda: dict(input_ids=ids(), attention_mask=torch.full((B, T), float("nan"))), ValueError, r"^attention_mask must hold only 1 .*got values nan"),
     ("attention_mask complex", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T, dtype=torch.complex64)), ValueError, r"^attention_mask must be a bool or 0/1 integer or floating tensor, got torch.complex64"),
+    ("cache_position of another length", lambda: dict(input_ids=ids(), cache_position=torch.arange(3)), ValueError, r"^cache_position must be an integer tensor \[T\] = \[\d+\] \(one entry per new token\), got torch\.int64 \(3,\)"),
     ("logits_to_keep -1", lambda: dict(input_ids=ids(), logits_to_keep=-1), ValueError, r"^logits_to_keep must be an int >= 0 \(0 keeps every position, n the last n\) or a 1-D tensor of positions, got -1"),
     ("logits_to_keep '1'", lambda: dict(input_ids=ids(), logits_to_keep="1"), ValueError, r"^logits_to_keep must be an int >= 0 .*got '1'"),
     ("logits_to_keep 1.0", lambda: dict(input_ids=ids(), logits_to_keep=1.0), ValueError, r"^logits_to_keep must be an int >= 0 .*got 1\.0"),
@@ -367,6 +368,13 @@ BAD_GENERATE = [
     ("num_return_sequences 0", dict(max_new_tokens=2, num_return_sequences=0), r"^num_return_sequences must be an int >= 1 .*got 0"),
     ("num_beams '2'", dict(max_new_tokens=2, num_beams="2"), r"^num_beams must be an int >= 1 .*got '2'"),
     ("generation_config", dict(generation_config=_generation_config(num_beams="2")), r"^generation_config\.num_beams must be an int >= 1 .*got '2'"),
+    # second re-probe: values transformers accepts although they cannot mean what they say
+    ("top_p 1.5", dict(max_new_tokens=2, do_sample=True, top_p=1.5), r"^top_p must be a number in \(0, 1\], got 1\.5"),
+    ("top_p 0", dict(max_new_tokens=2, do_sample=True, top_p=0.0), r"^top_p must be a number in \(0, 1\], got 0\.0"),
+    ("do_sample 'yes'", dict(max_new_tokens=2, do_sample="yes"), r"^do_sample must be True or False .*got 'yes'"),
+    ("eos_token_id past the vocabulary", dict(max_new_tokens=2, eos_token_id=99999), r"^eos_token_id must be a token id in \[0, vocab_size=\d+\) .*got 99999"),
+    ("min_new_tokens > max_new_tokens", dict(max_new_tokens=3, min_new_tokens=10), r"^min_new_tokens=10 is more than max_new_tokens=3"),
+    ("repetition_penalty 0", dict(max_new_tokens=2, repetition_penalty=0.0), r"^repetition_penalty must be a positive finite number"),
 ]
 
 
@@ -374,7 +382,7 @@ BAD_GENERATE = [
 @pytest.mark.parametrize("case,kwargs,match", BAD_GENERATE, ids=[c[0] for c in BAD_GENERATE])
 def test_bad_generation_lengths_are_named(models, family, case, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        models[family].generate(ids(), do_sample=False, **kwargs)
+        models[family].generate(ids(), **{"do_sample": False, **kwargs})
 
 
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])

@@ -163,7 +163,8 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
             past_key_values = HelmDynamicCache(config=self.config)
         # layout: past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
         batch, seq_len, layout = check_inputs(self.config, input_ids, inputs_embeds, past_key_values, attention_mask,
-                                              position_ids, segment_ids, dtype=self.embed_tokens.weight.dtype)
+                                              position_ids, segment_ids, dtype=self.embed_tokens.weight.dtype,
+                                              cache_position=kwargs.get("cache_position"))
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
@@ -224,7 +225,7 @@ class HelmMiCEForCausalLM(HelmMiCEPreTrainedModel, HelmGenerationMixin):
                              past_key_values=resolve_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
                              use_cache=use_cache,
                              segment_ids=segment_ids, output_hidden_states=output_hidden_states,
-                             output_attentions=output_attentions)
+                             output_attentions=output_attentions, cache_position=kwargs.get("cache_position"))
         hidden_states = outputs.last_hidden_state
         # in training with labels (config.fused_lm_loss) the loss is fused and logits is None: lm_logits_and_loss
         kept = kept_positions(hidden_states, logits_to_keep)
