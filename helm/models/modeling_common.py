@@ -599,6 +599,14 @@ def check_generation_arguments(kwargs: dict, vocab_size: Optional[int]) -> None:
                         vocab_size is not None and token >= vocab_size):
                     raise ValueError(f"{where} must be a token id in [0, vocab_size={vocab_size}) (or a list of "
                                      f"them), got {value!r}")
+    for value, where in given("bad_words_ids"):
+        rows = value if isinstance(value, (list, tuple)) else None
+        if value is not None and (rows is None or not all(
+                isinstance(row, (list, tuple)) and row and all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < (vocab_size or t + 1)
+                    for t in row) for row in rows)):
+            raise ValueError(f"{where} must be a list of token-id lists, each id in [0, vocab_size={vocab_size}), "
+                             f"got {value!r}")
     low, high = kwargs.get("min_new_tokens"), kwargs.get("max_new_tokens")
     if low is not None and high is not None and low > high:
         raise ValueError(f"min_new_tokens={low} is more than max_new_tokens={high}: generate would stop at "
@@ -619,6 +627,13 @@ class HelmGenerationMixin(GenerationMixin):
                 raise ValueError(f"{name} must be a transformers Cache (DynamicCache, StaticCache, e.g. the one a "
                                  f"previous call returned) or None for a new DynamicCache, got "
                                  f"{type(value).__name__}")
+            prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+            if isinstance(value, Cache) and isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+                cached = int(value.get_seq_length())  # once per generate call, not per step
+                if cached >= prompt.shape[1]:
+                    raise ValueError(f"{name} already holds {cached} tokens but input_ids has {prompt.shape[1]}: "
+                                     "generate continues a cache from input_ids = the cached tokens plus at least "
+                                     "one new one; pass the full sequence, or a new cache")
         return super().generate(*args, **kwargs)
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 
 from helm.manifold import lift, manifold_error
+from helm.models.modeling_common import CACHE_FIELD
 from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config, tiny_model
 
 FAMILIES = ["helm_d", "helm_mice"]
@@ -375,7 +376,20 @@ BAD_GENERATE = [
     ("eos_token_id past the vocabulary", dict(max_new_tokens=2, eos_token_id=99999), r"^eos_token_id must be a token id in \[0, vocab_size=\d+\) .*got 99999"),
     ("min_new_tokens > max_new_tokens", dict(max_new_tokens=3, min_new_tokens=10), r"^min_new_tokens=10 is more than max_new_tokens=3"),
     ("repetition_penalty 0", dict(max_new_tokens=2, repetition_penalty=0.0), r"^repetition_penalty must be a positive finite number"),
+    ("bad_words_ids past the vocabulary", dict(max_new_tokens=2, bad_words_ids=[[99999]]), r"^bad_words_ids must be a list of token-id lists, each id in \[0, vocab_size=\d+\)"),
 ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_a_cache_holding_the_whole_prompt_names_the_cache(models, family):
+    """Second re-probe: a cache already holding every token of input_ids left generate nothing to feed, and the
+    forward complained about an empty input_ids; generate names the cache and both lengths."""
+    prompt = ids()
+    out = models[family].generate(prompt, do_sample=False, max_new_tokens=2, return_dict_in_generate=True)
+    cache = getattr(out, CACHE_FIELD)
+    with pytest.raises(ValueError, match=rf"^past_key_values already holds {cache.get_seq_length()} tokens but "
+                                         rf"input_ids has {prompt.shape[1]}"):
+        models[family].generate(prompt, do_sample=False, max_new_tokens=2, past_key_values=cache)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
