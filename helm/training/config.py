@@ -271,6 +271,10 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         check_booleans(recipe, dotlist)
         check_containers(recipe, dotlist)
         mixed_precision_no(recipe, dotlist)
+        for override in overrides:
+            key, _, value = str(override).partition("=")
+            if _ and not value.strip() and not _optional(key):  # "--train.output_dir=": OmegaConf reads None
+                raise ConfigError(f"--{key}= has no value; give {key} a value (or drop the override)")
         placeholders = sorted(OmegaConf.missing_keys(dotlist))
         if placeholders:  # the merge would keep the recipe's value and drop the override without a word
             raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key in --print-config, it is not a "
@@ -289,6 +293,18 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
                           f"{' '.join(str(error).split())}") from None
     validate(config)
     return config
+
+
+def _optional(key: str) -> bool:
+    """Whether the recipe key ``section.name`` may be null (typed ``Optional[...]``); unknown keys count as optional,
+    so that the merge reports them by name."""
+    section, _, name = key.partition(".")
+    for s in dataclasses.fields(RunConfig):
+        if s.name == section:
+            for f in dataclasses.fields(s.default_factory):
+                if f.name == name:
+                    return str(f.type).startswith("Optional") or "None" in str(f.type)
+    return True
 
 
 def boolean_keys() -> list[str]:

@@ -209,6 +209,8 @@ CASES = [
     ("override-is-the-missing-marker", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=???"], 2,
      r"^error: --train\.output_dir=\?\?\?: '\?\?\?' marks a required key in --print-config, it is not a value; "
      r"give train\.output_dir a value or drop the override$"),
+    ("override-without-a-value", "tiny-helm-d", lambda t, r: [], ["--train.output_dir="], 2,
+     r"^error: --train\.output_dir= has no value; give train\.output_dir a value \(or drop the override\)$"),
     ("seed-too-large", "tiny-helm-d", lambda t, r: [], ["--train.seed=4294967296"], 2,
      r"train\.seed must be < 2\*\*32 \(numpy's seed range\), got 4294967296"),
     ("recipe-invalid-utf8", "tiny-helm-d", _bad_utf8_recipe, [], 2, r"--config .*recipe.yaml.*utf-8"),
