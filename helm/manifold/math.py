@@ -464,13 +464,19 @@ def sqdist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) 
     ``k (1 + w)²``, where its absolute rounding, ``u · |x - y| · (|x| + |y|)``, is what their normalisation can use,
     and this form costs about 6x that pass (forward and backward) on the CPU.
     """
-    _check_tensor("sqdist", "x", x)
-    _check_tensor("sqdist", "y", y)
-    kk = _kt(k, to_stat(x))
-    _check_pair("sqdist", x, y)
-    _check_points("sqdist", k, x=x, y=y)
-    d2 = _sqdist_accurate(x, y, kk)
+    d2, _ = _checked_sqdist("sqdist", x, y, k)
     return d2 if keepdim else d2.squeeze(-1)
+
+
+def _checked_sqdist(name: str, x: torch.Tensor, y: torch.Tensor, k: Curv) -> tuple:
+    """``(d² [..., 1], k)`` for the public ``name`` (:func:`sqdist`, :func:`dist`): its arguments checked, then
+    :func:`_sqdist_accurate`; ``k`` in the statistics dtype."""
+    _check_tensor(name, "x", x)
+    _check_tensor(name, "y", y)
+    kk = _kt(k, to_stat(x))
+    _check_pair(name, x, y)
+    _check_points(name, k, x=x, y=y)
+    return _sqdist_accurate(x, y, kk), kk
 
 
 def sqdist_one_pass(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
@@ -524,12 +530,7 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
     :func:`sqdist`'s accuracy, also for nearby points far from the origin. For analysis and tests, not the forward
     pass. Points of ``H^n_k`` only, shapes as :func:`sqdist` (both checked as there). Returns the statistics dtype.
     """
-    _check_tensor("dist", "x", x)
-    _check_tensor("dist", "y", y)
-    kk = _kt(k, to_stat(x))
-    _check_pair("dist", x, y)
-    _check_points("dist", k, x=x, y=y)
-    d2 = _sqdist_accurate(x, y, kk)
+    d2, kk = _checked_sqdist("dist", x, y, k)
     tiny = torch.finfo(d2.dtype).tiny
     out = 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
     out = torch.where(d2 > 0, out, torch.zeros_like(out))  # exactly 0 (not sqrt(tiny)) for equal points
