@@ -128,6 +128,8 @@ def test_sm90_configs_are_pruned_to_what_fits(lk, d, dtypes, monkeypatch):
         assert kept, (kind, d, dtypes)
         fitting = []
         for c in cfgs:
+            if kind == "dq" and c.kwargs["BLOCK_N"] > c.kwargs["BLOCK_M"]:  # the known dq defect: never kept
+                continue
             smem, regs = common.estimate_resources(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bd, bd,
                                                    q.element_size(), v.element_size(), c.num_warps, c.num_stages)
             if smem <= common.SM90_SMEM_BYTES and regs <= common.REG_BUDGET:
@@ -332,7 +334,7 @@ def test_multi_config_autotuning_path_in_the_interpreter(lk, monkeypatch, dq_blo
 
 
 @pytest.mark.xfail(strict=True, reason="known defect, found 2026-11-26: the dq kernel with BLOCK_N > BLOCK_M (32 x 64) "
-                   "gives dq 50% off fp64 on causal + packed + padded + ALiBi at T = 63; the sm90 candidates "
-                   "(BWD_CONFIGS) include such blocks, so GPU autotuning may pick them until it is fixed")
+                   "gives dq 50% off fp64 on causal + packed + padded + ALiBi at T = 63; prune_configs drops such "
+                   "blocks from dq's sm90 candidates until it is fixed")
 def test_dq_kernel_with_key_blocks_wider_than_query_blocks(lk, monkeypatch):
     test_multi_config_autotuning_path_in_the_interpreter(lk, monkeypatch, dq_blocks=[{"BLOCK_M": 32, "BLOCK_N": 64}])
