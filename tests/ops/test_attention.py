@@ -345,3 +345,29 @@ def test_static_cache_slots_give_the_attention_of_the_written_keys(form, impl):
     assert not mask.bottom_right and not mask.is_plain_causal
     out = lorentz_attention(q, zeros(k), zeros(v), k=0.5, tau=1.5, mask=mask, alibi_slopes=slopes, impl=impl)
     assert_close(out, ref)
+
+
+def test_value_centres_are_each_documents_own_mean():
+    """The per-document centres (one segmented sum per layer) against the definition: each key gets its group's mean
+    ``m`` times ``β = max(0, 1 - 100 var/|m|²)``, computed here per group with plain means (values clustered per
+    document, so β > 0 and the mean itself is checked)."""
+    g = torch.Generator().manual_seed(4)
+    B, H, T, C = 2, 3, 37, 5
+    seg = torch.zeros(B, T, dtype=torch.long)
+    seg[:, 11:] = 1
+    seg[0, 30:] = 2
+    pad = torch.ones(B, T, dtype=torch.bool)
+    pad[1, :4] = False
+    v = torch.randn(B, H, T, C, generator=g, dtype=torch.float64) * 0.01 + seg.view(B, 1, T, 1) + 3
+    groups = ops_attention._key_groups(B, T, seg, pad, "cpu")
+    got = ops_attention._value_centres(v, groups)
+    for b in range(B):
+        key = seg[b] * 2 + (~pad[b]).long()
+        for value in key.unique():
+            members = key == value
+            x = v[b][:, members]
+            m = x.mean(-2, keepdim=True)
+            var = (x - m).square().sum(-1, keepdim=True).mean(-2, keepdim=True)
+            beta = (1 - 100 * var / m.square().sum(-1, keepdim=True)).clamp_min(0)
+            assert (beta > 0).all()
+            assert_close(got[b][:, members], (m * beta).expand_as(x), rtol=1e-10)
