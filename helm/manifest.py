@@ -17,6 +17,9 @@ from typing import Callable, Optional
 
 MANIFEST = "manifest.json"
 FORMAT = 2
+# train.py's markers, here so that loaders below helm.training can tell its folders from model folders
+STATE_FILE = "custom_checkpoint_0.pkl"  # the training state of a checkpoint (accelerate's custom object 0)
+RUN_MARKER = ".helm-train-run"  # the file that marks a run folder
 
 
 def hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:

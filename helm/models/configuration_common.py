@@ -201,6 +201,17 @@ class RemoteCodeConfigMixin:
         if (auto_class if isinstance(auto_class, str) else auto_class.__name__) != "AutoConfig":
             raise ValueError(f"auto_class must be 'AutoConfig', got {auto_class!r}")
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``transformers``' loader, after :func:`helm.models.loading.local_path_problem`: a local path that is
+        not a checkpoint folder (a folder without ``config.json`` would otherwise give a default config) or a
+        ``config.json`` that does not read as an object is an ``OSError`` saying which."""
+        from .loading import check_local_path
+
+        check_local_path(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
+                         json_file_ok=True)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
 
 class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     r"""Fields shared by both families: Llama names first, then the HELM-specific ones.

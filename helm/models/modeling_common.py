@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import can_return_tuple as _transformers_can_return_tuple
 from transformers.utils import logging
 
-from ..manifest import MANIFEST, manifest_problem, read_manifest, write_manifest
+from ..manifest import MANIFEST, write_manifest
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import lift
 from ..nn.attention import LorentzAttentionBase
@@ -36,6 +36,7 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
+from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder
 from .peft_targets import register_peft_targets
 
 
@@ -165,7 +166,7 @@ class HelmPreTrainedModel(PreTrainedModel):
         :meth:`restore_geometry`. ``output_loading_info=True`` returns ``(model, info)`` as in ``transformers``."""
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        _check_local_folder(cls.__name__, where, config=args[1] if len(args) > 1 else kwargs.get("config"),
+        check_local_folder(cls.__name__, where, config=args[1] if len(args) > 1 else kwargs.get("config"),
                             subfolder=kwargs.get("subfolder") or "", gguf_file=kwargs.get("gguf_file"))
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
@@ -316,54 +317,14 @@ class HelmPreTrainedModel(PreTrainedModel):
 
             write_remote_code(save_directory, type(self))
             if path.is_dir():
-                write_manifest(path, None, which=_WEIGHT_FILE.match)
-
-
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-# weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
-_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
-
-
-def _check_local_folder(name: str, where, *, config=None, subfolder: str = "", gguf_file=None) -> None:
-    """Clear errors for a local path that is not a checkpoint folder (transformers would read a missing folder as a
-    malformed hub id, and a folder without ``config.json`` as one of an unknown model type), and the manifest check
-    of folders written by ``save_pretrained`` or ``train.py``: weights changed on disk after they were written
-    (truncation, bit rot) are refused instead of loaded.
-
-    A folder needs no ``config.json`` when a config is passed (``config=``), for a GGUF file, or when it is a
-    PEFT adapter folder (``adapter_config.json``: transformers loads its base model first)."""
-    if not isinstance(where, (str, os.PathLike)):
-        return
-    path = Path(where)
-    looks_local = isinstance(where, os.PathLike) or str(where).startswith((".", "/", "~"))  # never a hub id
-    if path.is_file():
-        raise OSError(f"{name}.from_pretrained({str(where)!r}): expects the checkpoint folder (with config.json), "
-                      f"not a file; use {str(path.parent)!r}")
-    if looks_local and not path.exists():
-        raise OSError(f"{name}.from_pretrained({str(where)!r}): no such folder")
-    path = path / subfolder if subfolder else path
-    if path.is_dir() and config is None and gguf_file is None and not (path / "config.json").is_file() \
-            and not (path / "adapter_config.json").is_file():
-        weights = sorted(p.name for p in path.iterdir() if _WEIGHT_FILE.match(p.name))
-        held = f"it holds {', '.join(weights)} but no config.json" if weights else "it has no config.json"
-        raise OSError(f"{name}.from_pretrained({str(where)!r}): not a checkpoint folder: {held} (a save_pretrained "
-                      "folder holds config.json and the weights); save the model's config there "
-                      "(model.config.save_pretrained), or pass config=")
-    if (path / MANIFEST).is_file():
-        try:
-            problem = manifest_problem(path, read_manifest(path), _WEIGHT_FILE.match)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            problem = f"has an unreadable {MANIFEST} ({error})"
-        if problem:
-            raise OSError(f"{name}.from_pretrained({str(where)!r}): the checkpoint {problem}; re-save or re-download "
-                          f"it (or delete {MANIFEST} to load it anyway)")
+                write_manifest(path, None, which=WEIGHT_FILE.match)
 
 
 def _local_weight_files(where) -> list:
     """The weight files of a local checkpoint directory (empty for a hub id or a missing directory)."""
     try:
         folder = Path(where)
-        return [folder / name for name in _WEIGHT_FILES if (folder / name).is_file()] if folder.is_dir() else []
+        return [folder / name for name in WEIGHT_FILES if (folder / name).is_file()] if folder.is_dir() else []
     except TypeError:
         return []
 

@@ -24,7 +24,7 @@ import yaml
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
-from ..manifest import MANIFEST, fsync_dir, manifest_problem, read_manifest, write_manifest
+from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 LOCK = "train.lock"
-STATE_FILE = "custom_checkpoint_0.pkl"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -225,7 +224,6 @@ def best_checkpoint(root: Path) -> Path | None:
     return min(scored)[2] if scored else None
 
 
-RUN_MARKER = ".helm-train-run"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", ".tmp-final", RUN_MARKER)
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
 OVERWRITTEN = ("checkpoints", "final", ".tmp-final", "metrics.jsonl", "tensorboard")

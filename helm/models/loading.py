@@ -1,0 +1,181 @@
+"""What is wrong with a local path given to ``from_pretrained``, said in one sentence.
+
+``transformers`` reads any path that is not an existing folder as a hub id, so a mistyped folder says "Repo id must
+be in the form 'repo_name' or 'namespace/repo_name'", a folder without ``config.json`` says "Unrecognized model ...
+should have a `model_type` key", and a ``config.json`` with a byte-order mark "is not a valid JSON file".
+:func:`local_path_problem` names the actual problem. The zoo's own classes check before loading
+(:func:`check_local_folder`); :func:`install_auto_load_messages` makes the Auto classes (``AutoConfig``,
+``AutoModel``, ``AutoModelForCausalLM``, ...) re-raise their loading failures with it. That wrapper only acts on a
+failure: a load that succeeds is untouched, the exception keeps its type (``OSError`` or ``ValueError``), and the
+original is chained as its ``__cause__``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, manifest_problem, read_manifest
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+_TARGET = "the folder written by save_pretrained (config.json and the weights) or a hub model id ('owner/name')"
+
+
+def _looks_local(where) -> bool:
+    """Whether ``where`` can only be a local path: a ``PathLike``, or a str that no hub id matches (hub ids are
+    ``name`` or ``owner/name``, never starting with ``.``, ``/`` or ``~``)."""
+    if isinstance(where, os.PathLike):
+        return True
+    parts = where.replace(os.sep, "/").split("/")
+    return where.startswith((".", "/", "~")) or len(parts) > 2 or not all(parts)
+
+
+def config_file_problem(file: Path) -> str | None:
+    """Why ``file`` (an existing ``config.json``) cannot be read as a config: a UTF-8 byte-order mark (which
+    ``transformers``' reader refuses), text that is not UTF-8 or not JSON (with the line and column), or JSON that
+    is not an object; None when it reads as an object."""
+    try:
+        raw = file.read_bytes()
+    except OSError as error:
+        return f"{file.name} cannot be read ({error.strerror or error})"
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return (f"{file.name} starts with a UTF-8 byte-order mark, which transformers' JSON reader refuses; re-save "
+                "it as plain UTF-8")
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return f"{file.name} is not UTF-8 text ({error.reason} at byte {error.start})"
+    except json.JSONDecodeError as error:
+        return f"{file.name} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+    if not isinstance(value, dict):
+        return f"{file.name} holds a JSON {type(value).__name__}, not an object of config fields"
+    return None
+
+
+def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False
+                       ) -> str | None:
+    """Why ``where`` cannot be loaded as a local checkpoint, as a sentence that follows ``from_pretrained(where)``;
+    None when it may be loaded (a folder whose ``config.json`` reads as an object, or a str that may be a hub id).
+
+    ``need_config=False``: a folder without ``config.json`` is fine (a ``config=`` was passed, a GGUF file is
+    named); a PEFT adapter folder (``adapter_config.json``) never needs one. ``json_file_ok``: a ``.json`` file
+    is a config (``AutoConfig.from_pretrained("config.json")``)."""
+    if where is None:
+        return f"got None; pass {_TARGET}"
+    if not isinstance(where, (str, os.PathLike)):
+        return f"expects a str or os.PathLike, got {type(where).__name__}; pass {_TARGET}"
+    text = os.fspath(where)
+    if not text.strip():
+        return f"got an empty path; pass {_TARGET}"
+    path = Path(text)
+    if text.startswith("~") and not path.exists():
+        expanded = path.expanduser()
+        found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
+        return (f"'~' is not expanded by transformers (it would be read as a hub id); pass "
+                f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
+    if path.is_file():
+        if json_file_ok and path.suffix == ".json":
+            return config_file_problem(path)
+        return f"expects the checkpoint folder (with config.json), not a file; use {str(path.parent)!r}"
+    if _looks_local(where) and not path.exists():
+        return "no such folder"
+    folder = path / subfolder if subfolder else path
+    if not folder.is_dir():
+        return None
+    config = folder / "config.json"
+    if config.is_file():
+        return config_file_problem(config)
+    if not need_config or (folder / "adapter_config.json").is_file():
+        return None
+    if (run := _run_of(folder)) is not None:
+        what = "a training checkpoint" if (folder / STATE_FILE).is_file() else \
+            "the checkpoints/ folder" if folder != run else "a run folder"
+        return (f"{what} of train.py (no config.json), not a save_pretrained folder: load the run's model, "
+                f"{str(run / 'final')!r}, or continue training with train.py --resume")
+    weights = sorted(p.name for p in folder.iterdir() if WEIGHT_FILE.match(p.name))
+    held = f"it holds {', '.join(weights)} but no config.json" if weights else "it has no config.json"
+    return (f"not a checkpoint folder: {held} (a save_pretrained folder holds config.json and the weights); save "
+            "the model's config there (model.config.save_pretrained), or pass config=")
+
+
+def _run_of(folder: Path) -> Path | None:
+    """The train.py run folder that ``folder`` is, or whose ``checkpoints/`` folder or checkpoint it is."""
+    for run in (folder, folder.parent, folder.parent.parent):
+        if (run / RUN_MARKER).is_file() or (run / "config.yaml").is_file() and (run / "checkpoints").is_dir():
+            return run
+    if (folder / STATE_FILE).is_file():
+        return folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+    return None
+
+
+def check_local_path(name: str, where, **options) -> None:
+    """An ``OSError`` beginning ``{name}.from_pretrained(where):`` with :func:`local_path_problem` (given
+    ``options``), if it finds one."""
+    if problem := local_path_problem(where, **options):
+        raise OSError(f"{name}.from_pretrained({_shown(where)}): {problem}")
+
+
+def check_local_folder(name: str, where, *, config=None, subfolder: str = "", gguf_file=None) -> None:
+    """An ``OSError`` beginning ``{name}.from_pretrained(where):`` for a local path that is not a checkpoint folder
+    (:func:`local_path_problem`), and the manifest check of folders written by ``save_pretrained`` or ``train.py``:
+    weights changed on disk after they were written (truncation, bit rot) are refused instead of loaded."""
+    check_local_path(name, where, subfolder=subfolder, need_config=config is None and gguf_file is None)
+    if not isinstance(where, (str, os.PathLike)):
+        return
+    path = Path(where) / subfolder if subfolder else Path(where)
+    if (path / MANIFEST).is_file():
+        try:
+            problem = manifest_problem(path, read_manifest(path), WEIGHT_FILE.match)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"has an unreadable {MANIFEST} ({error})"
+        if problem:
+            raise OSError(f"{name}.from_pretrained({_shown(where)}): the checkpoint {problem}; re-save or re-download "
+                          f"it (or delete {MANIFEST} to load it anyway)")
+
+
+def _shown(where) -> str:
+    return repr(os.fspath(where)) if isinstance(where, os.PathLike) else repr(where)
+
+
+def _explained(original, *, json_file_ok: bool):
+    """``original`` (a ``from_pretrained`` classmethod's function), re-raising its ``OSError`` / ``ValueError`` /
+    ``TypeError`` with :func:`local_path_problem` when that finds one."""
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        try:
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        except (OSError, ValueError, TypeError) as error:
+            problem = local_path_problem(
+                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "", json_file_ok=json_file_ok,
+                need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None)
+            if problem is None:
+                raise
+            kind = OSError if isinstance(error, OSError) or isinstance(error, TypeError) else ValueError
+            raise kind(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}") \
+                from error
+
+    from_pretrained.__helm_explained__ = True
+    return from_pretrained
+
+
+def install_auto_load_messages() -> None:
+    """Wrap ``AutoConfig.from_pretrained`` and every Auto model class's ``from_pretrained`` with
+    :func:`_explained`; idempotent."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    owners, pending = [(AutoConfig, True)], [_BaseAutoModelClass]
+    while pending:  # each Auto model class has its own copy of from_pretrained (transformers' auto_class_update)
+        owner = pending.pop()
+        pending.extend(owner.__subclasses__())
+        owners.append((owner, False))
+    for owner, json_file_ok in owners:
+        method = owner.__dict__.get("from_pretrained")
+        if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):
+            owner.from_pretrained = classmethod(_explained(method.__func__, json_file_ok=json_file_ok))
