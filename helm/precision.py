@@ -59,11 +59,13 @@ into the fp32 accumulation where one bf16 number carries 8.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
 
-__all__ = ["HALF", "autocast_dtype", "compute_dtype", "split_hi_lo", "stat_dtype", "to_stat"]
+__all__ = ["HALF", "autocast_dtype", "compute_dtype", "no_autocast", "split_hi_lo", "stat_dtype", "to_stat"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -80,6 +82,13 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     if known and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def no_autocast(device_type: str):
+    """A context that switches autocast off for ``device_type`` where it is on (the operands inside are cast
+    explicitly), else a no-op context: entering ``torch.autocast`` for a device type without an autocast state
+    (meta, for shape inference) raises."""
+    return torch.autocast(device_type, enabled=False) if autocast_dtype(device_type) else contextlib.nullcontext()
 
 
 def compute_dtype(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.dtype:

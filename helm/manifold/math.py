@@ -28,8 +28,8 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   ``logmap0(-x) = -logmap0(x)``, NaN propagates). Inside a model's forward (:func:`trusted_points`) the same.
 * Arguments: a tensor argument that is not fp16/bf16/fp32/fp64 is a ``TypeError`` naming it, a 0-dim one (or
   points with no coordinates) a ``ValueError``, and two point arguments whose coordinates differ in number or
-  whose batch dims do not broadcast a ``ValueError`` naming both shapes. These look at dtypes and shapes only,
-  so they run everywhere (no device work).
+  whose batch dims do not broadcast a ``ValueError`` naming both shapes (and two on different devices one naming
+  both devices). These look at dtypes, shapes and devices only, so they run everywhere (no device work).
 * Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
   fp32/bf16/fp16 inputs and fp64 for fp64 ones. What it returns: :func:`expmap0`, :func:`logmap0` and
   :func:`rescale` (maps a caller applies to its own points and tangents; no layer calls them in a forward) round
@@ -149,9 +149,20 @@ def _check_tensor(fn: str, name: str, t, *, what: str = "points [..., 1+n] (time
         raise ValueError(f"{fn}: {name} must be {what}, got {got}")
 
 
+def _check_devices(fn: str, **tensors: torch.Tensor) -> None:
+    """``ValueError`` naming the devices when tensors (other than 0-dim ones, which torch moves) lie on different
+    devices: torch's own error names neither the function nor the arguments."""
+    placed = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.dim()}
+    if len(set(placed.values())) > 1:
+        shown = ", ".join(f"{name} on {device}" for name, device in placed.items())
+        raise ValueError(f"{fn}: the arguments must be on one device, got {shown}; move them with .to(device)")
+
+
 def _check_pair(fn: str, x: torch.Tensor, y: torch.Tensor) -> None:
     """``ValueError`` naming both shapes unless ``x`` and ``y`` have the same number of coordinates and batch dims
-    that broadcast (a shape comparison; equal shapes return at once)."""
+    that broadcast (a shape comparison; equal shapes return at once), or naming both devices unless they are on
+    one."""
+    _check_devices(fn, x=x, y=y)
     if x.shape == y.shape:
         return
     if x.shape[-1] == y.shape[-1]:
@@ -751,6 +762,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     _check_tensor("centroid", "x", x)
     if w is not None:
         _check_tensor("centroid", "w", w, what="weights", coordinates=None)  # 0-dim: one weight for all
+        _check_devices("centroid", x=x, w=w)
     x = to_stat(x)
     dim = dim if dim >= 0 else x.dim() + dim
     if not 0 <= dim < x.dim() - 1:
@@ -829,6 +841,7 @@ def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int =
             raise ValueError("hcat: xs must hold at least one tensor of points [..., 1+n], got an empty sequence")
         for i, x in enumerate(xs):
             _check_tensor("hcat", f"xs[{i}]", x)
+        _check_devices("hcat", **{f"xs[{i}]": x for i, x in enumerate(xs)})
         batch = [tuple(x.shape[:-1]) for x in xs]
         if len(set(batch)) > 1:
             raise ValueError("hcat: the points xs[i] must have the same batch dims (all but the last), got shapes "

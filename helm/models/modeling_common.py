@@ -301,7 +301,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         save, before the manifest is written, so the hub copy has none.
 
         A ``save_directory`` that is an existing file (or lies under one) is a ``NotADirectoryError`` naming it
-        (``transformers`` would log an error and save nothing)."""
+        (``transformers`` would log an error and save nothing); one that cannot be created an ``OSError`` naming
+        it and the reason."""
         path = Path(save_directory)
         blocking = next((p for p in (path, *path.parents) if p.is_file()), None)
         if blocking is not None:
@@ -310,6 +311,12 @@ class HelmPreTrainedModel(PreTrainedModel):
                                      f"directory {what}; give a folder (it is created if missing)")
         main = kwargs.get("is_main_process", True)
         if main:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise OSError(f"{type(self).__name__}.save_pretrained({str(save_directory)!r}): cannot create the "
+                              f"save directory ({error.strerror or error}: {error.filename or path}); give a "
+                              "folder in a writable place") from error
             (path / MANIFEST).unlink(missing_ok=True)
         super().save_pretrained(save_directory, *args, **kwargs)
         if main:
@@ -841,7 +848,7 @@ def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Op
 def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], past_key_values,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                  segment_ids: Optional[torch.Tensor], *,
-                 dtype: Optional[torch.dtype] = None,
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                  cache_position: Optional[torch.Tensor] = None) -> tuple[int, int, CacheLayout]:
     """Check a forward's inputs and return ``(B, T, layout)`` (:func:`cache_layout` of ``past_key_values``).
 
@@ -856,7 +863,9 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     model's weights) and, for a static cache, room for the new tokens (``past + T <= max_cache_len``);
     ``cache_position``, which ``generate`` passes and HELM does not read (the positions come from the cache), an
     integer tensor ``[T]`` or ``[B, T]`` when given: one of another length says the caller's view of where the tokens
-    sit is not the cache's. Each error is a ``ValueError`` naming the argument and the expected shape.
+    sit is not the cache's. Inputs on the meta device (no values) while the model's weights (on ``device``) are not,
+    and the reverse, are refused (:func:`check_not_meta`). Each error is a ``ValueError`` naming the argument and the
+    expected shape.
 
     Shapes and dtypes are free to check. The vocabulary check reads one boolean back from the device per forward
     (skipped while compiling); ``config.validate_inputs = False`` turns it off. With a static cache the exact
@@ -865,6 +874,8 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    check_not_meta(device, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                   position_ids=position_ids, segment_ids=segment_ids)
     if input_ids is not None:
         check_tensor(input_ids, "input_ids", (None, None), "[B, T]", dtype="integer", nonempty=True)
         check_token_ids(config, input_ids, "input_ids",
@@ -918,6 +929,24 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     return batch, seq_len, layout
 
 
+def check_not_meta(device: Optional[torch.device], **inputs) -> None:
+    """``ValueError`` when some of ``inputs`` (tensors or None) are on the meta device, which holds shapes but no
+    values, and the model's weights (on ``device``) are not, naming the first; or when the weights are on the meta
+    device and an input is not (a model built under ``init_empty_weights`` or on ``device="meta"`` and never
+    loaded). Inputs and weights all on the meta device are allowed (shape inference)."""
+    given = {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+    meta = [name for name, t in given.items() if t.device.type == "meta"]
+    if device is not None and device.type == "meta":
+        if len(meta) < len(given):
+            raise ValueError("the model's weights are on the meta device (shapes without values: built with "
+                             "device='meta' or init_empty_weights and never loaded); load them with from_pretrained, "
+                             "or call model.to_empty(device=...) and initialise them")
+    elif meta:
+        where = f" (model.device is {device})" if device is not None else ""
+        raise ValueError(f"{meta[0]} is on the meta device, which holds shapes but no values; create it on the "
+                         f"model's device{where}")
+
+
 def check_mask_values(config, attention_mask: torch.Tensor) -> None:
     """``ValueError`` naming ``attention_mask`` unless a 2-D mask holds only 1 (attend) and 0 (padding), or is a
     bool tensor: a mask of 2s or 0.5s, or an additive one (0 / -inf, which would be read backwards: -inf as a token,
@@ -945,7 +974,7 @@ def check_token_ids(config, ids: torch.Tensor, name: str, *, ignore_index: Optio
                     hint: str = "") -> None:
     """``ValueError`` naming ``name`` unless every id (other than ``ignore_index``) lies in ``[0, vocab_size)``.
     With ``config.validate_inputs``: one device read, skipped while compiling."""
-    if not config.validate_inputs or torch.compiler.is_compiling():
+    if not config.validate_inputs or torch.compiler.is_compiling() or ids.device.type == "meta":
         return
     vocab = config.vocab_size
     outside = (ids < 0) | (ids >= vocab)

@@ -12,7 +12,7 @@ from transformers.cache_utils import StaticLayer
 
 from ..manifold.math import lift
 from ..ops.attention import AttentionMask, _normalise, alibi_bias
-from ..precision import HALF, split_hi_lo, stat_dtype, to_stat
+from ..precision import HALF, no_autocast, split_hi_lo, stat_dtype, to_stat
 from .attention import LorentzAttentionBase, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
@@ -186,7 +186,7 @@ class HMLA(LorentzAttentionBase):
         k_t = (k_c.square().sum(-1) + to_stat(k_rope[..., 1:]).square().sum(-1) + self.k).sqrt()  # [B, H, T]
         acc = k_c.dtype
         w_v = self.kv_b_proj.weight.view(H, dn + dv, -1)[:, dn:].to(acc)
-        with torch.autocast(c_kv.device.type, enabled=False):
+        with no_autocast(c_kv.device.type):
             w_s = torch.matmul((c_kv - first).to(acc), w_v.transpose(-1, -2))  # [B, H, T, d_v]
         c_s, c_t = centre[..., 1:], centre[..., 0]
         v_t = ((c_s + w_s).square().sum(-1) + self.k).sqrt()
@@ -213,7 +213,7 @@ class HMLA(LorentzAttentionBase):
         k_r = k_rope[:, 0, :, 1:].to(acc)  # [B, Tk, d_r]
         # <q, k>_L up to a constant in j as one GEMM: [W_k^T q^C | q^R | time] · [c_j | k^R_j | k_t,j], the time
         # columns of head h (-q_t against k_t,hj; a hi + lo pair in half precision) zero in the other heads' rows
-        with torch.autocast(q_s.device.type, enabled=False):
+        with no_autocast(q_s.device.type):
             q_lat = torch.matmul(q_s[..., :dn], w[:, :dn].to(gemm))  # [B, H, Tq, 1+n_kv] (q^C·b_k: constant in j)
             k_t = scalars[..., :H]  # [B, Tk, H]
             if gemm in HALF:
@@ -241,7 +241,7 @@ class HMLA(LorentzAttentionBase):
         a = logits.softmax(-1).view(B, H * Tq, Tk)
         # the value side in the statistics dtype (helm.precision): D = Σ a w, the space part W_v (Σ a c_j - c_0)
         # (Σ a = 1), the time part Σ a u and E = Σ a e from the scalars
-        with torch.autocast(q_s.device.type, enabled=False):
+        with no_autocast(q_s.device.type):
             lat = torch.bmm(a, z).view(B, H, Tq, L) - first.to(acc)
             d_s = torch.matmul(lat, w[:, dn:].transpose(-1, -2))  # [B, H, Tq, d_v]
             # Σ_j a_hj [u | e]_j,h': every head against every head's scalars (2H columns), then the diagonal h' = h

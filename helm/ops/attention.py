@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 
 from ..manifold.math import lift, sqnorm
-from ..precision import HALF, compute_dtype, split_hi_lo, stat_dtype, to_stat
+from ..precision import HALF, compute_dtype, no_autocast, split_hi_lo, stat_dtype, to_stat
 
 logger = logging.get_logger(__name__)
 
@@ -428,7 +428,7 @@ def _explicit_attention(q, kk, v, scale, keep, bias, gemm, *, k, mask: Attention
     else:
         c, we = value_centre.to(v.dtype), v
     qm, km = _score_operands(q, kk, gemm)
-    with torch.autocast(device_type=q.device.type, enabled=False):  # the operands are cast already
+    with no_autocast(q.device.type):  # the operands are cast already
         # -d²(q, k)/τ = (2k + 2<q, k>_L)/τ = scale·(k + <q, k>_L)
         scores = (to_stat(qm @ km.transpose(-1, -2)).to(q.dtype) + curv) * scale
         if bias is not None:
@@ -500,7 +500,7 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
     width = we.shape[-1]
     if _pad_sdpa_heads(q.device):  # one common head width, a multiple of 8: flash / memory-efficient eligible
         qm, km, we = _pad_heads(qm, km, we)
-    with torch.autocast(device_type=q.device.type, enabled=False):  # the operands are cast already
+    with no_autocast(q.device.type):  # the operands are cast already
         out = F.scaled_dot_product_attention(qm, km, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
     out = out[..., :width]
     if value_centre is not None:  # [S | E] -> [D | E]  (Σ ν = 1)

@@ -7,6 +7,7 @@ one (one bool, switchable).
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -43,6 +44,11 @@ BAD_INPUTS = [
     ("input_ids < 0", lambda: dict(input_ids=-ids() - 1), ValueError, r"input_ids must lie in \[0, vocab_size=512\)"),
     ("ids and embeds", lambda: dict(input_ids=ids(), inputs_embeds=torch.randn(B, T, HIDDEN)), ValueError, "exactly one of input_ids and inputs_embeds"),
     ("neither", lambda: dict(), ValueError, "exactly one of input_ids and inputs_embeds"),
+    # re-probe 5: "Tensor.item() cannot be called on meta tensors" before
+    ("input_ids on meta", lambda: dict(input_ids=ids().to("meta")), ValueError,
+     r"input_ids is on the meta device, which holds shapes but no values; create it on the model's device \(model\.device is cpu\)"),
+    ("attention_mask on meta", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T, device="meta")), ValueError,
+     "attention_mask is on the meta device"),
     ("attention_mask 1-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(5,\)"),
     ("attention_mask batch", lambda: dict(input_ids=ids(), attention_mask=torch.ones(3, T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(3, 5\)"),
     ("attention_mask length", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T + 1)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(2, 6\)"),
@@ -604,27 +610,90 @@ def _no_config(saved, tmp_path, family):
     return tmp_path / family
 
 
-# (case id, the path to load from (saved, tmp_path, family), class, message fragment)
+def _with_config(saved, tmp_path, text: bytes):
+    """A copy of the saved helm_d folder whose config.json is ``text``."""
+    path = _no_config(saved, tmp_path, "helm_d")
+    (path / "config.json").write_bytes(text)
+    return path
+
+
+def _train_run(tmp_path):
+    """The layout train.py writes: run/{.helm-train-run, config.yaml, checkpoints/step-00000002/...} (no final/ yet)."""
+    from helm.manifest import RUN_MARKER, STATE_FILE
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / STATE_FILE).write_bytes(b"")
+    (step / "model.safetensors").write_bytes(b"")
+    (tmp_path / "run" / RUN_MARKER).write_text("")
+    (tmp_path / "run" / "config.yaml").write_text("")
+    return tmp_path / "run"
+
+
+FINAL = r"load the run's model, '\S*run/final', or continue training with train\.py --resume"
+# (case id, the path to load from (saved, tmp_path), message fragment after "Class.from_pretrained(path): ");
+# every loader says the same: the zoo's classes check before loading, the Auto classes after transformers fails
+# (probe items 7 and 10, re-probes 4 and 5: "Repo id must be in the form ...", "Unrecognized model ... Should have a
+# `model_type` key", "couldn't connect to huggingface.co", "not a valid JSON file" before)
 NOT_CHECKPOINT_FOLDERS = [
-    ("no such folder", lambda saved, tmp, family: "/no/such/folder", "HelmDForCausalLM", "no such folder"),
-    ("a file", lambda saved, tmp, family: saved / family / "model.safetensors", "HelmDForCausalLM",
-     "expects the checkpoint folder"),
-    # probe item 7: "Unrecognized model ... Should have a model_type key" before
-    ("helm_d folder without config.json", lambda saved, tmp, family: _no_config(saved, tmp, "helm_d"),
-     "HelmDForCausalLM", r"not a checkpoint folder: it holds model\.safetensors but no config\.json \(a save_pretrained "
+    ("no such folder", lambda saved, tmp: "/no/such/folder", "no such folder"),
+    ("no such relative folder", lambda saved, tmp: "no/such/folder", "no such folder"),
+    ("a file", lambda saved, tmp: saved / "helm_d" / "model.safetensors",
+     r"expects the checkpoint folder \(with config\.json\), not a file; use '\S*helm_d'"),
+    ("None", lambda saved, tmp: None, "got None; pass the folder written by save_pretrained"),
+    ("empty string", lambda saved, tmp: "", "got an empty path; pass the folder written by save_pretrained"),
+    ("tilde path", lambda saved, tmp: "~/no/such/model",
+     r"'~' is not expanded by transformers .*pass os\.path\.expanduser\(\.\.\.\) = '\S*no/such/model' \(there is "
+     r"no such folder either\)"),
+    ("folder without config.json", lambda saved, tmp: _no_config(saved, tmp, "helm_d"),
+     r"not a checkpoint folder: it holds model\.safetensors but no config\.json \(a save_pretrained "
      r"folder holds config\.json and the weights\)"),
-    ("helm_mice folder without config.json", lambda saved, tmp, family: _no_config(saved, tmp, "helm_mice"),
-     "HelmMiCEForCausalLM", r"not a checkpoint folder: it holds model\.safetensors but no config\.json"),
-    ("empty folder", lambda saved, tmp, family: tmp, "HelmDModel", r"not a checkpoint folder: it has no config\.json"),
+    ("empty folder", lambda saved, tmp: tmp, r"not a checkpoint folder: it has no config\.json"),
+    ("config.json with a BOM", lambda saved, tmp: _with_config(
+        saved, tmp, b"\xef\xbb\xbf" + (saved / "helm_d" / "config.json").read_bytes()),
+     "config.json starts with a UTF-8 byte-order mark"),
+    ("config.json cut short", lambda saved, tmp: _with_config(saved, tmp, b'{"model_type": "helm_d",'),
+     r"config\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 1, column 25\)"),
+    ("config.json a list", lambda saved, tmp: _with_config(saved, tmp, b"[1, 2]"),
+     "config.json holds a JSON list, not an object of config fields"),
+    ("train.py checkpoint", lambda saved, tmp: _train_run(tmp) / "checkpoints" / "step-00000002",
+     "a training checkpoint of train.py \\(no config.json\\), not a save_pretrained folder: " + FINAL),
+    ("checkpoints folder", lambda saved, tmp: _train_run(tmp) / "checkpoints", "the checkpoints/ folder of train.py"),
+    ("run folder", lambda saved, tmp: _train_run(tmp), "a run folder of train.py .*" + FINAL),
 ]
+LOADERS = ["HelmDForCausalLM", "HelmMiCEModel", "HelmDConfig", "AutoConfig", "AutoModelForCausalLM", "AutoModel"]
 
 
-@pytest.mark.parametrize("case,where,cls,match", NOT_CHECKPOINT_FOLDERS, ids=[c[0] for c in NOT_CHECKPOINT_FOLDERS])
-def test_paths_that_are_not_checkpoint_folders_are_named(saved, tmp_path, case, where, cls, match):
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("case,where,match", NOT_CHECKPOINT_FOLDERS, ids=[c[0] for c in NOT_CHECKPOINT_FOLDERS])
+def test_paths_that_are_not_checkpoint_folders_are_named(saved, tmp_path, loader, case, where, match):
+    import transformers
+
     import helm.models as models
 
-    with pytest.raises(OSError, match=match):
-        getattr(models, cls).from_pretrained(where(saved, tmp_path, "helm_d"))
+    if loader.endswith("Config") and case == "a file":
+        pytest.skip("a config class reads a config file given directly (a .json file: the BOM/list rows cover it)")
+    cls = getattr(models, loader, None) or getattr(transformers, loader)
+    path = where(saved, tmp_path)
+    shown = repr(os.fspath(path)) if path is not None else "None"
+    with pytest.raises((OSError, ValueError), match=rf"^{loader}\.from_pretrained\({re.escape(shown)}\): {match}") as err:
+        cls.from_pretrained(path)
+    if loader.startswith("Auto"):  # transformers' own error is kept as the cause
+        assert err.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("loader", ["AutoConfig", "AutoModelForCausalLM"])
+def test_auto_loading_messages_leave_the_rest_to_transformers(saved, tmp_path, loader):
+    """A good folder loads; a failure that is not about the path (a model type nobody registered) is transformers'
+    own error, unchanged."""
+    import transformers
+
+    cls = getattr(transformers, loader)
+    assert cls.from_pretrained(saved / "helm_d") is not None
+    path = _with_config(saved, tmp_path, b'{"model_type": "no_such_type"}')
+    with pytest.raises(ValueError, match="no_such_type") as err:
+        cls.from_pretrained(path)
+    assert not str(err.value).startswith(loader) and err.value.__cause__ is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -641,6 +710,26 @@ BAD_SAVE_DIRECTORIES = [
     ("an existing file", "file.txt", r"save_pretrained\('.*file\.txt'\): the save directory is an existing file"),
     ("under an existing file", "file.txt/sub", r"the save directory lies under '.*file\.txt', an existing file"),
 ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_save_directory_that_cannot_be_created_is_named(models, family):
+    """re-probe 5: a raw FileNotFoundError from os.makedirs before."""
+    with pytest.raises(OSError, match=r"save_pretrained\('/proc/helm-no-such/x'\): cannot create the save directory "
+                                      r"\(No such file or directory: /proc/helm-no-such"):
+        models[family].save_pretrained("/proc/helm-no-such/x")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_on_the_meta_device_is_named_and_shape_inference_works(family):
+    """Weights on the meta device (never loaded) with real inputs are refused, naming the weights; all on the meta
+    device runs (shape inference, as with transformers' models)."""
+    with torch.device("meta"):
+        model = tiny_model(family)
+    with pytest.raises(ValueError, match="the model's weights are on the meta device .*model.to_empty"):
+        model(input_ids=ids())
+    out = model(input_ids=ids().to("meta"))
+    assert out.logits.shape == (B, T, V) and out.logits.device.type == "meta"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -515,6 +515,13 @@ BAD_ARGUMENTS = [
      r"^normalize: floor must broadcast against the time coordinates x\[\.\.\., :1\] of shape \(3, 1\)"),
     ("normalize of a light-like s", lambda: M.normalize(torch.tensor([[1.0, 1.0, 0.0]]), k=1.0), ValueError,
      r"^normalize: s must be finite and time-like, \|<s, s>_L\| > 0 .*light-like or zero"),
+    # re-probe 5: torch's "Tensor on device meta is not on the expected device cpu!" before
+    ("dist with y on the meta device", lambda: M.dist(_pts, torch.empty(3, 3, device="meta"), k=1.0), ValueError,
+     r"^dist: the arguments must be on one device, got x on cpu, y on meta; move them with \.to\(device\)"),
+    ("centroid with w on the meta device", lambda: M.centroid(_pts, torch.ones(3, device="meta"), k=1.0, dim=0),
+     ValueError, r"^centroid: the arguments must be on one device, got x on cpu, w on meta"),
+    ("hcat of points on two devices", lambda: M.hcat([_pts, torch.empty(3, 3, device="meta")], k=1.0), ValueError,
+     r"^hcat: the arguments must be on one device, got xs\[0\] on cpu, xs\[1\] on meta"),
     # item 5: raw torch errors
     ("expmap0 of an integer tensor", lambda: M.expmap0(torch.tensor([[0, 1, 2]]), k=1.0), TypeError,
      r"^expmap0: u must be a floating-point tensor \(float16, bfloat16, float32 or float64\), got torch.int64"),
