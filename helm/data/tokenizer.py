@@ -12,34 +12,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..models.loading import TOKENIZER_FILES, VOCABULARY_FILES, tokenizer_files_problem  # noqa: F401 (re-exported)
 from .loading import load_text_dataset
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-
-# The files transformers builds a tokenizer from: a fast tokenizer's tokenizer.json, or a slow one's vocabulary
-# (sentencepiece models, BPE vocab + merges, WordPiece vocab); tokenizer_config.json alone may do for a tokenizer
-# that needs no vocabulary file (ByT5's bytes) or names custom code.
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-                    "sentencepiece.bpe.model")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json") + VOCABULARY_FILES[1:]
-
-
-def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
-    """Why the local ``folder`` cannot hold a tokenizer: it has none of :data:`TOKENIZER_FILES` (nor a
-    ``*.tiktoken`` file); ``None`` otherwise. Checked before ``AutoTokenizer.from_pretrained``, whose message for
-    such a folder (a model folder saved without its tokenizer) is about sentencepiece or tiktoken not being
-    installed."""
-    folder = Path(folder).expanduser()
-    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
-        return None
-    hint = ""
-    if (folder / "final" / "tokenizer.json").is_file():
-        hint = f"; its final/ folder holds one ({folder / 'final'})"
-    elif (folder / "config.json").is_file():
-        hint = "; it is a model folder (config.json) saved without its tokenizer"
-    return f"{str(folder)!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken){hint}"
-
 
 def no_vocabulary_hint(folder: str | os.PathLike) -> str:
     """A note for a failed ``AutoTokenizer.from_pretrained`` of a local folder that has a tokenizer_config.json but

@@ -4,10 +4,12 @@
 be in the form 'repo_name' or 'namespace/repo_name'", a folder without ``config.json`` says "Unrecognized model ...
 should have a `model_type` key", and a ``config.json`` with a byte-order mark "is not a valid JSON file".
 :func:`local_path_problem` names the actual problem. The zoo's own classes check before loading
-(:func:`check_local_folder`); :func:`install_auto_load_messages` makes the Auto classes (``AutoConfig``,
-``AutoModel``, ``AutoModelForCausalLM``, ...) re-raise their loading failures with it. That wrapper only acts on a
-failure: a load that succeeds is untouched, the exception keeps its type (``OSError`` or ``ValueError``), and the
-original is chained as its ``__cause__``."""
+(:func:`check_local_folder`). :func:`install_auto_load_messages` wraps the Auto classes (``AutoConfig``,
+``AutoModel``, ``AutoModelForCausalLM``, ... and ``AutoTokenizer``): a path that can load nothing
+(:func:`unloadable_path_problem`: None, an empty or ``~`` path, a missing folder) is refused at once, and any other
+failure is re-raised with :func:`local_path_problem` when it finds one. A load that succeeds is untouched, a
+re-raised exception keeps its type (``OSError`` or ``ValueError``) with transformers' own as its ``__cause__``, and
+a failure the path does not explain (a hub id, a bad keyword, damaged weights) is transformers' error unchanged."""
 
 from __future__ import annotations
 
@@ -22,7 +24,31 @@ from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, manifest_problem, read_
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
 WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
-_TARGET = "the folder written by save_pretrained (config.json and the weights) or a hub model id ('owner/name')"
+# The files transformers builds a tokenizer from: a fast tokenizer's tokenizer.json, or a slow one's vocabulary
+# (sentencepiece models, BPE vocab + merges, WordPiece vocab); tokenizer_config.json alone may do for a tokenizer
+# that needs no vocabulary file (ByT5's bytes) or names custom code.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json") + VOCABULARY_FILES[1:]
+
+
+def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
+    """Why the local ``folder`` cannot hold a tokenizer: it has none of :data:`TOKENIZER_FILES` (nor a
+    ``*.tiktoken`` file); ``None`` otherwise. Checked before ``AutoTokenizer.from_pretrained``, whose message for
+    such a folder (a model folder saved without its tokenizer) is about sentencepiece or tiktoken not being
+    installed."""
+    folder = Path(folder).expanduser()
+    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return None
+    hint = ""
+    if (folder / "final" / "tokenizer.json").is_file():
+        hint = f"; its final/ folder holds one ({folder / 'final'})"
+    elif (folder / "config.json").is_file():
+        hint = "; it is a model folder (config.json) saved without its tokenizer"
+    return f"{str(folder)!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken){hint}"
+
+
+_TARGET = "a folder written by save_pretrained or a hub model id ('owner/name')"
 
 
 def _looks_local(where) -> bool:
@@ -56,14 +82,10 @@ def config_file_problem(file: Path) -> str | None:
     return None
 
 
-def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False
-                       ) -> str | None:
-    """Why ``where`` cannot be loaded as a local checkpoint, as a sentence that follows ``from_pretrained(where)``;
-    None when it may be loaded (a folder whose ``config.json`` reads as an object, or a str that may be a hub id).
-
-    ``need_config=False``: a folder without ``config.json`` is fine (a ``config=`` was passed, a GGUF file is
-    named); a PEFT adapter folder (``adapter_config.json``) never needs one. ``json_file_ok``: a ``.json`` file
-    is a config (``AutoConfig.from_pretrained("config.json")``)."""
+def unloadable_path_problem(where) -> str | None:
+    """Why ``where`` can load nothing, whatever is asked of it, or None: None, not a path, an empty path, a ``~``
+    path that does not exist (transformers does not expand it), or a path that no hub id matches
+    (:func:`_looks_local`) and that does not exist."""
     if where is None:
         return f"got None; pass {_TARGET}"
     if not isinstance(where, (str, os.PathLike)):
@@ -72,17 +94,37 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
     if not text.strip():
         return f"got an empty path; pass {_TARGET}"
     path = Path(text)
-    if text.startswith("~") and not path.exists():
+    if path.exists():
+        return None
+    if text.startswith("~"):
         expanded = path.expanduser()
         found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
         return (f"'~' is not expanded by transformers (it would be read as a hub id); pass "
                 f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
+    return "no such folder" if _looks_local(where) else None
+
+
+def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
+                       tokenizer: bool = False) -> str | None:
+    """Why ``where`` cannot be loaded as a local checkpoint, as a sentence that follows ``from_pretrained(where)``;
+    None when it may be loaded (a folder whose ``config.json`` reads as an object, or a str that may be a hub id).
+
+    ``need_config=False``: a folder without ``config.json`` is fine (a ``config=`` was passed, a GGUF file is
+    named); a PEFT adapter folder (``adapter_config.json``) never needs one. ``json_file_ok``: a ``.json`` file
+    is a config (``AutoConfig.from_pretrained("config.json")``). ``tokenizer``: only the path itself is checked
+    (``AutoTokenizer``: a tokenizer folder needs no ``config.json``)."""
+    if problem := unloadable_path_problem(where):
+        return problem
+    path = Path(os.fspath(where))
     if path.is_file():
         if json_file_ok and path.suffix == ".json":
             return config_file_problem(path)
-        return f"expects the checkpoint folder (with config.json), not a file; use {str(path.parent)!r}"
-    if _looks_local(where) and not path.exists():
-        return "no such folder"
+        folder = "a tokenizer folder" if tokenizer else "the checkpoint folder (with config.json)"
+        return f"expects {folder}, not a file; use {str(path.parent)!r}"
+    if tokenizer:
+        folder = path / subfolder if subfolder else path
+        problem = tokenizer_files_problem(folder) if folder.is_dir() else None
+        return problem and f"the folder {problem}"
     folder = path / subfolder if subfolder else path
     if not folder.is_dir():
         return None
@@ -141,18 +183,20 @@ def _shown(where) -> str:
     return repr(os.fspath(where)) if isinstance(where, os.PathLike) else repr(where)
 
 
-def _explained(original, *, json_file_ok: bool):
+def _explained(original, **options):
     """``original`` (a ``from_pretrained`` classmethod's function), re-raising its ``OSError`` / ``ValueError`` /
     ``TypeError`` with :func:`local_path_problem` when that finds one."""
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        if problem := unloadable_path_problem(pretrained_model_name_or_path):  # transformers would fail (slowly)
+            raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
         try:
             return original(cls, pretrained_model_name_or_path, *args, **kwargs)
         except (OSError, ValueError, TypeError) as error:
             problem = local_path_problem(
-                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "", json_file_ok=json_file_ok,
-                need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None)
+                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
+                need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None, **options)
             if problem is None:
                 raise
             kind = OSError if isinstance(error, OSError) or isinstance(error, TypeError) else ValueError
@@ -164,18 +208,19 @@ def _explained(original, *, json_file_ok: bool):
 
 
 def install_auto_load_messages() -> None:
-    """Wrap ``AutoConfig.from_pretrained`` and every Auto model class's ``from_pretrained`` with
-    :func:`_explained`; idempotent."""
-    from transformers import AutoConfig
+    """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` (path checks only) and every Auto
+    model class's ``from_pretrained`` with :func:`_explained`; idempotent."""
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
-    owners, pending = [(AutoConfig, True)], [_BaseAutoModelClass]
+    owners = [(AutoConfig, {"json_file_ok": True}), (AutoTokenizer, {"tokenizer": True})]
+    pending = [_BaseAutoModelClass]
     while pending:  # each Auto model class has its own copy of from_pretrained (transformers' auto_class_update)
         owner = pending.pop()
         pending.extend(owner.__subclasses__())
-        owners.append((owner, False))
-    for owner, json_file_ok in owners:
+        owners.append((owner, {}))
+    for owner, options in owners:
         method = owner.__dict__.get("from_pretrained")
         if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):
-            owner.from_pretrained = classmethod(_explained(method.__func__, json_file_ok=json_file_ok))
+            owner.from_pretrained = classmethod(_explained(method.__func__, **options))

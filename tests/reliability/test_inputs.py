@@ -640,8 +640,8 @@ NOT_CHECKPOINT_FOLDERS = [
     ("no such relative folder", lambda saved, tmp: "no/such/folder", "no such folder"),
     ("a file", lambda saved, tmp: saved / "helm_d" / "model.safetensors",
      r"expects the checkpoint folder \(with config\.json\), not a file; use '\S*helm_d'"),
-    ("None", lambda saved, tmp: None, "got None; pass the folder written by save_pretrained"),
-    ("empty string", lambda saved, tmp: "", "got an empty path; pass the folder written by save_pretrained"),
+    ("None", lambda saved, tmp: None, "got None; pass a folder written by save_pretrained or a hub model id"),
+    ("empty string", lambda saved, tmp: "", "got an empty path; pass a folder written by save_pretrained"),
     ("tilde path", lambda saved, tmp: "~/no/such/model",
      r"'~' is not expanded by transformers .*pass os\.path\.expanduser\(\.\.\.\) = '\S*no/such/model' \(there is "
      r"no such folder either\)"),
@@ -661,6 +661,8 @@ NOT_CHECKPOINT_FOLDERS = [
     ("checkpoints folder", lambda saved, tmp: _train_run(tmp) / "checkpoints", "the checkpoints/ folder of train.py"),
     ("run folder", lambda saved, tmp: _train_run(tmp), "a run folder of train.py .*" + FINAL),
 ]
+# paths that can load nothing: the Auto classes refuse them before transformers tries (the hub, for a '~' path)
+UNLOADABLE = {"no such folder", "no such relative folder", "None", "empty string", "tilde path"}
 LOADERS = ["HelmDForCausalLM", "HelmMiCEModel", "HelmDConfig", "AutoConfig", "AutoModelForCausalLM", "AutoModel"]
 
 
@@ -678,8 +680,31 @@ def test_paths_that_are_not_checkpoint_folders_are_named(saved, tmp_path, loader
     shown = repr(os.fspath(path)) if path is not None else "None"
     with pytest.raises((OSError, ValueError), match=rf"^{loader}\.from_pretrained\({re.escape(shown)}\): {match}") as err:
         cls.from_pretrained(path)
-    if loader.startswith("Auto"):  # transformers' own error is kept as the cause
+    if loader.startswith("Auto") and case not in UNLOADABLE:  # transformers' own error is kept as the cause
         assert err.value.__cause__ is not None
+
+
+TOKENIZER_PATHS = [
+    ("no such folder", lambda tmp: tmp / "no" / "such", "no such folder"),
+    ("None", lambda tmp: None, "got None"),
+    ("tilde path", lambda tmp: "~/no/such/tokenizer", "'~' is not expanded by transformers"),
+    ("a file", lambda tmp: tmp / "vocab.txt", r"expects a tokenizer folder, not a file; use '\S*'"),
+    ("a model folder without tokenizer files", lambda tmp: tmp, r"the folder '\S*' has no tokenizer files \(looked "
+     r"for tokenizer\.json, tokenizer_config\.json, .*; it is a model folder \(config\.json\) saved without its tokenizer"),
+]
+
+
+@pytest.mark.parametrize("case,where,match", TOKENIZER_PATHS, ids=[c[0] for c in TOKENIZER_PATHS])
+def test_auto_tokenizer_names_paths_that_hold_no_tokenizer(tmp_path, case, where, match):
+    """AutoTokenizer gets the path checks (a tokenizer folder needs no config.json): transformers said "Repo id must
+    be ..." or "Couldn't instantiate the backend tokenizer" before."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "config.json").write_text("{}")
+    if case == "a file":
+        (tmp_path / "vocab.txt").write_text("a\n")
+    with pytest.raises((OSError, ValueError), match=rf"^AutoTokenizer\.from_pretrained\(.*\): {match}"):
+        AutoTokenizer.from_pretrained(where(tmp_path))
 
 
 @pytest.mark.parametrize("loader", ["AutoConfig", "AutoModelForCausalLM"])
