@@ -51,7 +51,8 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            save_checkpoint, save_final, train_step, training_batches, unloadable_files)
 from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, foreign_run_entries, is_run_folder, list_checkpoints,
                                       model_folder_problem, non_finite_optimizer_state, non_finite_parameters,
-                                      non_finite_weights, remove_stale_tmp_checkpoints, write_run_marker)
+                                      non_finite_weights, remove_stale_tmp_checkpoints, set_aside_later_checkpoints,
+                                      write_run_marker)
 from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
@@ -451,6 +452,11 @@ def train(cfg, resume) -> dict:
                                      "nothing was trained or written. Resume from an earlier checkpoint with "
                                      f"--resume PATH{hint}")
         say(f"[train] resumed from {checkpoint} at step {start_step}")
+        if accelerator.is_main_process and Path(checkpoint).parent.resolve() == (out / "checkpoints").resolve():
+            for before, after in set_aside_later_checkpoints(out / "checkpoints", start_step):
+                say(f"[train] {before.name} is later than the checkpoint resumed from, so it belongs to the history "
+                    f"this run replaces: set aside as {after} (kept; --resume it to go back to it, or delete it)")
+        accelerator.wait_for_everyone()
         if (was := saved["config"]["train"]["max_steps"]) != cfg.train.max_steps:
             before, now = replan_schedule(optimizer, scheduler, start_step)
             say(f"[train] train.max_steps changed from {was} to {cfg.train.max_steps}: the learning-rate schedule "

@@ -35,6 +35,8 @@ WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 LOCK = "train.lock"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+# a checkpoint later than the one a run was resumed from, set aside (set_aside_later_checkpoints)
+_ABANDONED_DIR = re.compile(r"^abandoned-step-\d{8}(-\d+)?$")
 
 
 class CheckpointError(RuntimeError):
@@ -290,8 +292,8 @@ def model_folder_problem(folder: Path, name: str, option: str) -> str | None:
 def foreign_run_entries(output_dir: Path) -> list[str]:
     """The paths (relative to ``output_dir``) inside ``checkpoints/``, ``final/`` and ``tensorboard/`` that train.py
     did not write (in ``tensorboard/``: files other than TensorBoard's ``events.out.tfevents.*``),
-    which train.overwrite would delete with them: entries of ``checkpoints/`` other than ``step-XXXXXXXX`` and
-    ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that its manifest does not list (a
+    which train.overwrite would delete with them: entries of ``checkpoints/`` other than ``step-XXXXXXXX``,
+    ``abandoned-step-XXXXXXXX`` and ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that its manifest does not list (a
     ``final/`` without a manifest: files other than those ``save_pretrained`` writes)."""
     output_dir, found = Path(output_dir), []
 
@@ -309,6 +311,8 @@ def foreign_run_entries(output_dir: Path) -> list[str]:
     for path in sorted(root.iterdir()) if root.is_dir() else ():
         if _STEP_DIR.match(path.name) and path.is_dir():
             unlisted(path, lambda file, name: True)  # no manifest: an interrupted write of train.py's
+        elif _ABANDONED_DIR.match(path.name) and path.is_dir():
+            unlisted(path, lambda file, name: True)
         elif not (_TMP_STEP_DIR.match(path.name) and path.is_dir()):
             found.append(path.relative_to(output_dir).as_posix())
     if (output_dir / "final").is_dir():
@@ -318,6 +322,27 @@ def foreign_run_entries(output_dir: Path) -> list[str]:
         if path.is_file() and not path.name.startswith("events.out.tfevents."):
             found.append(path.relative_to(output_dir).as_posix())
     return found
+
+
+def set_aside_later_checkpoints(root: Path, step: int) -> list[tuple[Path, Path]]:
+    """Rename the checkpoints under ``root`` later than ``step`` (the one a run was resumed from: they belong to
+    the history that the resumed run replaces) to ``abandoned-step-XXXXXXXX`` (``-2``, ``-3``, ... when that name is
+    taken), so that neither rotation nor a plain ``--resume`` takes one of them for the resumed run's newest; they
+    are kept (``--resume`` one of them explicitly, or delete them) and ``train.overwrite`` deletes them with the
+    other checkpoints. Returns ``(old, new)`` paths."""
+    moved = []
+    for later, path in list_checkpoints(root):
+        if later <= step:
+            continue
+        target, n = root / f"abandoned-{path.name}", 1
+        while target.exists():
+            n += 1
+            target = root / f"abandoned-{path.name}-{n}"
+        path.rename(target)
+        moved.append((path, target))
+    if moved:
+        fsync_dir(root)
+    return moved
 
 
 def remove_stale_tmp_checkpoints(output_dir: Path) -> None:

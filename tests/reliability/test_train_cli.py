@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from helm.training import list_checkpoints, verify_checkpoint
+from helm.training.checkpoint import foreign_run_entries
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
 
 
@@ -556,7 +557,8 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
     """Reliability probe item 5: --resume with another train.max_steps extends a run (or ends it earlier), as
     transformers' Trainer does, when the new length lies past the checkpoint's step; the warmup + cosine schedule is
     recomputed for the new length and the learning rate continues on it from the resumed step (logged lrs equal the
-    new schedule's, not the old one's). A length at or before the checkpoint's step is refused (exit 2)."""
+    new schedule's, not the old one's). A length at or before the checkpoint's step is refused (exit 2). Resuming
+    from an earlier checkpoint sets the later ones aside."""
     from helm.training import load_run_config
     from tests.test_train import read_metrics
 
@@ -581,7 +583,15 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
                               "--train.max_steps=6"]) == 0, capsys.readouterr()
     rates, six = {m["step"]: m["lr"] for m in read_metrics(run) if "lr" in m}, _schedule(config, 6)
     assert sorted(rates) == list(range(1, 7)) and [rates[s] for s in range(3, 7)] == [six[s] for s in range(3, 7)]
-    capsys.readouterr()
+    # the checkpoints of the replaced history (4, 6, 8 of the 8-step run) are set aside, not taken by rotation or a
+    # plain --resume for this run's newest; train.overwrite would delete them with the others
+    out = capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6]
+    assert sorted(p.name for p in (run / "checkpoints").glob("abandoned-*")) == [
+        "abandoned-step-00000004", "abandoned-step-00000006", "abandoned-step-00000008"]
+    assert "step-00000008 is later than the checkpoint resumed from" in out and "set aside as" in out, out
+    assert json.loads((run / "checkpoints" / "abandoned-step-00000008" / "manifest.json").read_text())["step"] == 8
+    assert foreign_run_entries(run) == []
     # a length not past the checkpoint's step: refused, naming both
     six_steps = str(run / "checkpoints" / "step-00000006")
     for steps in (5, 3):
