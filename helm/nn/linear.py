@@ -85,10 +85,14 @@ class LorentzLinear(RealignAfterLoading, nn.Module):
         return linear_space(self.linear, x)
 
     def forward(self, x: torch.Tensor, *, k: Optional[Curv] = None, k_out: Optional[Curv] = None) -> torch.Tensor:
-        """``k`` / ``k_out`` override the constructor's curvatures (MiCE experts pass their own)."""
+        """``k`` / ``k_out`` override the constructor's curvatures (MiCE experts pass their own). An output
+        curvature not given follows the input one for a layer built with ``k_out == k`` (a map within one
+        manifold), and is the constructor's ``k_out`` otherwise."""
         if k is None and k_out is None:
             return lorentz_linear(self.linear, x, k=self.k, k_out=self.k_out)
         k_in = self.k if k is None else k
+        if k_out is None:
+            k_out = k_in if self.k_out == self.k else self.k_out
         return lorentz_linear(self.linear, x, k=k_in, k_out=k_out)
 
     def extra_repr(self) -> str:

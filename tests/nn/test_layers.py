@@ -238,7 +238,8 @@ def test_curvature_passed_at_forward(name):
 
 
 def test_linear_curvature_change_passed_at_forward():
-    """``LorentzLinear.forward(x, k=k_in, k_out=k_out)`` maps ``H_{k_in} -> H_{k_out}`` (MiCE expert boundaries)."""
+    """``LorentzLinear.forward(x, k=k_in, k_out=k_out)`` maps ``H_{k_in} -> H_{k_out}`` (MiCE expert boundaries); an
+    output curvature not given follows ``k_in`` on a layer built with ``k_out == k``, else is the constructor's."""
     m = _linear(1 + 12)(1.0).double()
     x, _ = _points((2, 63), 0.3, "random", F64)
     for k_in, k_out in [(0.3, 1.7), (0.3, None)]:
@@ -246,6 +247,10 @@ def test_linear_curvature_change_passed_at_forward():
         assert_close(y, refs.hlt(x, m.linear.weight, m.linear.bias, k_in, k_out), msg=f"k_out={k_out}")
     y = m(refs.to_hyperboloid(x[..., 1:], 1.0), k_out=2.0)  # k_out alone: from the constructor's k = 1
     assert_close(y, refs.hlt(refs.to_hyperboloid(x[..., 1:], 1.0), m.linear.weight, m.linear.bias, 1.0, 2.0))
+    # k alone, on a layer built to change curvature (k=1 -> k_out=2.5): the constructor's k_out is kept
+    changing = _linear(1 + 12, k_out=2.5)(1.0).double()
+    y = changing(x, k=torch.tensor(0.3, dtype=F64))
+    assert_close(y, refs.hlt(x, changing.linear.weight, changing.linear.bias, 0.3, 2.5))
 
 
 @pytest.mark.parametrize("mode", ["linear", "distance"])
