@@ -67,11 +67,12 @@ class LorentzEmbedding(RealignAfterLoading, nn.Module):
         ``space``: ``weight [V, n]`` is a Euclidean table of space parts; the time coordinate is computed
             on the fly (the stable choice the paper used at 1B).
 
-    Shapes: ``input_ids [...] -> [..., 1+n]``.
+    Shapes: ``input_ids [...] -> [..., 1+n]``. There is no ``padding_idx``: the padding token's row is trained
+    like any other, and padded positions are masked in attention and in the loss.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, k: float = 1.0, mode: str = "space",
-                 init_std: float = 0.02, padding_idx: int | None = None):
+                 init_std: float = 0.02):
         super().__init__()
         check_dim(num_embeddings, "num_embeddings")
         check_dim(embedding_dim, "embedding_dim", minimum=2)
@@ -79,7 +80,7 @@ class LorentzEmbedding(RealignAfterLoading, nn.Module):
         check_choice(mode, "mode", EMBEDDING_MODES)
         check(init_std, "init_std", init_std_rule)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.k, self.mode, self.init_std, self.padding_idx = float(k), mode, init_std, padding_idx
+        self.k, self.mode, self.init_std = float(k), mode, init_std
         if mode == "lorentz":
             import geoopt
 
