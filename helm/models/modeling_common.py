@@ -297,8 +297,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         :meth:`from_pretrained` refuses the folder when they change on disk afterwards (bit rot, truncation, a
         partial copy). A manifest already there (``train.py``'s, or an older save's) describes the old weights: it
         is removed before saving and replaced by the new one. The manifest lists the weight files only (tokenizer,
-        config and code files may be edited); with ``push_to_hub=True`` the upload happens inside ``transformers``'
-        save, before the manifest is written, so the hub copy has none.
+        config and code files may be edited). With ``push_to_hub=True`` the code and the manifest are written
+        before ``transformers`` uploads the folder (:meth:`_upload_modified_files`), so the hub copy has both.
 
         A ``save_directory`` that is an existing file (or lies under one) is a ``NotADirectoryError`` naming it
         (``transformers`` would log an error and save nothing); one that cannot be created an ``OSError`` naming
@@ -319,12 +319,22 @@ class HelmPreTrainedModel(PreTrainedModel):
                               "folder in a writable place") from error
             (path / MANIFEST).unlink(missing_ok=True)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if main:
-            from .remote_code import write_remote_code
+        if main and not kwargs.get("push_to_hub"):  # pushed: written by _upload_modified_files already
+            self._write_code_and_manifest(path)
 
-            write_remote_code(save_directory, type(self))
-            if path.is_dir():
-                write_manifest(path, None, which=WEIGHT_FILE.match)
+    def _write_code_and_manifest(self, folder: Path) -> None:
+        from .remote_code import write_remote_code
+
+        write_remote_code(folder, type(self))
+        if folder.is_dir():
+            write_manifest(folder, None, which=WEIGHT_FILE.match)
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        """``transformers``' upload, which ``save_pretrained(push_to_hub=True)`` runs at the end of its own save
+        (before :meth:`save_pretrained` gets to write the code and the manifest): they are written first."""
+        if not (Path(working_dir) / MANIFEST).is_file():  # push_to_hub() saved with save_pretrained: written
+            self._write_code_and_manifest(Path(working_dir))
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
 
 
 def _local_weight_files(where) -> list:
