@@ -119,7 +119,6 @@ def test_helpers():
     x32, x64, xb = torch.ones(2), torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.bfloat16)
     assert [stat_dtype(t) for t in (x32, x64, xb)] == [torch.float32, torch.float64, torch.float32]
     assert to_stat(xb).dtype == torch.float32 and to_stat(x32) is x32 and to_stat(x64) is x64
-    assert M.upcast is to_stat  # the historical name
     assert compute_dtype(x32) == torch.float32 and autocast_dtype("cpu") is None
     assert compute_dtype(x32, xb) == torch.bfloat16  # a bf16 model computes in bf16 whatever its fp32 points
     with torch.autocast("cpu", dtype=torch.bfloat16):

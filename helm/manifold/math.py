@@ -56,7 +56,6 @@ from ..precision import to_stat
 Curv = Union[float, torch.Tensor]
 
 __all__ = [
-    "upcast",
     "positive_exp",
     "curvature_to_k",
     "k_to_curvature",
@@ -78,10 +77,6 @@ __all__ = [
     "hcat",
     "manifold_error",
 ]
-
-
-# the statistics dtype of helm.precision under its historical name (helm.ops.lm_loss and helm.nn.head import it)
-upcast = to_stat
 
 
 # exp(88) = 1.65e38 is the largest power of e that fp32 holds with margin (its maximum is 3.4e38 = e^88.72)

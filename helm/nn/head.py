@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import positive_exp, upcast
+from ..manifold.math import positive_exp
 from ..ops.lm_loss import linear_cross_entropy
-from ..precision import autocast_dtype
+from ..precision import autocast_dtype, to_stat
 from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
 from .storage import RealignAfterLoading
@@ -88,10 +88,10 @@ class LorentzLMHead(RealignAfterLoading, nn.Module):
             x = x.to(self.weight.dtype)
             if autocast_dtype(x.device.type) is not None:
                 return nn.functional.linear(x, self.weight, self.bias)  # the autocast dtype, as nn.Linear
-            logits = upcast(nn.functional.linear(x, self.weight))
+            logits = to_stat(nn.functional.linear(x, self.weight))
         else:
             w = self.weight.to(x.dtype)
-            inner = upcast(x[..., 1:] @ w[:, 1:].T) - upcast(x[..., :1]) * upcast(w[:, 0])  # <x, p_c>_L
+            inner = to_stat(x[..., 1:] @ w[:, 1:].T) - to_stat(x[..., :1]) * to_stat(w[:, 0])  # <x, p_c>_L
             logits = (2 * self.k + 2 * inner) / positive_exp(self.log_tau.reshape(()))
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)
 

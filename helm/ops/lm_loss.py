@@ -41,8 +41,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..manifold.math import upcast
-from ..precision import autocast_dtype
+from ..precision import autocast_dtype, to_stat
 
 # logits per chunk: 2^25 fp32 = 128 MiB (261 tokens of a 128256-token vocabulary): larger chunks make the matmuls
 # faster but the chunk buffer bigger; see benchmarks/lm_head_loss.py
@@ -83,11 +82,11 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
     least), with ``x_i Wᵀ`` the Minkowski products ``<x_i, w_c>_L`` when ``minkowski``. Differentiable by
     autograd; the readable spec of :func:`linear_cross_entropy`."""
     if minkowski:
-        logits = upcast(x[:, 1:] @ weight[:, 1:].T) - upcast(x[:, :1]) * upcast(weight[:, 0])
+        logits = to_stat(x[:, 1:] @ weight[:, 1:].T) - to_stat(x[:, :1]) * to_stat(weight[:, 0])
     else:
-        logits = upcast(x @ weight.T)
+        logits = to_stat(x @ weight.T)
     if scale is not None:
-        logits = logits * upcast(scale)
+        logits = logits * to_stat(scale)
     if bias is not None:
         logits = logits + bias.to(logits.dtype)
     keep = targets != ignore_index

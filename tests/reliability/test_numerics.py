@@ -181,7 +181,7 @@ def test_distance_far_apart_on_one_ray_is_exact_to_rounding():
 def test_every_public_function_is_swept():
     swept = {name.split("-")[0] for name in CASES} | {"origin"}
     # no floating-point maths of points (positive_exp, of scalar scales, has its own test below)
-    helpers = {"upcast", "positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free",
+    helpers = {"positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free",
                "point_rtol"}
     assert set(M.__all__) - helpers <= swept
 
