@@ -182,9 +182,21 @@ def is_known_key(config_class: type, key) -> bool:
 def unknown_field_error(config_class: type, key: str, candidates, where: str) -> ValueError:
     """The error of ``helm.load_config`` for an unknown override (``unknown config field 'hiden_size' for
     HelmDConfig; did you mean 'hidden_size'?``), saying where the key came from."""
-    close = difflib.get_close_matches(key, sorted(candidates), n=1)
+    if key in _REPLACED_LOADING_KWARGS:
+        return ValueError(f"{key}= is not a loading option of transformers 5 (nor a field of "
+                          f"{config_class.__name__}): {_REPLACED_LOADING_KWARGS[key]} ({where})")
+    close = difflib.get_close_matches(key, sorted(set(candidates) - {key}), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ValueError(f"unknown config field {key!r} for {config_class.__name__}{hint} ({where})")
+
+
+# loading options transformers 4 took and transformers 5 does not (its models' __init__ gets them and fails)
+_REPLACED_LOADING_KWARGS = {
+    "load_in_8bit": "pass quantization_config=BitsAndBytesConfig(load_in_8bit=True) instead",
+    "load_in_4bit": "pass quantization_config=BitsAndBytesConfig(load_in_4bit=True) instead",
+    "use_flash_attention_2": "HELM models have no FlashAttention-2 path; use attn_implementation='sdpa' or the config "
+                             "field attn_impl='triton'",
+}
 
 
 # Old field names read from saved configs: (old name -> new name). ``pe_options`` keys map to typed fields.

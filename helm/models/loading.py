@@ -126,6 +126,8 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         problem = tokenizer_files_problem(folder) if folder.is_dir() else None
         return problem and f"the folder {problem}"
     folder = path / subfolder if subfolder else path
+    if subfolder and path.is_dir() and not folder.is_dir():
+        return f"has no subfolder {subfolder!r} (subfolder=)"
     if not folder.is_dir():
         return None
     config = folder / "config.json"
@@ -151,6 +153,33 @@ def _run_of(folder: Path) -> Path | None:
             return run
     if (folder / STATE_FILE).is_file():
         return folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+    return None
+
+
+def device_map_problem(device_map) -> str | None:
+    """Why ``device_map`` (a device, its name or index, a strategy name, or a dict of them) names a CUDA device this
+    machine lacks, or None (torch would raise "Torch not compiled with CUDA enabled" or "invalid device ordinal")."""
+    import torch
+
+    specs = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for spec in specs:
+        if isinstance(spec, str) and spec in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+            continue
+        if isinstance(spec, int) and not isinstance(spec, bool):  # an index of the machine's accelerator
+            accelerator = torch.accelerator.current_accelerator()
+            count = torch.accelerator.device_count() if accelerator is not None else 0
+            if not 0 <= spec < count:
+                return (f"device_map={device_map!r} names accelerator {spec}, but this machine has {count} "
+                        f"accelerator device(s); use device_map='auto' (or 'cpu')")
+            continue
+        try:
+            device = torch.device(spec)
+        except (RuntimeError, TypeError):
+            return f"device_map={device_map!r} names no device (a device, e.g. 'cpu' or 'cuda:0', or 'auto')"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= count:
+            return (f"device_map={device_map!r} names {device}, but this machine has {count} CUDA device(s); use "
+                    "device_map='auto' (or 'cpu')")
     return None
 
 

@@ -36,7 +36,7 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
-from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder
+from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem
 from .peft_targets import register_peft_targets
 
 
@@ -168,6 +168,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         check_local_folder(cls.__name__, where, config=args[1] if len(args) > 1 else kwargs.get("config"),
                             subfolder=kwargs.get("subfolder") or "", gguf_file=kwargs.get("gguf_file"))
+        if kwargs.get("device_map") is not None and (problem := device_map_problem(kwargs["device_map"])):
+            raise ValueError(f"{cls.__name__}.from_pretrained({str(where)!r}): {problem}")
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
             # names them instead (and honours the caller's ignore_mismatched_sizes)

@@ -684,6 +684,29 @@ def test_paths_that_are_not_checkpoint_folders_are_named(saved, tmp_path, loader
         assert err.value.__cause__ is not None
 
 
+CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# (case id, from_pretrained keywords, exception, message fragment): options that transformers turns into raw errors
+# ("Torch not compiled with CUDA enabled", "Unrecognized model ... model_type", "did you mean 'load_in_8bit'?")
+BAD_LOADING_OPTIONS = [
+    ("subfolder missing", dict(subfolder="nope"), (OSError, ValueError), r"has no subfolder 'nope' \(subfolder=\)"),
+    ("device_map a missing GPU", dict(device_map=f"cuda:{CUDA_DEVICES}"), ValueError,
+     rf"device_map='cuda:{CUDA_DEVICES}' names cuda:{CUDA_DEVICES}, but this machine has {CUDA_DEVICES} CUDA device"),
+    ("device_map a bad name", dict(device_map="gpu"), ValueError, "device_map='gpu' names no device"),
+    ("device_map an index past the accelerators", dict(device_map=64), ValueError,
+     r"device_map=64 names accelerator 64, but this machine has \d+ accelerator device"),
+    ("load_in_8bit", dict(load_in_8bit=True), ValueError,
+     r"load_in_8bit= is not a loading option of transformers 5 .*quantization_config=BitsAndBytesConfig"),
+    ("use_flash_attention_2", dict(use_flash_attention_2=True), ValueError, "HELM models have no FlashAttention-2"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,kwargs,exc,match", BAD_LOADING_OPTIONS, ids=[c[0] for c in BAD_LOADING_OPTIONS])
+def test_bad_loading_options_are_named(saved, family, case, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        AutoModelForCausalLM.from_pretrained(saved / family, **kwargs)
+
+
 TOKENIZER_PATHS = [
     ("no such folder", lambda tmp: tmp / "no" / "such", "no such folder"),
     ("None", lambda tmp: None, "got None"),
