@@ -120,9 +120,14 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked
 
 
 def ensure_default_data(cfg, accelerator) -> None:
-    """Build helm's offline corpus and tokenizer into data.dataset when the recipe asks and it is missing."""
+    """Build helm's offline corpus and tokenizer into data.dataset when the recipe asks and it is missing (no such
+    path, or an empty folder). A file, or a folder of other files (the user's own data, given with a recipe that
+    builds the default), is used as it is: building there would overwrite its train.jsonl, validation.jsonl and
+    tokenizer/."""
     root = Path(cfg.data.dataset)
     if not cfg.data.build_default or (root / "manifest.json").is_file():
+        return
+    if root.is_file() or root.is_dir() and any(root.iterdir()):
         return
     if accelerator.is_main_process:
         print(f"[train] {root} has no built corpus; building the offline default data (seconds)", flush=True)

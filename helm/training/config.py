@@ -49,8 +49,9 @@ class DataConfig:
     dataset_config: Optional[str] = None
     """Hub dataset configuration (e.g. 20231101.en for wikimedia/wikipedia); null for local data."""
     build_default: bool = False
-    """Build the offline default corpus and its tokenizer into dataset if it is not there yet
-    (``helm.data.build_default_data``, as ``python scripts/build_data.py --out data/default``)."""
+    """Build the offline default corpus and its tokenizer into dataset if it is not there yet: no such path, or an
+    empty folder (``helm.data.build_default_data``, as ``python scripts/build_data.py --out data/default``). A
+    dataset that is a file, or a folder holding other files, is used as it is and never written to."""
     tokenizer: str = "data/default/tokenizer"
     """Tokenizer: a local folder or a hub name. Its vocabulary must fit the model's vocab_size."""
     text_column: str = "text"

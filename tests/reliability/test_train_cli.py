@@ -1084,3 +1084,26 @@ def test_saved_configs_carry_the_tokenizers_special_ids(base, tmp_path, run_data
     assert train_script.main(["--config", str(recipe), "--train.overwrite=true",
                               "--model.overrides.pad_token_id=5"]) == 0, capsys.readouterr()
     assert json.loads((final / "config.json").read_text())["pad_token_id"] == 5
+
+
+def test_build_default_never_writes_into_the_users_own_data(tmp_path, run_data, capsys):
+    """The tiny recipes say data.build_default: true; pointed at a folder of the user's own data (no corpus
+    manifest), train.py trains on it as it is. It rebuilt the default corpus there before, overwriting train.jsonl,
+    validation.jsonl and tokenizer/."""
+    import hashlib
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(run_data, mine)
+
+    def digests():
+        return {p.relative_to(mine).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(mine.rglob("*")) if p.is_file()}
+
+    before = digests()
+    recipe = write_recipe(tmp_path, run_data, data={"dataset": str(mine), "build_default": True},
+                          train={"max_steps": 2, "save_every": 0}, demo={"prompt": None})
+    code = train_script.main(["--config", str(recipe)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert digests() == before and "building the offline default data" not in out
