@@ -228,7 +228,7 @@ def _explained(original, **options):
                 need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None, **options)
             if problem is None:
                 raise
-            kind = OSError if isinstance(error, OSError) or isinstance(error, TypeError) else ValueError
+            kind = OSError if isinstance(error, (OSError, TypeError)) else ValueError
             raise kind(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}") \
                 from error
 
