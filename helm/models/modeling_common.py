@@ -941,11 +941,18 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     return batch, seq_len, layout
 
 
+def weights_device(module: nn.Module) -> Optional[torch.device]:
+    """The device of ``module.weight`` for :func:`check_inputs`, or None when accelerate offloads it (its hook loads
+    the weight at call time: until then it is on the meta device)."""
+    return None if hasattr(module, "_hf_hook") else module.weight.device
+
+
 def check_not_meta(device: Optional[torch.device], **inputs) -> None:
     """``ValueError`` when some of ``inputs`` (tensors or None) are on the meta device, which holds shapes but no
     values, and the model's weights (on ``device``) are not, naming the first; or when the weights are on the meta
     device and an input is not (a model built under ``init_empty_weights`` or on ``device="meta"`` and never
-    loaded). Inputs and weights all on the meta device are allowed (shape inference)."""
+    loaded; ``device`` None: not known, as for offloaded weights). Inputs and weights all on the meta device are
+    allowed (shape inference)."""
     given = {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)}
     meta = [name for name, t in given.items() if t.device.type == "meta"]
     if device is not None and device.type == "meta":

@@ -42,6 +42,7 @@ from ..modeling_common import (
     lm_logits_and_loss,
     positional_encoding,
     resolve_cache,
+    weights_device,
 )
 from ..task_heads import QuestionAnsweringHead, SequenceClassificationHead, TokenClassificationHead
 from .configuration_helm_mice import HelmMiCEConfig
@@ -164,7 +165,7 @@ class HelmMiCEModel(HelmMiCEPreTrainedModel):
         # layout: past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
         batch, seq_len, layout = check_inputs(self.config, input_ids, inputs_embeds, past_key_values, attention_mask,
                                               position_ids, segment_ids, dtype=self.embed_tokens.weight.dtype,
-                                              device=self.embed_tokens.weight.device,
+                                              device=weights_device(self.embed_tokens),
                                               cache_position=kwargs.get("cache_position"))
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
