@@ -75,6 +75,12 @@ class HelmPreTrainedModel(PreTrainedModel):
     # while compiling; a static cache's length stays a tensor): tests/workflows/test_static_cache.py
     _can_compile_fullgraph = True
 
+    def __init__(self, config, *args, **kwargs):
+        # the cross-field checks again: a field assigned after construction (c.first_k_dense_replace = 5) passes its
+        # own rule only, and would build another model than the config describes (or one its save cannot reload)
+        config.validate_architecture()
+        super().__init__(config, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range

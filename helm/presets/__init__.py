@@ -120,8 +120,10 @@ def load_config(name_or_path: str, **overrides) -> PreTrainedConfig:
         # aux_loss_alpha for helm.models.routing), so only their overrides are checked.
         helm_type = issubclass(config_class, HelmConfigBase)
         if helm_type:
-            try:
-                check_overrides(config_class, data)
+            from ..models.configuration_common import TRANSFORMERS_KEYS
+
+            try:  # a save_pretrained config.json also holds transformers' keys (auto_map, architectures, ...)
+                check_overrides(config_class, {k: v for k, v in data.items() if k not in TRANSFORMERS_KEYS})
             except ValueError as error:
                 raise ValueError(f"preset file {str(path)!r}: {error}") from None
         check_overrides(config_class, overrides, preset_keys=() if helm_type else data)

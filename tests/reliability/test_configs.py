@@ -426,6 +426,58 @@ def test_a_valid_assignment_after_construction_is_kept_and_a_bad_one_changes_not
     assert config.rms_norm_eps == 1e-6
 
 
+# re-probe 6: a field assigned after construction passes its own rule only; the cross-field checks ran when the
+# config was built, so these built another model than asked (all layers dense) or one whose save did not reload
+ASSIGNED_ACROSS_FIELDS = [
+    ("helm_mice", "first_k_dense_replace", 5, "first_k_dense_replace=5 exceeds num_hidden_layers"),
+    ("helm_d", "pad_token_id", 9000, r"pad_token_id must be a token id .* in \[0, vocab_size=512\), got 9000"),
+    ("helm_mice", "eos_token_id", 9000, r"eos_token_id must be a token id .* in \[0, vocab_size=512\), got 9000"),
+]
+
+
+@pytest.mark.parametrize("family, name, value, match", ASSIGNED_ACROSS_FIELDS,
+                         ids=[f"{f}-{n}={v}" for f, n, v, _ in ASSIGNED_ACROSS_FIELDS])
+def test_building_a_model_checks_fields_assigned_after_construction(tiny_config, family, name, value, match):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    setattr(config, name, value)
+    with pytest.raises(ValueError, match=match):
+        AutoModelForCausalLM.from_config(config)
+
+
+def test_derived_expert_curvatures_follow_a_new_expert_count(tiny_config, tmp_path):
+    """routed_curvatures derived from expert_curvature_range (not set) are derived again for another
+    n_routed_experts: from a saved config.json with the keyword, or assigned after construction (re-probe 6:
+    "routed_curvatures has 4 entries, expected n_routed_experts=2", a field the user never set)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = tiny_config("helm_mice")
+    config.save_pretrained(tmp_path)
+    two = [-0.1, -2.0]
+    assert AutoConfig.from_pretrained(tmp_path, n_routed_experts=2, num_experts_per_tok=1).routed_curvatures == two
+    config.n_routed_experts, config.num_experts_per_tok = 2, 1
+    assert AutoModelForCausalLM.from_config(config).config.routed_curvatures == two
+    with pytest.raises(ValueError, match="routed_curvatures has 3 entries, expected n_routed_experts=2"):
+        tiny_config("helm_mice", routed_curvatures=[-1.0, -0.5, -2.0], n_routed_experts=2, num_experts_per_tok=1)
+
+
+def test_a_saved_config_json_is_a_preset_file(tiny_config, tmp_path):
+    """load_config(<save_pretrained folder>/config.json): transformers' keys there (auto_map, architectures,
+    transformers_version) are not typos (re-probe 6: "unknown config field 'auto_map'")."""
+    from helm.models import HelmDForCausalLM
+
+    from helm.models.configuration_common import TRANSFORMERS_KEYS
+
+    HelmDForCausalLM(tiny_config("helm_d")).save_pretrained(tmp_path)
+    assert "auto_map" in (tmp_path / "config.json").read_text()
+
+    def fields(config):
+        return {k: v for k, v in config.to_dict().items() if k not in TRANSFORMERS_KEYS}
+
+    assert fields(helm.load_config(str(tmp_path / "config.json"))) == fields(tiny_config("helm_d"))
+
+
 # MiCE expert curvatures: log k is mapped smoothly into the runtime range (identity on the config range), so
 # every optimiser step leaves k finite and positive and the gradient is never exactly zero.
 @pytest.mark.parametrize("K", [-1e-4, -0.1, -1.0, -2.0, -1e4])

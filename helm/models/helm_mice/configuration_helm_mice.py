@@ -79,11 +79,15 @@ class HelmMiCEConfig(HelmConfigBase):
         if self.routed_curvatures is None and isinstance(self.n_routed_experts, int) and self.n_routed_experts > 0:
             # checked before use (check_fields runs after the defaults are derived)
             check(self.expert_curvature_range, "expert_curvature_range", optional(curvature_pair))
-            lo, hi = self.expert_curvature_range or (-0.1, -2.0)
-            n = self.n_routed_experts
-            self.routed_curvatures = [lo + (hi - lo) * i / max(n - 1, 1) for i in range(n)]
+            self.routed_curvatures = self.spread_curvatures(self.n_routed_experts)
         self.validate_architecture()
         super().__post_init__(**kwargs)
+
+    def spread_curvatures(self, n: int) -> list[float]:
+        """The curvatures of ``n`` routed experts spread evenly over ``expert_curvature_range`` (default
+        ``(-0.1, -2.0)``), what ``routed_curvatures=None`` stands for."""
+        lo, hi = self.expert_curvature_range or (-0.1, -2.0)
+        return [lo + (hi - lo) * i / max(n - 1, 1) for i in range(n)]
 
     def positional_dims(self) -> dict[str, int]:
         if self.attention_type == "mha":
@@ -98,6 +102,11 @@ class HelmMiCEConfig(HelmConfigBase):
         if self.first_k_dense_replace > self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} exceeds num_hidden_layers="
                              f"{self.num_hidden_layers}")
+        if len(self.routed_curvatures) != self.n_routed_experts and \
+                list(self.routed_curvatures) == self.spread_curvatures(len(self.routed_curvatures)):
+            # derived for another n_routed_experts (a saved config loaded with n_routed_experts=..., or the field
+            # assigned after construction): derived again, as a config built with this count would be
+            self.routed_curvatures = self.spread_curvatures(self.n_routed_experts)
         if len(self.routed_curvatures) != self.n_routed_experts:
             raise ValueError(f"routed_curvatures has {len(self.routed_curvatures)} entries, expected "
                              f"n_routed_experts={self.n_routed_experts}")
