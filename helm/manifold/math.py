@@ -740,7 +740,8 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     outside compilation); on an accelerator they are not read (no synchronisation) and such weights give
     non-finite points. A ``w`` that does not broadcast to the points, or no points (``x.shape[dim] == 0``), is a
     ``ValueError`` (shapes: always checked). The points must be points of ``H^n_k`` (checked on CPU, see the
-    module docstring: the norm below holds for points of ``H_k`` only).
+    module docstring: the norm below holds for points of ``H_k`` only), checked in their own dtype (the bound of
+    bf16/fp16 points is theirs, :func:`point_rtol`, as in every other function), before the fp32 evaluation.
 
     The centroid does not change when the weights of one centroid are scaled by a common positive factor, and
     neither does its evaluation: the weights are divided by their largest one per centroid first, so weights
@@ -758,6 +759,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     if w is not None:
         _check_tensor("centroid", "w", w, what="weights", coordinates=None)  # 0-dim: one weight for all
         _check_devices("centroid", x=x, w=w)
+    given_x = x  # the points as given: checked in their own dtype (point_rtol of bf16/fp16, not fp32's)
     x = to_stat(x)
     dim = dim if dim >= 0 else x.dim() + dim
     if not 0 <= dim < x.dim() - 1:
@@ -780,7 +782,8 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
         raise ValueError("centroid: w must be non-negative and finite, with a positive sum over the points of "
                          f"each centroid (got weights in [{float(wm.min()):g}, {float(wm.max()):g}], sums down to "
                          f"{float(wm.sum(-1).min()):g}); a zero or negative total weight has no centroid")
-    _check_points("centroid", kc.unsqueeze(-2) if isinstance(kc, torch.Tensor) and kc.dim() else kc, x=xm)
+    _check_points("centroid", kc.unsqueeze(-2) if isinstance(kc, torch.Tensor) and kc.dim() else kc,
+                  x=given_x.movedim(dim, -2))
     if given:  # scale-free: (Σ w)² and Σ w_i w_j d² under- or overflow fp32 for tiny or huge common scales
         wm = wm / wm.amax(-1, keepdim=True)
     s = (wm.unsqueeze(-1) * xm).sum(-2)

@@ -687,6 +687,31 @@ def test_point_rtol_accepts_rounded_points_and_refuses_the_next_curvature(dtype)
     with pytest.raises(ValueError, match=r"^logmap0: x must be points of H\^n_k"):
         M.logmap0(x[:1], k=k * (1 + 1.5 * M.point_rtol(dtype)))
 
+# C134/C209/C133: centroid converted its points to fp32 before checking them, so bf16/fp16 points got fp32's
+# membership bound and were refused, while dist, hcat, rescale and logmap0 accepted the same points.
+_half_points = torch.tensor([[[0.0, 0.3, 0.2], [0.0, 0.1, -0.5]]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_points_are_checked_in_their_own_dtype_by_every_function(dtype):
+    x = M.expmap0(_half_points.to(dtype), k=1.0)
+    assert x.dtype == dtype
+    results = {
+        "centroid": M.centroid(x, k=1.0),
+        "centroid weighted, dim=1": M.centroid(x, torch.tensor([1.0, 2.0], dtype=dtype), k=1.0, dim=1),
+        "centroid tensor k": M.centroid(x, k=torch.tensor([[1.0]])),
+        "dist": M.dist(x, x.flip(1), k=1.0),
+        "hcat": M.hcat(x, k=1.0),
+        "rescale": M.rescale(x, k_in=1.0, k_out=2.0),
+        "logmap0": M.logmap0(x, k=1.0),
+    }
+    for name, out in results.items():
+        assert torch.isfinite(out).all(), name
+    # fp32's bound still holds for fp32 copies of those points, which are off H_1 by bf16/fp16 rounding
+    with pytest.raises(ValueError, match=r"^centroid: x must be points of H\^n_k"):
+        M.centroid(x.float() * (1 + 4 * M.point_rtol(dtype)), k=1.0)
+
+
 # --- attention -------------------------------------------------------------------------------------------
 
 B, H, T, D, DV = 1, 2, 16, 8, 8
