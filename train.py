@@ -82,6 +82,11 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked
     train.overwrite deletes only what train.py wrote: the run files of a folder marked as a run folder (or holding
     the config.yaml of an older train.py), never a folder of other files nor unknown files in checkpoints/ or
     final/."""
+    if resuming and (foreign := foreign_run_entries(out, replaced_only=True)):
+        shown = ", ".join(foreign[:4]) + f" and {len(foreign) - 4} more" * (len(foreign) > 4)
+        raise ConfigError(f"--resume: the run folder {str(out)!r} holds files train.py did not write inside its "
+                          f"checkpoints or final/ ({shown}), which checkpoint rotation or the new final/ would delete; "
+                          "nothing was deleted: move them out of the run folder, then rerun")
     run_folder = is_run_folder(out)
     ours = (LOCK, RUN_MARKER, "config.yaml") if run_folder else (LOCK,)
     previous = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []

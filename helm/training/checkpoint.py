@@ -198,6 +198,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             finalize(tmp, final, step, val_loss=val_loss)
+    except CheckpointError:  # a RuntimeError, but no full disk: finalize refused to delete a file of someone else's
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
@@ -207,7 +210,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
             if path != best:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_checkpoint(path)
         remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
 
@@ -224,6 +227,48 @@ def best_checkpoint(root: Path) -> Path | None:
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             scored.append((loss, -step, path))
     return min(scored)[2] if scored else None
+
+
+def unlisted_files(folder: Path, fallback) -> list[Path]:
+    """The files (and links) under ``folder`` that its manifest does not list, which train.py therefore did not
+    write with it; a folder without a readable manifest: those ``fallback(relative_name)`` does not accept."""
+    folder = Path(folder)
+    try:
+        listed = set(read_manifest(folder)["files"]) | {MANIFEST, MANIFEST + ".tmp"}
+    except (OSError, ValueError):
+        listed = None
+    found = []
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if (path.is_file() or path.is_symlink()) and (
+                name not in listed if listed is not None else not fallback(name)):
+            found.append(path)
+    return found
+
+
+def remove_checkpoint(path: Path) -> bool:
+    """Delete the checkpoint folder ``path`` (rotation), unless it holds a file its manifest does not list (put
+    there by someone else, even while this run was going): then it is kept, with a warning naming the file.
+    Checked just before deleting. Returns whether it was deleted."""
+    foreign = unlisted_files(path, _accelerate_file)
+    if foreign:
+        logger.warning("checkpoint rotation kept %s: it holds %s, which its manifest does not list (train.py did not "
+                       "write it), and rotation never deletes such a file; move it out, then delete the folder "
+                       "yourself", path, ", ".join(p.relative_to(path).as_posix() for p in foreign[:4])
+                       + f" and {len(foreign) - 4} more" * (len(foreign) > 4))
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+# the files accelerate's save_state writes: what a checkpoint folder without a manifest (an interrupted write of an
+# older train.py) may hold; anything else there was put there by someone else
+_ACCELERATE_FILE = re.compile(r"^(model|pytorch_model|optimizer|scheduler|sampler|random_states|custom_checkpoint"
+                              r"|scaler|dl_state_dict)[\w.-]*(/[\w.-]+)*$")
+
+
+def _accelerate_file(name: str) -> bool:
+    return bool(_ACCELERATE_FILE.match(name))
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", ".tmp-final", RUN_MARKER)
@@ -289,39 +334,41 @@ def model_folder_problem(folder: Path, name: str, option: str) -> str | None:
             "weights)")
 
 
-def foreign_run_entries(output_dir: Path) -> list[str]:
+def foreign_run_entries(output_dir: Path, replaced_only: bool = False) -> list[str]:
     """The paths (relative to ``output_dir``) inside ``checkpoints/``, ``final/`` and ``tensorboard/`` that train.py
     did not write (in ``tensorboard/``: files other than TensorBoard's ``events.out.tfevents.*``),
     which train.overwrite would delete with them: entries of ``checkpoints/`` other than ``step-XXXXXXXX``,
-    ``abandoned-step-XXXXXXXX`` and ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that its manifest does not list (a
-    ``final/`` without a manifest: files other than those ``save_pretrained`` writes)."""
+    ``abandoned-step-XXXXXXXX`` and ``.tmp-step-XXXXXXXX`` folders, and files of a checkpoint or of ``final/`` that
+    its manifest does not list (a checkpoint without a manifest: files other than those accelerate's ``save_state``
+    writes; a ``final/`` without a manifest: files other than those ``save_pretrained`` writes).
+    ``replaced_only``: only those that a resumed run could delete, in ``step-XXXXXXXX`` checkpoints (rotation) and
+    in ``final/`` (replaced at the end)."""
     output_dir, found = Path(output_dir), []
 
     def unlisted(folder: Path, fallback) -> None:
-        try:
-            listed = set(read_manifest(folder)["files"]) | {MANIFEST}
-        except (OSError, ValueError):
-            listed = None
-        for path in sorted(folder.rglob("*")):
-            name = path.relative_to(folder).as_posix()
-            if path.is_file() and (name not in listed if listed is not None else not fallback(path, name)):
-                found.append(path.relative_to(output_dir).as_posix())
+        found.extend(path.relative_to(output_dir).as_posix() for path in unlisted_files(folder, fallback))
 
     root = output_dir / "checkpoints"
     for path in sorted(root.iterdir()) if root.is_dir() else ():
         if _STEP_DIR.match(path.name) and path.is_dir():
-            unlisted(path, lambda file, name: True)  # no manifest: an interrupted write of train.py's
+            unlisted(path, _accelerate_file)  # no manifest: an interrupted write of an older train.py's
         elif _ABANDONED_DIR.match(path.name) and path.is_dir():
-            unlisted(path, lambda file, name: True)
-        elif not (_TMP_STEP_DIR.match(path.name) and path.is_dir()):
+            if not replaced_only:  # resuming never deletes them
+                unlisted(path, _accelerate_file)
+        elif not (_TMP_STEP_DIR.match(path.name) and path.is_dir()) and not replaced_only:
             found.append(path.relative_to(output_dir).as_posix())
     if (output_dir / "final").is_dir():
-        unlisted(output_dir / "final", lambda file, name: "/" not in name and bool(_SAVE_PRETRAINED.match(name)))
+        unlisted(output_dir / "final", _save_pretrained_file)
     # TensorBoard writes only event files (in run sub-folders); anything else there is the user's
-    for path in sorted((output_dir / "tensorboard").rglob("*")) if (output_dir / "tensorboard").is_dir() else ():
+    tensorboard = output_dir / "tensorboard"
+    for path in sorted(tensorboard.rglob("*")) if tensorboard.is_dir() and not replaced_only else ():
         if path.is_file() and not path.name.startswith("events.out.tfevents."):
             found.append(path.relative_to(output_dir).as_posix())
     return found
+
+
+def _save_pretrained_file(name: str) -> bool:
+    return "/" not in name and bool(_SAVE_PRETRAINED.match(name))
 
 
 def set_aside_later_checkpoints(root: Path, step: int) -> list[tuple[Path, Path]]:
@@ -422,6 +469,9 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, 
         if check is not None:
             check(tmp)
         finalize(tmp, final, step, manifest=False)
+    except CheckpointError:  # a RuntimeError, but no full disk: final/ holds a file of someone else's
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write the final model to {str(final)!r}: {' '.join(str(error).split())}; "
@@ -489,6 +539,14 @@ def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None, m
     if manifest:
         write_manifest(tmp, step, val_loss=val_loss)
     if final.exists():
+        # checked just before deleting: a file put into the folder after the run started is never deleted with it
+        fallback = _save_pretrained_file if final.name == "final" else _accelerate_file
+        if foreign := unlisted_files(final, fallback):
+            names = ", ".join(p.relative_to(final).as_posix() for p in foreign[:4]) + \
+                f" and {len(foreign) - 4} more" * (len(foreign) > 4)
+            raise CheckpointError(f"{str(final)!r} holds {names}, which its manifest does not list (train.py did not "
+                                  "write it), so it was not replaced (nor the file deleted) and the new one was not "
+                                  "saved there: move the file out, then rerun with --resume")
         shutil.rmtree(final)
     tmp.rename(final)
     fsync_dir(final.parent)

@@ -1107,3 +1107,77 @@ def test_build_default_never_writes_into_the_users_own_data(tmp_path, run_data, 
     out = capsys.readouterr().out
     assert code == 0, out
     assert digests() == before and "building the offline default data" not in out
+
+
+def _error_line(captured) -> str:
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in captured.out + captured.err, captured.out + captured.err
+    return errors[0]
+
+
+def test_resume_refuses_files_of_the_users_that_rotation_or_final_would_delete(tmp_path, run_data, capsys):
+    """Reliability probe E109, E104, E105: a file of the user's in final/, in a step-XXXXXXXX folder without a
+    manifest, or in a checkpoint (not listed by its manifest) was deleted by the resumed run (final/ replaced,
+    rotation with keep_last=1). --resume refuses at start, as train.overwrite does, naming the file; nothing is
+    trained or deleted. A file in an abandoned-step-XXXXXXXX folder, which a resume never deletes, is no reason."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    run = tmp_path / "run"
+    resume = ["--config", str(recipe), f"--train.output_dir={run}", "--resume", "--train.max_steps=8",
+              "--train.keep_last=1", "--train.keep_best=false"]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "metrics.jsonl"}
+    for mine in ("final/my_notes.txt", "checkpoints/step-00000001/my_analysis.txt",
+                 "checkpoints/step-00000002/notes.txt"):
+        (run / mine).parent.mkdir(exist_ok=True)
+        (run / mine).write_text("mine")
+        code = train_script.main(resume)
+        captured = capsys.readouterr()
+        assert code == 2, captured.out + captured.err
+        assert re.search(rf"^error: --resume: the run folder .*/run' holds files train\.py did not write inside its "
+                         rf"checkpoints or final/ \({re.escape(mine)}\), which checkpoint rotation or the new final/ "
+                         r"would delete; nothing was deleted", _error_line(captured)), captured.err
+        assert "[train] data:" not in captured.out
+        assert (run / mine).read_text() == "mine"
+        assert all(p.read_bytes() == data for p, data in before.items()), "a file of the run changed"
+        assert [s for s, _ in list_checkpoints(run / "checkpoints")][-2:] == [2, 4]
+        (run / mine).unlink()
+    (run / "checkpoints" / "step-00000001").rmdir()
+    (run / "checkpoints" / "abandoned-step-00000006").mkdir()
+    (run / "checkpoints" / "abandoned-step-00000006" / "kept.txt").write_text("mine")
+    assert train_script.main(resume) == 0, capsys.readouterr()
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [8]
+    assert (run / "checkpoints" / "abandoned-step-00000006" / "kept.txt").read_text() == "mine"
+
+
+def test_rotation_and_final_never_delete_a_file_that_appears_mid_run(tmp_path, run_data, capsys, monkeypatch,
+                                                                     caplog):
+    """A file put into a checkpoint or final/ while the run goes on (after the check at start) is not deleted
+    either: rotation keeps that checkpoint with a warning naming the file, and final/ is not replaced (exit 2
+    naming the file; the newest checkpoint is intact, so --resume writes final/ once the file is moved out)."""
+    import helm.training.checkpoint as checkpoint_module
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2, "keep_last": 1,
+                                                     "keep_best": False}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    run, real = tmp_path / "run", checkpoint_module.finalize
+
+    def user_writes_during_the_run(tmp, final, step, **kwargs):
+        if final.name == "step-00000006":  # the resumed run is under way: step-00000004 will be rotated out
+            (run / "checkpoints" / "step-00000004" / "notes.txt").write_text("mine")
+            (run / "final" / "my_notes.txt").write_text("mine")
+        return real(tmp, final, step, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "finalize", user_writes_during_the_run)
+    code = train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=8"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    assert re.search(r"^error: '.*/run/final' holds my_notes\.txt, which its manifest does not list \(train\.py did "
+                     r"not write it\), so it was not replaced", _error_line(captured)), captured.err
+    assert (run / "final" / "my_notes.txt").read_text() == "mine" and not (run / ".tmp-final").exists()
+    assert json.loads((run / "final" / "manifest.json").read_text())["step"] == 4
+    assert (run / "checkpoints" / "step-00000004" / "notes.txt").read_text() == "mine"
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4, 8]
+    assert re.search(r"checkpoint rotation kept .*step-00000004: it holds notes\.txt, which its manifest does not "
+                     r"list", caplog.text), caplog.text
