@@ -504,9 +504,17 @@ def check_logits_to_keep(logits_to_keep) -> None:
 
 
 def kept_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """The positions of ``hidden_states [B, T, ...]`` the LM head scores (:func:`check_logits_to_keep`)."""
+    """The positions of ``hidden_states [B, T, ...]`` the LM head scores (:func:`check_logits_to_keep`); positions
+    of a CPU tensor outside ``[-T, T)`` are a ``ValueError`` naming ``logits_to_keep`` (one read, skipped while
+    compiling; on an accelerator indexing fails as in ``transformers``)."""
     check_logits_to_keep(logits_to_keep)
     if isinstance(logits_to_keep, torch.Tensor):
+        length = hidden_states.shape[1]
+        if logits_to_keep.device.type == "cpu" and logits_to_keep.numel() and not torch.compiler.is_compiling() \
+                and not bool(((logits_to_keep >= -length) & (logits_to_keep < length)).all()):
+            raise ValueError(f"logits_to_keep holds positions outside [-T, T) = [-{length}, {length}) of the "
+                             f"{length} tokens of this forward, got values in [{int(logits_to_keep.min())}, "
+                             f"{int(logits_to_keep.max())}]")
         return hidden_states[:, logits_to_keep]
     return hidden_states[:, -int(logits_to_keep):] if logits_to_keep else hidden_states
 
@@ -895,7 +903,7 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     check_not_meta(device, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                    position_ids=position_ids, segment_ids=segment_ids)
     if input_ids is not None:
-        check_tensor(input_ids, "input_ids", (None, None), "[B, T]", dtype="integer", nonempty=True)
+        check_tensor(input_ids, "input_ids", (None, None), "[B, T]", dtype="index", nonempty=True)
         check_token_ids(config, input_ids, "input_ids",
                         hint=" (is the tokenizer's vocabulary larger than the model's?)")
         batch, seq_len = input_ids.shape
@@ -1122,7 +1130,7 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) 
 def _checked_loss_kwargs(model, shape: tuple, labels: torch.Tensor, kwargs: dict) -> dict:
     """Check ``labels`` against ``[B, T] = shape`` and the vocabulary; set ``num_items_in_batch`` (see
     :func:`causal_lm_loss`)."""
-    check_tensor(labels, "labels", shape, "[B, T]", dtype="integer")
+    check_tensor(labels, "labels", shape, "[B, T]", dtype="long")
     ignore = kwargs.get("ignore_index", -100)
     check_token_ids(model.config, labels, "labels", ignore_index=ignore)
     if kwargs.get("num_items_in_batch") is None:

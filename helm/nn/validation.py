@@ -243,7 +243,8 @@ def check_tensor(t: torch.Tensor, name: str, expected: Sequence[Optional[int]], 
 
     ``expected`` is the shape (``None``: any size), ``described`` its symbolic form for the message
     (``"[B, T]"``); ``alternative`` a second accepted shape (``[1, T]`` position ids that broadcast);
-    ``dtype`` ``"integer"``, ``"floating"`` or ``"any"``; ``nonempty`` refuses zero-sized dimensions;
+    ``dtype`` ``"integer"``, ``"index"`` (int64 or int32: token ids), ``"long"`` (int64: targets),
+    ``"floating"`` or ``"any"``; ``nonempty`` refuses zero-sized dimensions;
     ``note`` is appended to the expected shape in the message.
     """
     def matches(shape):
@@ -262,6 +263,11 @@ def check_tensor(t: torch.Tensor, name: str, expected: Sequence[Optional[int]], 
         raise ValueError(f"{name} must be {described} with B >= 1 and T >= 1, got {tuple(t.shape)}")
     if dtype == "integer" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    if dtype == "index" and t.dtype not in (torch.int64, torch.int32) or dtype == "long" and t.dtype != torch.int64:
+        # embedding lookups take int64 or int32 indices (uint8 ids wrap at 256), cross-entropy int64 targets
+        accepted = "an int64 (or int32)" if dtype == "index" else "an int64"
+        raise ValueError(f"{name} must be {accepted} tensor of token ids, got {t.dtype}; convert it with "
+                         f"{name}.long()")
     if dtype == "floating" and not t.dtype.is_floating_point:
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 

@@ -39,7 +39,10 @@ BAD_INPUTS = [
     ("B=0", lambda: dict(input_ids=ids(0, T)), ValueError, r"input_ids must be \[B, T\] with B >= 1 and T >= 1, got \(0, 5\)"),
     ("input_ids 1-D", lambda: dict(input_ids=ids()[0]), ValueError, r"input_ids must be \[B, T\]"),
     ("input_ids 3-D", lambda: dict(input_ids=ids()[None]), ValueError, r"input_ids must be \[B, T\]"),
-    ("input_ids float", lambda: dict(input_ids=ids().float()), ValueError, "input_ids must be an integer tensor, got torch.float32"),
+    ("input_ids float", lambda: dict(input_ids=ids().float()), ValueError, r"input_ids must be an int64 \(or int32\) tensor of token ids, got torch.float32"),
+    # re-probe 6: uint8 ids wrapped at 256 ("must lie in [0, vocab_size)" for ids 1, 2) or hit torch's index error
+    ("input_ids uint8", lambda: dict(input_ids=ids().to(torch.uint8)), ValueError,
+     r"input_ids must be an int64 \(or int32\) tensor of token ids, got torch.uint8; convert it with input_ids.long\(\)"),
     ("input_ids >= vocab", lambda: dict(input_ids=ids() + V), ValueError, r"input_ids must lie in \[0, vocab_size=512\)"),
     ("input_ids < 0", lambda: dict(input_ids=-ids() - 1), ValueError, r"input_ids must lie in \[0, vocab_size=512\)"),
     ("ids and embeds", lambda: dict(input_ids=ids(), inputs_embeds=torch.randn(B, T, HIDDEN)), ValueError, "exactly one of input_ids and inputs_embeds"),
@@ -65,7 +68,13 @@ BAD_INPUTS = [
     ("inputs_embeds T=0", lambda: dict(inputs_embeds=torch.randn(B, 0, HIDDEN)), ValueError, r"inputs_embeds must be \[B, T, hidden_size\] with B >= 1 and T >= 1"),
     ("inputs_embeds int", lambda: dict(inputs_embeds=torch.ones(B, T, HIDDEN, dtype=torch.long)), ValueError, "inputs_embeds must be a floating-point tensor, got torch.int64"),
     ("labels shape", lambda: dict(input_ids=ids(), labels=ids()[:, :3]), ValueError, r"labels must be \[B, T\] = \[2, 5\], got \(2, 3\)"),
-    ("labels float", lambda: dict(input_ids=ids(), labels=ids().float()), ValueError, "labels must be an integer tensor, got torch.float32"),
+    ("labels float", lambda: dict(input_ids=ids(), labels=ids().float()), ValueError, r"labels must be an int64 tensor of token ids, got torch.float32"),
+    ("labels int32", lambda: dict(input_ids=ids(), labels=ids().int()), ValueError,
+     r"labels must be an int64 tensor of token ids, got torch.int32"),
+    # re-probe 6: torch's "IndexError: index 7 is out of bounds for dimension 0 with size 3" before
+    ("logits_to_keep position past T", lambda: dict(input_ids=ids(), logits_to_keep=torch.tensor([T + 2])), ValueError,
+     rf"logits_to_keep holds positions outside \[-T, T\) = \[-{T}, {T}\) of the {T} tokens of this forward, got "
+     rf"values in \[{T + 2}, {T + 2}\]"),
     ("labels >= vocab", lambda: dict(input_ids=ids(), labels=ids() + V), ValueError, r"labels must lie in \[0, vocab_size=512\) or equal ignore_index=-100"),
     ("labels -5", lambda: dict(input_ids=ids(), labels=torch.full((B, T), -5)), ValueError, r"labels must lie in \[0, vocab_size=512\) or equal ignore_index=-100; got values in \[-5, -5\]"),
     ("inputs_embeds NaN", lambda: dict(inputs_embeds=torch.full((B, T, HIDDEN), float("nan"))), ValueError, "inputs_embeds must be finite points; got NaN or inf"),
