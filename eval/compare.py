@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from helm.evaluation import EvalError, check_writable, run_script
+from helm.evaluation import MODEL_SPEC_HELP, EvalError, check_writable, run_script, split_model_spec
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 ACCURACY_METRICS = ("acc", "acc_norm", "exact_match")
@@ -48,7 +48,7 @@ def model_label(record: dict, fallback: str) -> str:
 
 def input_files(inputs: list[str]) -> list[Path]:
     """The files :func:`records` reads: each named file, and the ``*.json`` files under each named folder."""
-    targets = [Path(spec.rpartition("=")[2]).expanduser() for spec in inputs]
+    targets = [Path(split_model_spec(spec)[1]).expanduser() for spec in inputs]
     return [file for target in targets for file in (sorted(target.rglob("*.json")) if target.is_dir() else [target])]
 
 
@@ -56,7 +56,7 @@ def records(inputs: list[str]) -> list[dict]:
     """The result records of files and folders (``NAME=PATH`` renames the model of a single-record file)."""
     out = []
     for spec in inputs:
-        name, _, path = spec.rpartition("=")
+        name, path = split_model_spec(spec)
         target = Path(path).expanduser()
         if not target.exists():
             raise EvalError(f"result file or folder not found: {path}")
@@ -145,7 +145,8 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", metavar="[NAME=]PATH", help="result JSON files or folders")
+    parser.add_argument("inputs", nargs="+", metavar="[NAME=]PATH",
+                        help=f"result JSON files or folders; {MODEL_SPEC_HELP}")
     parser.add_argument("--metric", action="append", default=[], metavar="TASK=METRIC",
                         help="show METRIC for TASK (repeatable), e.g. hellaswag=acc")
     parser.add_argument("--tasks", help="comma-separated tasks to show, in this order (default: all)")

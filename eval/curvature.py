@@ -27,8 +27,8 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    EvalError, add_loading_arguments, check_argument, check_window, check_writable, data_files, load_checkpoint,
-    load_texts, model_names, run_script, token_stream, write_json)
+    MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_window, check_writable, data_files,
+    load_checkpoint, load_texts, model_names, run_script, token_stream, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 from helm.nn.validation import integer, optional  # noqa: E402
 
@@ -128,7 +128,7 @@ def plot(curvatures: dict, output: Path, *, title: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
-                        help="checkpoint folder (repeat to overlay several models)")
+                        help=f"checkpoint folder (repeat to overlay several models); {MODEL_SPEC_HELP}")
     parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
                         help="text files, a folder holding {split}.jsonl, or a datasets name")
     parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")

@@ -23,8 +23,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
-from helm.evaluation import (EvalError, add_loading_arguments, check_checkpoint, check_hub_model, check_tokenizer,
-                             check_writable, run_script, write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_checkpoint, check_hub_model,
+                             check_tokenizer, check_writable, run_script, split_model_spec, write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -53,7 +53,8 @@ def stock_command(path: str, tasks: list[str], shots: int, args, device: str) ->
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, metavar="[NAME=]PATH", help="checkpoint folder (save_pretrained)")
+    parser.add_argument("--model", required=True, metavar="[NAME=]PATH",
+                        help=f"checkpoint folder (save_pretrained); {MODEL_SPEC_HELP}")
     choice = parser.add_mutually_exclusive_group()
     choice.add_argument("--suite", choices=sorted(SUITES), default="local",
                         help="paper: CommonsenseQA, HellaSwag, OpenBookQA (letter choices) 0-shot, MMLU, "
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
-    name, _, path = args.model.rpartition("=")
+    name, path = split_model_spec(args.model)
     path = check_checkpoint(path, args.trust_remote_code)
     if args.num_fewshot < 0:
         raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")

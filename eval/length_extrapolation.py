@@ -21,10 +21,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (ROPE_SCALINGS, EvalError, add_loading_arguments, check_argument,  # noqa: E402
-                             check_window, check_writable, data_files, format_perplexity, load_checkpoint,
-                             load_texts, model_names, perplexity, rows_nll, run_script, sliding_windows,
-                             token_stream, with_rope_scaling, write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments,  # noqa: E402
+                             check_argument, check_window, check_writable, data_files, format_perplexity,
+                             load_checkpoint, load_texts, model_names, perplexity, rows_nll, run_script,
+                             sliding_windows, token_stream, with_rope_scaling, write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
 OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
@@ -90,7 +90,7 @@ def plot(rows: list[dict], output: Path, *, title: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
-                        help="checkpoint folder (repeat for several; NAME labels its line)")
+                        help=f"checkpoint folder (repeat for several); {MODEL_SPEC_HELP}")
     parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
                         help="text files, a folder holding {split}.jsonl, or a datasets name")
     parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")

@@ -82,6 +82,19 @@ def check_arguments(args) -> None:
     check_argument(args.curvature, "--curvature", negative)
 
 
+def check_figure_format(path, option: str) -> None:
+    """An :class:`EvalError` unless ``path`` ends in a suffix matplotlib writes (``.png``, ``.pdf``, ``.svg``, ...),
+    checked before anything is computed: savefig infers the format from it and would refuse only at the end."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        problem = f"ends in .{suffix}, a format matplotlib does not write" if suffix else "has no suffix"
+        raise EvalError(f"{option} {str(path)!r} {problem}; its suffix names the figure's format: end it in one of "
+                        f"{', '.join('.' + name for name in formats)}")
+
+
 def decay_curves(args) -> dict:
     """``{setting: {variant: {"mean", "std", "time_mean"}}}``, each a ``[D+1]`` tensor over distances.
 
@@ -156,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alibi-head", type=int, help="ALiBi head to show (default: the last, gentlest slope)")
     parser.add_argument("--rope3d-chunk-size", type=int, default=512, help="rope3d chunk size (default 512)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="pe_decay.png", help="PNG to write (default: pe_decay.png)")
+    parser.add_argument("--output", default="pe_decay.png",
+                        help="figure to write, its format taken from the suffix (.png, .pdf, .svg, ...; refused "
+                             "before anything is computed if matplotlib cannot write it) (default: pe_decay.png)")
     parser.add_argument("--csv", type=Path, help="also write the curves as CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
@@ -165,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     check_arguments(args)
+    check_figure_format(args.output, "--output")
     check_distinct({"--output": args.output, "--csv": args.csv})
     check_writable(args.output, "--output")
     if args.csv:

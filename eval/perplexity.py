@@ -12,16 +12,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (EvalError, add_loading_arguments, check_argument, check_window, check_writable,
-                             data_files, format_perplexity, load_checkpoint, load_texts, run_script, text_perplexity,
-                             write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_window,
+                             check_writable, data_files, format_perplexity, load_checkpoint, load_texts, run_script,
+                             split_model_spec, text_perplexity, write_json)
 from helm.nn.validation import integer, optional
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, metavar="[NAME=]PATH",
-                        help="checkpoint folder (save_pretrained) or hub id; NAME labels the result")
+                        help=f"checkpoint folder (save_pretrained) or hub id; {MODEL_SPEC_HELP}")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder if not saved with the model")
     parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
                         help="text files (.jsonl: one document per record; .txt: one per file), a folder holding "
@@ -68,7 +68,7 @@ def check_arguments(args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    name, _, path = args.model.rpartition("=")
+    name, path = split_model_spec(args.model)
     name = name or Path(path.rstrip("/")).name
     check_arguments(args)
     if args.output:

@@ -33,8 +33,8 @@ logger = logging.get_logger(__name__)
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
            "check_hub_model", "check_tokenizer", "check_window", "check_writable", "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "packed_inputs", "perplexity",
-           "rows_nll", "run_script", "shifted_nll", "sliding_windows", "text_perplexity", "token_stream",
-           "with_rope_scaling", "write_json"]
+           "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
+           "token_stream", "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
@@ -126,13 +126,30 @@ def data_files(sources: Iterable, split: str) -> list[Path]:
     return files
 
 
+MODEL_SPEC_HELP = ("NAME=PATH labels the result NAME; an argument that exists as a path, or whose part before the "
+                   "first '=' holds a '/' (a label never does), is all PATH, '=' and all")
+
+
+def split_model_spec(spec: str) -> tuple[str, str]:
+    """``(NAME, PATH)`` of a ``[NAME=]PATH`` argument, ``NAME`` ``""`` when there is none (:data:`MODEL_SPEC_HELP`).
+
+    The whole argument is the path when it exists as one (a folder ``runs/lr=0.1``), or when the part before the
+    first ``=`` holds a ``/`` or ``\\`` (``/tmp/x/a=b``): a label never does, and splitting there would take the
+    tail after ``=`` for the path. Otherwise NAME is the part before the first ``=``, PATH the rest (which may hold
+    more ``=``; an empty NAME, ``=PATH``, is no label)."""
+    name, sep, path = spec.partition("=")
+    if not sep or "/" in name or "\\" in name or Path(spec).expanduser().exists():
+        return "", spec
+    return name, path
+
+
 def model_names(specs: Iterable[str]) -> list[tuple[str, str]]:
-    """``(name, path)`` of each ``[NAME=]PATH`` ``--model`` (name: NAME, else the folder's name), refusing two
-    models of one run with the same name: their results and output files would be merged or overwrite each
-    other."""
+    """``(name, path)`` of each ``[NAME=]PATH`` ``--model`` (:func:`split_model_spec`; name: NAME, else the folder's
+    name), refusing two models of one run with the same name: their results and output files would be merged or
+    overwrite each other."""
     pairs, seen = [], {}
     for spec in specs:
-        name, _, path = spec.rpartition("=")
+        name, path = split_model_spec(spec)
         name = name or Path(path.rstrip("/")).name
         if name in seen:
             raise EvalError(f"--model {seen[name]!r} and --model {spec!r} are both named {name!r}, so their results "

@@ -97,7 +97,8 @@ def paths(tmp_path, tiny_checkpoint, learned_checkpoints):
     shutil.copytree(tiny_checkpoint, modelonly, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
     run = _train_run_layout(tmp_path, tiny_checkpoint)
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join(["one two three four five"] * 20)}) + "\n")
-    return {**learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
+    shutil.copytree(tiny_checkpoint, tmp_path / "lr=0.1")  # a model folder whose name holds '='
+    return {"eqmodel": str(tmp_path / "lr=0.1"),**learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
             "trainckpt": str(run / "checkpoints" / "step-00000002"), "checkpoints": str(run / "checkpoints"),
             "missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
             "remotetok": str(remotetok),
@@ -276,6 +277,23 @@ CASES = [
     ("harness", ["--model", "{run}", "--dry-run"], 2, r"'.*old-run' is a run folder of train\.py"),
     ("perplexity", ["--model", "{model}/model.safetensors", "--files", "{text}"], 2,
      r"checkpoint not found: '.*model\.safetensors' is a file; give the folder that holds it"),
+    # F034: a path holding '=' is all path when it exists or the part before the '=' holds a '/' (a label never
+    # does), never split into the label '/tmp/x/a' and the path 'b'
+    ("perplexity", ["--model", "{tmp}/x/a=b", "--files", "{text}"], 2,
+     r"^error: checkpoint not found: '.*/x/a=b' is not a folder"),
+    ("harness", ["--model", "{tmp}/x/a=b", "--dry-run"], 2, r"checkpoint not found: '.*/x/a=b' is not a folder"),
+    ("perplexity", ["--model", "{eqmodel}", "--files", "{text}", "--output", "{eqmodel}/result.json"], 2,
+     r"--output '.*lr=0\.1/result\.json' is in the model folder '.*lr=0\.1'"),
+    ("curvature", ["--model", "{eqmodel}", "--files", "{text}", "--output-dir", "{eqmodel}/c"], 2,
+     r"--output-dir '.*lr=0\.1/c' is in the model folder '.*lr=0\.1'"),
+    ("compare", ["{tmp}/x/a=b.json"], 2, r"result file or folder not found: .*/x/a=b\.json$"),
+    # F049: a figure suffix matplotlib cannot write is refused before the curves are computed (it was a ValueError
+    # traceback from savefig after the whole run)
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
+                  "2", "--output", "{tmp}/pe.txt"], 2,
+     r"^error: --output '.*pe\.txt' ends in \.txt, a format matplotlib does not write; .*\.pdf, .*\.png, .*\.svg"),
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
+                  "2", "--output", "{tmp}/pe"], 2, r"--output '.*pe' has no suffix; .* end it in one of .*\.png"),
 ]
 
 
@@ -388,3 +406,27 @@ def test_length_extrapolation_notes_a_length_past_a_learned_table(paths, tmp_pat
     [row] = [row for row in rows if row["factor"] == 4]
     assert row["perplexity"] == "" and re.search(r"seq_len=16 is longer than the model's learned position table "
                                                  r"\(max_position_embeddings=8\)", row["note"]), row
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("runs/helm-d", ("", "runs/helm-d")),
+    ("helm-d=runs/helm-d", ("helm-d", "runs/helm-d")),
+    ("/tmp/x/a=b", ("", "/tmp/x/a=b")),  # F034: the part before '=' holds a '/', so no label
+    ("runs/lr=0.1/final", ("", "runs/lr=0.1/final")),
+    ("best=runs/lr=0.1", ("best", "runs/lr=0.1")),  # a label, then a path holding '='
+    ("=runs/x", ("", "runs/x")),
+])
+def test_split_model_spec(spec, expected):
+    """F034: the ``[NAME=]PATH`` rule of every script's --model (and compare.py's inputs)."""
+    from helm.evaluation import split_model_spec
+
+    assert split_model_spec(spec) == expected
+
+
+def test_a_model_folder_whose_name_holds_an_equals_sign_is_scored(paths, capsys):
+    """F034: an existing folder ``lr=0.1`` is the path, not the label ``lr`` of a path ``0.1``; labelled, it is
+    ``NAME=PATH`` with the path whole."""
+    for spec, name in ((paths["eqmodel"], "lr=0.1"), (f"best={paths['eqmodel']}", "best")):
+        record = run_script(load_script("perplexity").main, ["--model", spec, "--files", paths["long"],
+                                                             "--seq-len", "4", "--max-windows", "1", "--no-progress"])
+        assert (record["model_name"], record["model_path"]) == (name, paths["eqmodel"]), capsys.readouterr().err
