@@ -594,6 +594,12 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
         args, rest = parser.parse_known_args(argv)
+        if args.resume is not None and not args.resume.strip():  # "--resume=": Path("") is ".", the current folder
+            raise ConfigError("--resume= has no value: pass --resume CHECKPOINT (a checkpoint folder, e.g. "
+                              "OUTPUT_DIR/checkpoints/step-00000100), or --resume with no value to continue from the "
+                              "newest checkpoint in train.output_dir")
+        if args.resume is not None and args.resume != "latest":
+            args.resume = os.path.expanduser(args.resume)
         cfg = load_run_config(args.config, cli_overrides(rest))
         if args.print_config:
             print(describe(cfg))

@@ -264,7 +264,7 @@ def _message(error: OmegaConfBaseException) -> str:
 
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
     """Read a recipe, merge the dotlist ``overrides`` (e.g. ``["optim.lr=1e-3"]``), type-check and validate it."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file")
     try:
@@ -292,8 +292,24 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     except (ValueError, TypeError, yaml.YAMLError) as error:  # YAML syntax, or a recipe that is not a mapping
         raise ConfigError(f"--config {str(path)!r} or an override is not a valid recipe: "
                           f"{' '.join(str(error).split())}") from None
+    expand_home(config)
     validate(config)
     return config
+
+
+# The recipe keys that name local paths (model.preset and model.pretrained may also name a preset or a hub id,
+# which never begin with "~"): "~" and "~user" expanded once, here, so that every reader (transformers' Trainer
+# and save_pretrained would write to a folder literally named "~" in the current directory) gets the same path.
+PATH_KEYS = ("model.preset", "model.pretrained", "data.dataset", "data.tokenizer", "train.output_dir")
+
+
+def expand_home(c: RunConfig) -> None:
+    """Expand a leading ``~`` in the path-valued recipe keys (:data:`PATH_KEYS`) of ``c``, in place."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(c, section), name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(c, section), name, os.path.expanduser(value))
 
 
 def _optional(key: str) -> bool:

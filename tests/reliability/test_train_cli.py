@@ -1181,3 +1181,40 @@ def test_rotation_and_final_never_delete_a_file_that_appears_mid_run(tmp_path, r
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4, 8]
     assert re.search(r"checkpoint rotation kept .*step-00000004: it holds notes\.txt, which its manifest does not "
                      r"list", caplog.text), caplog.text
+
+
+def test_a_home_relative_path_means_the_home_folder(tmp_path, run_data, capsys, monkeypatch):
+    """Reliability probe E075: --train.output_dir='~/x' (quoted, so the shell leaves it) wrote into a folder
+    literally named '~' in the current directory. '~' is expanded in the path-valued recipe keys (output_dir, data
+    folder, tokenizer, pretrained model) and in --resume PATH."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / "data").symlink_to(run_data)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    paths = ["--train.output_dir=~/run", "--data.dataset=~/data", "--data.tokenizer=~/data/tokenizer"]
+    assert train_script.main(["--config", str(recipe), *paths]) == 0, capsys.readouterr()
+    assert (home / "run" / "final" / "manifest.json").is_file() and not (cwd / "~").exists()
+    assert yaml.safe_load((home / "run" / "config.yaml").read_text())["train"]["output_dir"] == str(home / "run")
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), *paths, "--resume", "~/run/checkpoints/step-00000002"])
+    assert code == 0, capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--train.output_dir=~/second", "--model.preset=null",
+                              "--model.pretrained=~/run/final", "--train.max_steps=1", "--train.save_every=0"])
+    assert code == 0, capsys.readouterr()
+    assert (home / "second" / "final" / "manifest.json").is_file() and not (cwd / "~").exists()
+
+
+def test_an_empty_resume_value_is_one_line_saying_what_to_pass(tmp_path, run_data, capsys):
+    """Reliability probe E138: --resume= was read as the checkpoint '.', "incomplete: it has no manifest.json"."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2}, demo={"prompt": None})
+    for empty in (["--resume="], ["--resume", ""], ["--resume=  "]):
+        code = train_script.main(["--config", str(recipe), *empty])
+        captured = capsys.readouterr()
+        assert code == 2, captured.out + captured.err
+        assert _error_line(captured) == (
+            "error: --resume= has no value: pass --resume CHECKPOINT (a checkpoint folder, e.g. "
+            "OUTPUT_DIR/checkpoints/step-00000100), or --resume with no value to continue from the newest checkpoint "
+            "in train.output_dir")
+    assert not (tmp_path / "run").exists()
