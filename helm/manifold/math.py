@@ -6,8 +6,10 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   ``<x, x>_L = -k``, ``x_t > 0``. ``k > 0`` is geoopt's parameter; the paper's signed curvature is
   ``K = -1/k`` (see :func:`curvature_to_k`, the only place the two are converted).
 * ``k`` is keyword-only everywhere. It is a Python float or a tensor broadcastable against ``x[..., :1]``.
-  Every public function refuses a Python-number ``k`` that is not positive and finite (``ValueError`` naming
-  ``k``, :func:`check_k`: no device work). A tensor ``k`` is checked the same way where reading it is free: a
+  Every public function refuses a Python-number ``k`` that is not positive and finite, or outside fp32's normal
+  range ``[K_MIN, K_MAX] = [1.18e-38, 3.4e38]`` (where ``k`` or ``sqrt(k)`` is 0, subnormal or inf in fp32:
+  ``origin(3, k=1e-320)`` had the time coordinate 0), for every dtype (``ValueError`` naming ``k``,
+  :func:`check_k`: no device work); :func:`curvature_to_k` refuses a ``K`` whose ``k`` is outside it. A tensor ``k`` is checked the same way where reading it is free: a
   plain CPU tensor outside ``torch.compile`` tracing (:func:`readable_for_free`). A tensor on an accelerator, a
   DTensor (FSDP) or one met while compiling is *not* checked: reading it would synchronise with the device (or
   run a collective, or break the graph); tensors come from parametrisations that keep them positive (MiCE
@@ -60,6 +62,8 @@ __all__ = [
     "curvature_to_k",
     "k_to_curvature",
     "check_k",
+    "K_MIN",
+    "K_MAX",
     "readable_for_free",
     "point_rtol",
     "inner",
@@ -268,21 +272,35 @@ def trusted_points(forward):
     return run
 
 
+# the range of k (every dtype): fp32's normal numbers. Below it k is 0 or subnormal in fp32 (a Python k = 1e-320
+# became 0 in fp32 arithmetic: the origin's time coordinate sqrt(k) was 0, a point of no upper sheet), above it inf
+K_MIN = torch.finfo(torch.float32).tiny
+K_MAX = torch.finfo(torch.float32).max
+_K_RANGE = f"[{K_MIN:.3g}, {K_MAX:.3g}], float32's normal range"
+
+
 def check_k(k: Curv, name: str = "k") -> None:
-    """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite number.
+    """Raise ``ValueError`` unless ``k`` (geoopt's positive curvature parameter) is a positive finite number in
+    ``[K_MIN, K_MAX] = [1.18e-38, 3.4e38]``, fp32's normal range (for fp64 inputs too: a ``k`` outside it is 0,
+    subnormal or inf in fp32, where the points of ``H_k`` and ``sqrt(k)`` are computed).
 
     The single domain check of ``k`` used by every public function of this module: a Python comparison for a
-    number, and for a tensor every entry where that is free (:func:`readable_for_free`); elsewhere tensors pass
-    unchecked: they come from a parametrisation that keeps them positive, and reading them would synchronise
-    with the device. Layers additionally require the documented range (:func:`helm.nn.validation.k_parameter`)."""
+    number, and for a tensor every entry where that is free (:func:`readable_for_free`; compared in fp32, so an
+    fp64 entry that fp32 rounds to 0 or inf is refused); elsewhere tensors pass unchecked: they come from a
+    parametrisation that keeps them positive, and reading them would synchronise with the device. Layers
+    additionally require the documented range (:func:`helm.nn.validation.k_parameter`)."""
     if isinstance(k, torch.Tensor):
-        if readable_for_free(k) and k.numel() and not bool(torch.isfinite(k).all() & (k > 0).all()):
+        if readable_for_free(k) and k.numel():
             values = k.detach().float()
-            raise ValueError(f"{name} must be positive and finite (geoopt's k = -1/K > 0), got a tensor with values "
-                             f"in [{float(values.min()):g}, {float(values.max()):g}]")
+            if not bool((torch.isfinite(values) & (values >= K_MIN)).all()):
+                raise ValueError(f"{name} must be positive and finite (geoopt's k = -1/K > 0), in {_K_RANGE}, got "
+                                 f"a tensor with values in [{float(values.min()):g}, {float(values.max()):g}]")
         return
     if not (isinstance(k, numbers.Real) and not isinstance(k, bool) and math.isfinite(k) and k > 0):
         raise ValueError(f"{name} must be a positive finite number (geoopt's k = -1/K > 0), got {k!r}")
+    if not K_MIN <= float(k) <= K_MAX:
+        raise ValueError(f"{name} must be a positive finite number (geoopt's k = -1/K > 0) in {_K_RANGE} (beyond it "
+                         f"k or sqrt(k) is 0 or inf in fp32), got {k!r}")
 
 
 def curvature_to_k(curvature: float) -> float:
@@ -290,7 +308,8 @@ def curvature_to_k(curvature: float) -> float:
 
     This is the one place where the paper's signed curvature is converted; configs speak ``K``. ``curvature`` is a
     Python (or NumPy) real number: a tensor is a ``TypeError`` (no device read is made for it), anything else that
-    is not a negative finite number a ``ValueError``.
+    is not a negative finite number a ``ValueError``, and so is a ``K`` whose ``k`` is outside :func:`check_k`'s
+    range ``[1.18e-38, 3.4e38]`` (``K`` in ``[-8.5e37, -2.9e-39]``: ``K = -1e-320`` gave ``k = inf``).
     """
     if isinstance(curvature, torch.Tensor):
         raise TypeError("curvature must be a Python number (a float K < 0, the paper's convention), got a "
@@ -299,7 +318,12 @@ def curvature_to_k(curvature: float) -> float:
     if not (isinstance(curvature, numbers.Real) and not isinstance(curvature, bool) and math.isfinite(curvature)
             and curvature < 0):
         raise ValueError(f"curvature must be a negative finite number (paper convention K < 0), got {curvature!r}")
-    return -1.0 / float(curvature)
+    value = float(curvature)  # -0.0 for a negative Fraction below float's range
+    k = -1.0 / value if value else math.inf
+    if not K_MIN <= k <= K_MAX:
+        raise ValueError(f"curvature must be a negative finite number whose k = -1/K is in {_K_RANGE} (K in "
+                         f"[{-1 / K_MIN:.3g}, {-1 / K_MAX:.3g}]), got {curvature!r} (k = {k:g})")
+    return k
 
 
 def k_to_curvature(k: float) -> float:
@@ -434,7 +458,9 @@ def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -
 
     ``size``: non-negative ints (or one tuple of them), at least one, the last (``1+n``) at least 1, else a
     ``ValueError`` naming ``size``; ``dtype``: None (the default dtype) or fp16/bf16/fp32/fp64, else a ``TypeError``
-    (an integer origin ``(round(sqrt k), 0, ...)`` is on no hyperboloid)."""
+    (an integer origin ``(round(sqrt k), 0, ...)`` is on no hyperboloid). The time coordinate ``sqrt(k)`` must be a
+    normal number of ``dtype`` (``ValueError`` naming ``k`` otherwise: fp16 holds ``k`` in ``[3.7e-9, 4.3e9]`` only;
+    a tensor ``k`` where free to read, :func:`readable_for_free`), never 0 or inf."""
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     if not size or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size) \
@@ -445,7 +471,19 @@ def origin(*size: int, k: Curv, dtype: torch.dtype | None = None, device=None) -
         raise TypeError(f"origin: dtype must be None or a floating-point dtype (float16, bfloat16, float32 or "
                         f"float64), got {dtype}")
     out = torch.zeros(*size, dtype=dtype, device=device)
-    out[..., 0] = _sqrt(_kt(k, out))
+    kk = _kt(k, out)
+    info = torch.finfo(out.dtype)
+    if not isinstance(kk, torch.Tensor) and not info.tiny <= math.sqrt(kk) <= info.max:
+        raise ValueError(f"origin: k = {k!r} has no origin in {str(out.dtype).removeprefix('torch.')}: its time "
+                         f"coordinate sqrt(k) = {math.sqrt(kk):.3g} is outside that dtype's normal range "
+                         f"[{info.tiny:.3g}, {info.max:.3g}] (k in [{info.tiny ** 2:.3g}, {info.max ** 2:.3g}])")
+    out[..., :1] = _sqrt(kk)  # a tensor k is shaped like the time coordinates [..., 1]
+    if isinstance(kk, torch.Tensor) and readable_for_free(out) and out.numel():
+        time = out[..., 0].float()
+        if not bool((torch.isfinite(time) & (time >= info.tiny)).all()):
+            raise ValueError(f"origin: k has no origin in {str(out.dtype).removeprefix('torch.')} for some entries: "
+                             f"the time coordinate sqrt(k) must be in that dtype's normal range [{info.tiny:.3g}, "
+                             f"{info.max:.3g}], got values in [{float(time.min()):g}, {float(time.max()):g}]")
     return out
 
 

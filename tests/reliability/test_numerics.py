@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fractions
 import math
+import re
 
 import pytest
 import torch
@@ -205,13 +206,28 @@ BAD_K = [
     ("rescale k_out=0", lambda k: M.rescale(_x, k_in=1.0, k_out=k), 0.0, "k_out"),
     ("rescale k_in=-1", lambda k: M.rescale(_x, k_in=k, k_out=1.0), -1.0, "k_in"),
     ("lift k=str", lambda k: M.lift(_x[..., 1:], k=k), "1", "k"),
+    # C046/C081: a k that fp32 rounds to 0 (origin's time coordinate was 0) or inf, or a subnormal one
+    ("origin k=1e-320", lambda k: M.origin(3, k=k), 1e-320, "k"),
+    ("dist k=1e-320", lambda k: M.dist(_x, _x, k=k), 1e-320, "k"),
+    ("lift k=1e-39 (subnormal in fp32)", lambda k: M.lift(_x[..., 1:], k=k), 1e-39, "k"),
+    ("expmap0 k=1e39 (inf in fp32)", lambda k: M.expmap0(_x, k=k), 1e39, "k"),
+    ("rescale k_out=1e-320", lambda k: M.rescale(_x, k_in=1.0, k_out=k), 1e-320, "k_out"),
+    ("k_to_curvature k=1e-320", lambda k: M.k_to_curvature(k), 1e-320, "k"),
 ]
 
 
 @pytest.mark.parametrize("case,call,k,name", BAD_K, ids=[c[0] for c in BAD_K])
 def test_python_k_outside_the_domain_is_refused(case, call, k, name):
-    with pytest.raises(ValueError, match=rf"^{name} must be a positive finite number .*got {k!r}"):
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive finite number .*got {re.escape(repr(k))}$"):
         call(k)
+
+
+def test_python_k_at_the_ends_of_its_range_is_accepted():
+    """C046/C081's range, fp32's normal numbers: its ends are taken and give points of the upper sheet."""
+    for k in (M.K_MIN, M.K_MAX, 1e-30):
+        o = M.origin(2, 3, k=k)
+        assert bool((o[..., 0] > 0).all() and torch.isfinite(o).all()), k
+        assert M.k_to_curvature(k) == -1 / k and M.curvature_to_k(-1 / k) == k
 
 
 # Issue 25 item 11: a tensor k is checked where reading it is free (a plain CPU tensor outside compilation), and
@@ -223,7 +239,12 @@ TENSOR_K = [
     ("sqdist k=[1, -1] per row", lambda: M.sqdist(_x.expand(2, 3), _x.expand(2, 3), k=torch.tensor([[1.0], [-1.0]])),
      True),
     ("expmap0 k=Parameter(-2)", lambda: M.expmap0(_x, k=torch.nn.Parameter(torch.tensor(-2.0))), True),
+    # C046/C081: tensor entries that are 0, subnormal or inf in fp32
+    ("lift k=tensor(1e-320, fp64)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-320, dtype=torch.float64)), True),
+    ("lift k=tensor(1e39, fp64)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e39, dtype=torch.float64)), True),
+    ("lift k=tensor(1e-39) (subnormal)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-39)), True),
     ("lift k=tensor(1)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1.0)), False),
+    ("lift k=tensor(1e-30, bf16)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-30, dtype=torch.bfloat16)), False),
     ("lift k=tensor(-1) on the meta device: not read", lambda: M.lift(_x[..., 1:].to("meta"),
                                                                      k=torch.tensor(-1.0, device="meta")), False),
 ]
@@ -583,6 +604,23 @@ BAD_ARGUMENTS = [
     ("curvature_to_k of a tensor (said 'must be a negative finite number')",
      lambda: M.curvature_to_k(torch.tensor(-2.0)), TypeError,
      r"^curvature must be a Python number \(a float K < 0, the paper's convention\), got a torch.Tensor"),
+    # C047/C082: k = -1/K past fp32's range (inf for -1e-320, which check_k then refused) or below it
+    ("curvature_to_k(-1e-320) (was inf)", lambda: M.curvature_to_k(-1e-320), ValueError,
+     r"^curvature must be a negative finite number whose k = -1/K is in \[1.18e-38, 3.4e\+38\], float32's normal "
+     r"range \(K in \[-8.51e\+37, -2.94e-39\]\), got -1e-320 \(k = inf\)"),
+    ("curvature_to_k(-1e39) (k subnormal in fp32)", lambda: M.curvature_to_k(-1e39), ValueError,
+     r"^curvature must be a negative finite number whose k = -1/K is in .*got -1e\+39 \(k = 1e-39\)"),
+    ("curvature_to_k of a Fraction below float's range (ZeroDivisionError)",
+     lambda: M.curvature_to_k(fractions.Fraction(-1, 10 ** 400)), ValueError,
+     r"^curvature must be a negative finite number whose k = -1/K is in .*\(k = inf\)"),
+    # C046/C081 in half precision: sqrt(k) is 0 or inf in fp16 (the origin's time coordinate)
+    ("origin k=1e-10 in fp16 (time coordinate subnormal)", lambda: M.origin(3, k=1e-10, dtype=torch.float16),
+     ValueError, r"^origin: k = 1e-10 has no origin in float16: its time coordinate sqrt\(k\) = 1e-05 is outside "
+                 r"that dtype's normal range"),
+    ("origin k=1e10 in fp16 (time coordinate inf)", lambda: M.origin(3, k=1e10, dtype=torch.float16), ValueError,
+     r"^origin: k = 10000000000.0 has no origin in float16: its time coordinate sqrt\(k\) = 1e\+05"),
+    ("origin tensor k=1e-20 in fp16", lambda: M.origin(2, 3, k=torch.tensor([[1.0], [1e-20]]), dtype=torch.float16),
+     ValueError, r"^origin: k has no origin in float16 for some entries: .*got values in \[0, 1\]"),
 ]
 
 
@@ -659,6 +697,8 @@ DOCUMENTED_RESULTS = [
     ("hcat of stacked heads with a per-row tensor k", lambda: M.hcat(M.lift(torch.randn(3, 4, 5), k=_k3[:, None]),
                                                                      k=_k3, dim=-2), lambda x: x.shape == (3, 21)),
     ("origin of a size tuple", lambda: M.origin((2, 3), k=2.0), lambda x: x.shape == (2, 3) and x[0, 0] == 2 ** 0.5),
+    ("origin with a tensor k shaped like the time coordinates [2, 1] (was a raw expand error)",
+     lambda: M.origin(2, 3, k=torch.tensor([[1.0], [4.0]])), lambda x: torch.equal(x[:, 0], torch.tensor([1.0, 2.0]))),
     ("curvature_to_k of a Fraction (a numbers.Real, not a float)", lambda: M.curvature_to_k(_np_half),
      lambda k: k == 2.0),
 ]
