@@ -731,16 +731,23 @@ def _key_shapes(config) -> tuple[str, Callable[[object, torch.Tensor], bool]]:
 
 def check_cache_layers(config, cache) -> None:
     """``ValueError`` naming ``past_key_values`` when a cache that holds tokens was not written by a model of this
-    architecture: fewer layers than ``config.num_hidden_layers``, tokens in layers this model does not have, or keys
+    architecture: fewer layers than ``config.num_hidden_layers`` (a static cache's, even empty), tokens in layers this
+    model does not have, or keys
     of another shape than this model's layers write (:func:`_key_shapes`; e.g. a HELM-D cache fed to HELM-MiCE).
     Shape reads only; in the usual case (layer 0 written, no extra layers) three attribute reads."""
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return
+    n = config.num_hidden_layers
+    if layers and len(layers) < n and all(isinstance(layer, StaticLayer) for layer in layers):
+        # a static cache's layers are allocated up front (a dynamic one grows): too few, even empty, is another
+        # model's (the forward would index past them)
+        raise ValueError(f"past_key_values (cache=) is a {type(cache).__name__} of {len(layers)} layer(s), this model "
+                         f"has num_hidden_layers={n}; allocate it from this model's config "
+                         f"({type(cache).__name__}(config=model.config, ...))")
     first = next(((i, keys) for i, keys in enumerate(map(_written_keys, layers)) if keys is not None), None)
     if first is None:
         return
-    n = config.num_hidden_layers
     extra = [i for i in range(n, len(layers)) if _written_keys(layers[i]) is not None]
     if len(layers) < n or extra:
         written = 1 + max(i for i, layer in enumerate(layers) if _written_keys(layer) is not None)

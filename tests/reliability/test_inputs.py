@@ -268,6 +268,15 @@ def test_a_helm_cache_extended_by_llama_is_refused(models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_empty_static_cache_of_fewer_layers_is_refused(models, family):
+    """re-probe 6: a StaticCache allocated for a 1-layer config failed with "IndexError: list index out of range"."""
+    cache = StaticCache(config=tiny_config(family, num_hidden_layers=1), max_cache_len=16)
+    with pytest.raises(ValueError, match=r"is a StaticCache of 1 layer\(s\), this model has num_hidden_layers=2; "
+                                         r"allocate it from this model's config"):
+        models[family].generate(ids(1, 3), past_key_values=cache, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("max_cache_len", [4, 8])
 def test_generate_past_a_static_cache_is_refused(models, family, max_cache_len):
     """max_cache_len 4: the prompt (5) does not fit; 8: the fourth new token does not."""
