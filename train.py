@@ -368,6 +368,17 @@ class Progress:
         return time.perf_counter() - self.run_start
 
 
+def perplexity_change(before: float, after: float) -> str:
+    """How the validation perplexity changed, as a factor and a direction: ``3.14x lower``, ``1.03x higher``
+    (training made it worse: too short a run, too high a learning rate), ``unchanged``."""
+    if after == before:
+        return "unchanged"
+    ratio, direction = (before / after, "lower") if after < before else (after / before, "higher")
+    if not math.isfinite(ratio):  # one of them overflowed (a perplexity past 1.8e308)
+        return direction
+    return f"{ratio:.2f}x {direction}" if ratio < 100 else f"{format_perplexity(ratio)}x {direction}"
+
+
 def demo_sample(cfg, model, tokenizer) -> str:
     """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
     torch.manual_seed(cfg.train.seed)
@@ -565,8 +576,8 @@ def train(cfg, resume) -> dict:
         if initial is not None:
             before_ppl, after_ppl = perplexity(initial), perplexity(after)
             say(f"[train] validation perplexity: {format_perplexity(before_ppl)} before training -> "
-                f"{format_perplexity(after_ppl)} after ({format_perplexity(before_ppl / after_ppl)}x lower; measured "
-                "on the reloaded model)")
+                f"{format_perplexity(after_ppl)} after ({perplexity_change(before_ppl, after_ppl)}; measured on the "
+                "reloaded model)")
         else:
             say("[train] validation perplexity after training (reloaded model): "
                 f"{format_perplexity(perplexity(after))}")

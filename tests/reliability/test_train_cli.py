@@ -1218,3 +1218,28 @@ def test_an_empty_resume_value_is_one_line_saying_what_to_pass(tmp_path, run_dat
             "OUTPUT_DIR/checkpoints/step-00000100), or --resume with no value to continue from the newest checkpoint "
             "in train.output_dir")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("before, after, change", [(1.0, 1.03, "1.03x higher"), (2.0, 1.0, "2.72x lower"),
+                                                   (1.0, 1.0, "unchanged")], ids=["rose", "fell", "same"])
+def test_the_summary_says_whether_the_perplexity_rose_or_fell(before, after, change, tmp_path, run_data, capsys,
+                                                              monkeypatch):
+    """Reliability probe E130: with --data.seq_len=2 the summary read "7,666.8 before training -> 7,912.1 after
+    (1.0x lower; ...)": the perplexity rose, and the line said lower. The validation losses are set here: before
+    (step 0) and after (the reloaded final model)."""
+    real, calls = train_script.validation_loss, []
+
+    def losses(model, validation, accelerator, batch_size, distributed=True):
+        real(model, validation, accelerator, batch_size, distributed)
+        calls.append(distributed)
+        return after if not distributed else before if len(calls) == 1 else 3.0  # the final model's is local
+
+    monkeypatch.setattr(train_script, "validation_loss", losses)
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0, "eval_at_start": True},
+                          demo={"prompt": None})
+    code = train_script.main(["--config", str(recipe)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    [line] = [line for line in captured.out.splitlines() if "before training ->" in line]
+    assert line == (f"[train] validation perplexity: {math.exp(before):,.1f} before training -> {math.exp(after):,.1f} "
+                    f"after ({change}; measured on the reloaded model)"), line
