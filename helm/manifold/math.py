@@ -62,8 +62,6 @@ __all__ = [
     "curvature_to_k",
     "k_to_curvature",
     "check_k",
-    "K_MIN",
-    "K_MAX",
     "readable_for_free",
     "point_rtol",
     "inner",
