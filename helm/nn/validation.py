@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, Container, Iterable, Optional, Sequence
 
 import torch
@@ -67,12 +68,22 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _foreign_scalar(value) -> str:
+    """A hint for a numpy or torch scalar given where a Python number is needed (configs are saved as JSON, which
+    holds Python numbers), else ''."""
+    if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)):
+        return f" (a {type(value).__module__.split('.')[0]} scalar: pass int(...) or float(...))"
+    if type(value).__module__.split(".")[0] == "torch" and getattr(value, "dim", lambda: 1)() == 0:
+        return " (a 0-dim tensor: pass .item())"
+    return ""
+
+
 def integer(minimum: int = 1) -> Rule:
     """An ``int`` (not a bool) ``>= minimum``; Lorentz dims count the time coordinate, so they use 2."""
 
     def rule(value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"must be an integer >= {minimum}, got {value!r}")
+            raise ValueError(f"must be an integer >= {minimum}, got {value!r}{_foreign_scalar(value)}")
 
     return rule
 
@@ -80,19 +91,19 @@ def integer(minimum: int = 1) -> Rule:
 def positive(value) -> None:
     """A finite number ``> 0``."""
     if not (_is_number(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"must be a positive finite number, got {value!r}")
+        raise ValueError(f"must be a positive finite number, got {value!r}{_foreign_scalar(value)}")
 
 
 def non_negative(value) -> None:
     """A finite number ``>= 0``."""
     if not (_is_number(value) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"must be a non-negative finite number, got {value!r}")
+        raise ValueError(f"must be a non-negative finite number, got {value!r}{_foreign_scalar(value)}")
 
 
 def greater_than(bound: float) -> Rule:
     def rule(value):
         if not (_is_number(value) and math.isfinite(value) and value > bound):
-            raise ValueError(f"must be a finite number > {bound:g}, got {value!r}")
+            raise ValueError(f"must be a finite number > {bound:g}, got {value!r}{_foreign_scalar(value)}")
 
     return rule
 
@@ -104,7 +115,7 @@ def in_range(bounds: tuple) -> Rule:
 
     def rule(value):
         if not (_is_number(value) and math.isfinite(value) and value > 0 and lo <= value <= hi):
-            raise ValueError(f"must be a positive finite number in {text}, got {value!r}")
+            raise ValueError(f"must be a positive finite number in {text}, got {value!r}{_foreign_scalar(value)}")
 
     return rule
 
@@ -121,7 +132,7 @@ def negative(value) -> None:
     """The paper's curvature ``K``: a finite number ``< 0`` with ``|K|`` in :data:`CURVATURE_RANGE`."""
     if not _curvature_ok(value):
         raise ValueError(f"must be a negative finite number with {_CURVATURE_TEXT} (paper convention K < 0), "
-                         f"got {value!r}")
+                         f"got {value!r}{_foreign_scalar(value)}")
 
 
 def k_parameter(value) -> None:
@@ -143,19 +154,19 @@ residual_scale_factor = in_range(RESIDUAL_SCALE_FACTOR_RANGE)
 
 def boolean(value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"must be a bool, got {value!r}")
+        raise ValueError(f"must be a bool, got {value!r}{_foreign_scalar(value)}")
 
 
 def probability(value) -> None:
     """A finite number in ``[0, 1]`` (a dropout rate)."""
     if not (_is_number(value) and 0 <= value <= 1):
-        raise ValueError(f"must be a number in [0, 1], got {value!r}")
+        raise ValueError(f"must be a number in [0, 1], got {value!r}{_foreign_scalar(value)}")
 
 
 def mapping(value) -> None:
     """A ``dict`` (``id2label``, ``label2id``: ``transformers`` iterates their items)."""
     if not isinstance(value, dict):
-        raise ValueError(f"must be a dict, got {value!r}")
+        raise ValueError(f"must be a dict, got {value!r}{_foreign_scalar(value)}")
 
 
 def torch_dtype(value) -> None:
@@ -163,7 +174,7 @@ def torch_dtype(value) -> None:
     if not (isinstance(value, torch.dtype) or
             (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype))):
         raise ValueError(f"must be a torch.dtype or the name of one ('float32', 'bfloat16', 'float16', ...), "
-                         f"got {value!r}")
+                         f"got {value!r}{_foreign_scalar(value)}")
 
 
 def one_of(accepted: Container) -> Rule:
@@ -171,7 +182,7 @@ def one_of(accepted: Container) -> Rule:
 
     def rule(value):
         if value not in accepted:
-            raise ValueError(f"must be one of {tuple(accepted)}, got {value!r}")
+            raise ValueError(f"must be one of {tuple(accepted)}, got {value!r}{_foreign_scalar(value)}")
 
     return rule
 
@@ -189,9 +200,10 @@ def optional(rule: Rule) -> Rule:
 def negative_list(value) -> None:
     """A list of paper curvatures, each accepted by :func:`negative`."""
     if not (isinstance(value, (list, tuple)) and all(_is_number(v) and math.isfinite(v) and v < 0 for v in value)):
-        raise ValueError(f"must be a list of negative finite numbers (paper K < 0), got {value!r}")
+        raise ValueError(f"must be a list of negative finite numbers (paper K < 0), got {value!r}"
+                         f"{_foreign_scalar(value)}")
     if not all(_curvature_ok(v) for v in value):
-        raise ValueError(f"must be a list of curvatures with {_CURVATURE_TEXT}, got {value!r}")
+        raise ValueError(f"must be a list of curvatures with {_CURVATURE_TEXT}, got {value!r}{_foreign_scalar(value)}")
 
 
 def token_ids(vocab_size: int) -> Rule:
@@ -202,7 +214,8 @@ def token_ids(vocab_size: int) -> Rule:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size
                                  for v in values):
-            raise ValueError(f"must be a token id (or list of ids) in [0, vocab_size={vocab_size}), got {value!r}")
+            raise ValueError(f"must be a token id (or list of ids) in [0, vocab_size={vocab_size}), got {value!r}"
+                             f"{_foreign_scalar(value)}")
 
     return rule
 
@@ -211,7 +224,7 @@ def curvature_pair(value) -> None:
     """Two paper curvatures ``[first, last]`` (a range of expert curvatures), each accepted by :func:`negative`."""
     negative_list(value)
     if len(value) != 2:
-        raise ValueError(f"must be a pair [first, last] of curvatures, got {value!r}")
+        raise ValueError(f"must be a pair [first, last] of curvatures, got {value!r}{_foreign_scalar(value)}")
 
 
 def check(value, name: str, rule: Rule):

@@ -8,6 +8,7 @@ smooth parametrisation instead of a zero-gradient clamp (last tests).
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -460,6 +461,21 @@ def test_derived_expert_curvatures_follow_a_new_expert_count(tiny_config, tmp_pa
     assert AutoModelForCausalLM.from_config(config).config.routed_curvatures == two
     with pytest.raises(ValueError, match="routed_curvatures has 3 entries, expected n_routed_experts=2"):
         tiny_config("helm_mice", routed_curvatures=[-1.0, -0.5, -2.0], n_routed_experts=2, num_experts_per_tok=1)
+
+
+FOREIGN_SCALARS = [
+    ("numpy int", "num_hidden_layers", np.int64(2), r"got np.int64\(2\) \(a numpy scalar: pass int\(\.\.\.\) or float"),
+    ("numpy float32", "rms_norm_eps", np.float32(1e-5), r"got np.float32\(1e-05\) \(a numpy scalar"),
+    ("0-dim tensor", "num_attention_heads", torch.tensor(2), r"got tensor\(2\) \(a 0-dim tensor: pass \.item\(\)\)"),
+]
+
+
+@pytest.mark.parametrize("case, name, value, match", FOREIGN_SCALARS, ids=[c[0] for c in FOREIGN_SCALARS])
+def test_numpy_and_tensor_scalars_are_refused_saying_what_to_pass(case, name, value, match):
+    """Configs are saved as JSON, which holds Python numbers; re-probe 6 read "must be an integer >= 1, got
+    np.int64(2)" as unclear."""
+    with pytest.raises(ValueError, match=rf"^{name} must be .*{match}"):
+        helm.load_config("tiny-helm-d", **{name: value})
 
 
 def test_a_saved_config_json_is_a_preset_file(tiny_config, tmp_path):
