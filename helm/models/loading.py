@@ -105,14 +105,15 @@ def unloadable_path_problem(where) -> str | None:
 
 
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
-                       tokenizer: bool = False) -> str | None:
+                       tokenizer: bool = False, need_model_type: bool = False) -> str | None:
     """Why ``where`` cannot be loaded as a local checkpoint, as a sentence that follows ``from_pretrained(where)``;
     None when it may be loaded (a folder whose ``config.json`` reads as an object, or a str that may be a hub id).
 
     ``need_config=False``: a folder without ``config.json`` is fine (a ``config=`` was passed, a GGUF file is
     named); a PEFT adapter folder (``adapter_config.json``) never needs one. ``json_file_ok``: a ``.json`` file
     is a config (``AutoConfig.from_pretrained("config.json")``). ``tokenizer``: only the path itself is checked
-    (``AutoTokenizer``: a tokenizer folder needs no ``config.json``)."""
+    (``AutoTokenizer``: a tokenizer folder needs no ``config.json``). ``need_model_type``: the ``config.json``
+    must name its ``model_type`` (the Auto classes pick the class by it)."""
     if problem := unloadable_path_problem(where):
         return problem
     path = Path(os.fspath(where))
@@ -132,7 +133,12 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         return None
     config = folder / "config.json"
     if config.is_file():
-        return config_file_problem(config)
+        if problem := config_file_problem(config):
+            return problem
+        if need_model_type and "model_type" not in json.loads(config.read_text(encoding="utf-8")):
+            return ('config.json has no "model_type" key, by which the Auto classes pick the model class; add it '
+                    '(e.g. "model_type": "helm_d"), or load with the model\'s own class (HelmDForCausalLM, ...)')
+        return None
     if not need_config or (folder / "adapter_config.json").is_file():
         return None
     if (run := _run_of(folder)) is not None:
@@ -243,12 +249,12 @@ def install_auto_load_messages() -> None:
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
-    owners = [(AutoConfig, {"json_file_ok": True}), (AutoTokenizer, {"tokenizer": True})]
+    owners = [(AutoConfig, {"json_file_ok": True, "need_model_type": True}), (AutoTokenizer, {"tokenizer": True})]
     pending = [_BaseAutoModelClass]
     while pending:  # each Auto model class has its own copy of from_pretrained (transformers' auto_class_update)
         owner = pending.pop()
         pending.extend(owner.__subclasses__())
-        owners.append((owner, {}))
+        owners.append((owner, {"need_model_type": True}))
     for owner, options in owners:
         method = owner.__dict__.get("from_pretrained")
         if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):

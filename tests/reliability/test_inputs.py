@@ -749,6 +749,24 @@ def test_auto_tokenizer_names_paths_that_hold_no_tokenizer(tmp_path, case, where
 
 
 @pytest.mark.parametrize("loader", ["AutoConfig", "AutoModelForCausalLM"])
+def test_a_config_json_without_model_type_is_named_by_the_auto_classes(saved, tmp_path, loader):
+    """re-probe 6: transformers said the folder "contains custom code which must be executed" (it has an auto_map);
+    the concrete class still loads it (its config class is known)."""
+    import json
+
+    import transformers
+
+    import helm.models
+
+    config = json.loads((saved / "helm_d" / "config.json").read_text())
+    del config["model_type"]
+    path = _with_config(saved, tmp_path, json.dumps(config).encode())
+    with pytest.raises(ValueError, match=rf'^{loader}\.from_pretrained\(.*\): config\.json has no "model_type" key'):
+        getattr(transformers, loader).from_pretrained(path)
+    assert helm.models.HelmDForCausalLM.from_pretrained(path) is not None
+
+
+@pytest.mark.parametrize("loader", ["AutoConfig", "AutoModelForCausalLM"])
 def test_auto_loading_messages_leave_the_rest_to_transformers(saved, tmp_path, loader):
     """A good folder loads; a failure that is not about the path (a model type nobody registered) is transformers'
     own error, unchanged."""
