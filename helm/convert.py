@@ -308,6 +308,10 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
         raise ValueError(f"model must be one of {MODELS}, got {model!r}" + (
             "" if detected else " (the keys look like neither official model: no token_embed.embedding / "
                                 "embed.embedding / embed.weight)"))
+    if detected is None:
+        sample = ", ".join(sorted(state)[:3]) + (", ..." if len(state) > 3 else "") if state else "no weights at all"
+        raise ValueError(f"the checkpoint is not an official HELM checkpoint: it has no token_embed.embedding (HELM-D) "
+                         f"and no embed.embedding / embed.weight (HELM-MiCE); its keys: {sample}")
     if detected != model:
         raise ValueError(f"model={model!r}, but the checkpoint's keys are those of the official {detected!r}")
     k = _curvature(state)

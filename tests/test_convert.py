@@ -131,6 +131,10 @@ def test_model_argument_is_checked():
         convert_official_checkpoint(_state("helm_d"), model="helm_mice")
     with pytest.raises(ValueError, match=r"model must be one of \('helm_d', 'helm_mice'\), got 'llama'"):
         convert_official_checkpoint(_state("helm_d"), model="llama")
+    # re-probe 6: "the checkpoint's keys are those of the official None" before
+    for state, keys in (({}, "no weights at all"), ({"w": torch.zeros(1)}, "w")):
+        with pytest.raises(ValueError, match=rf"the checkpoint is not an official HELM checkpoint: .*its keys: {keys}"):
+            convert_official_checkpoint(state, model="helm_d")
 
 
 def test_cli_refuses_a_bad_checkpoint_with_exit_2(tmp_path):
