@@ -11,10 +11,12 @@ the equivalent stock commands (--dry-run: only them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import math
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import lm_eval
@@ -51,6 +53,46 @@ def stock_command(path: str, tasks: list[str], shots: int, args, device: str) ->
     return shlex.join(argv)
 
 
+@contextlib.contextmanager
+def progress_bars(enabled: bool):
+    """Within the block, no progress bars when not ``enabled``: lm-eval's (building each task's requests, running
+    them; it takes no option for the first), transformers' (loading the weights) and datasets' (preparing a task's
+    data). Restored on leaving, so that an in-process caller keeps its own."""
+    if enabled:
+        yield
+        return
+    import datasets
+    from tqdm import tqdm
+    from transformers.utils import logging as transformers_logging
+
+    class QuietTqdm(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    # the lm_eval modules that bound tqdm's class with `from tqdm import tqdm`
+    bound = [(module, name) for module_name, module in list(sys.modules.items())
+             if module_name.split(".")[0] == "lm_eval" and module is not None
+             for name in ("tqdm",) if isinstance(getattr(module, name, None), type)
+             and issubclass(getattr(module, name), tqdm)]
+    saved = [(module, name, getattr(module, name)) for module, name in bound]
+    transformers_on = transformers_logging.is_progress_bar_enabled()
+    datasets_on = datasets.is_progress_bar_enabled()
+    try:
+        for module, name in bound:
+            setattr(module, name, QuietTqdm)
+        transformers_logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        if transformers_on:
+            transformers_logging.enable_progress_bar()
+        if datasets_on:
+            datasets.enable_progress_bars()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, metavar="[NAME=]PATH",
@@ -68,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", metavar="JSON", help="write the merged results here")
     parser.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the result file")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent stock lm_eval commands and exit")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide the progress bars: lm-eval's (building and running each task's requests), "
+                             "transformers' (loading the weights) and datasets' (preparing a task's data); lm-eval's "
+                             "log lines stay")
     return parser
 
 
@@ -91,7 +137,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     print("equivalent stock lm-eval commands:\n  " + "\n  ".join(commands))
     if args.dry_run:
         return None
+    with progress_bars(not args.no_progress):
+        return evaluate(args, name, path, groups, device)
 
+
+def evaluate(args, name: str, path: str, groups: list[tuple[list[str], int]], device: str) -> dict | None:
+    """Run the checked ``groups`` (tasks, shots) of ``args`` on the checkpoint ``path`` into one result record."""
     manager = TaskManager(include_path=str(TASK_DIR))  # before loading the model, so a typo fails fast
     names = manager.all_tasks  # tasks, groups and tags; lm-eval also takes a path to a task YAML file
     if unknown := [task for tasks, _ in groups for task in tasks if task not in names and not Path(task).is_file()]:

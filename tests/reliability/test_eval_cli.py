@@ -430,3 +430,33 @@ def test_a_model_folder_whose_name_holds_an_equals_sign_is_scored(paths, capsys)
         record = run_script(load_script("perplexity").main, ["--model", spec, "--files", paths["long"],
                                                              "--seq-len", "4", "--max-windows", "1", "--no-progress"])
         assert (record["model_name"], record["model_path"]) == (name, paths["eqmodel"]), capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["harness", "perplexity", "length_extrapolation", "pe_decay", "curvature"])
+def test_every_script_with_progress_bars_takes_no_progress(script):
+    """F073: eval/README.md says every script with long loops hides its progress bars with --no-progress; harness.py
+    refused the flag as an unrecognized argument."""
+    parser = load_script(script).build_parser()
+    assert "--no-progress" in parser._option_string_actions, script
+    assert parser.parse_args([*(["--model", "m"] if script != "pe_decay" else []),
+                              *(["--files", "t"] if script not in ("pe_decay", "harness") else []),
+                              "--no-progress"]).no_progress
+
+
+def test_harness_no_progress_hides_the_progress_bars(paths, capsys):
+    """F073: --no-progress is taken with --dry-run, and a real run with it shows none of lm-eval's or transformers'
+    progress bars (tqdm's ``%|``), which the same run without it does; the bars are back after the run."""
+    from transformers.utils import logging as transformers_logging
+
+    harness = load_script("harness").main
+    assert run_script(harness, ["--model", paths["model"], "--dry-run", "--no-progress"]) is None
+    argv = ["--model", paths["model"], "--tasks", "helm_local_mc", "--limit", "2"]
+    runs = {}
+    for flags in ([], ["--no-progress"]):
+        record = run_script(harness, [*argv, *flags])
+        captured = capsys.readouterr()
+        runs[bool(flags)] = captured.err + captured.out
+        assert record["n-samples"]["helm_local_mc"]["effective"] == 2
+    assert "Running loglikelihood requests" in runs[False] and "Loading weights" in runs[False], runs[False]
+    assert "%|" not in runs[True], runs[True]
+    assert transformers_logging.is_progress_bar_enabled()
