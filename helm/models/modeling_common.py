@@ -361,18 +361,31 @@ def _mentions_weights(err: BaseException, files: list) -> bool:
         or "header" in text.lower()
 
 
+# no trained weight comes near it; products of such weights overflow fp32 (a scaled or damaged checkpoint)
+HUGE_WEIGHT = 1e15
+
+
 def check_finite_weights(name: str, where, model: nn.Module, *, subfolder: str = "") -> None:
     """``OSError`` naming the first parameter that holds a NaN or an inf after loading, and the weight file it came
-    from (a checkpoint of a diverged run, or one damaged and re-saved): every output of such a model is NaN.
-    Parameters on the CPU only (reading the result there is no device synchronisation; a model loaded onto an
-    accelerator with ``device_map`` is not checked), one fused max-|x| per dtype and one read."""
+    from (a checkpoint of a diverged run, or one damaged and re-saved): every output of such a model is NaN. The
+    same for a finite weight beyond :data:`HUGE_WEIGHT`. Parameters on the CPU only (reading the result there is
+    no device synchronisation; a model loaded onto an accelerator with ``device_map`` is not checked), one fused
+    max-|x| per dtype and one read."""
     params = [(n, p) for n, p in model.named_parameters()
               if p.device.type == "cpu" and p.is_floating_point() and p.numel()]
     if not params:
         return
-    largest = torch._foreach_norm([p.detach() for _, p in params], float("inf"))
-    finite = torch.stack([m.float() for m in largest]).isfinite()
+    largest = torch.stack([m.float() for m in torch._foreach_norm([p.detach() for _, p in params], float("inf"))])
+    finite = largest.isfinite()
     if bool(finite.all()):
+        if bool((largest > HUGE_WEIGHT).any()):
+            index = int(largest.argmax())
+            weight = params[index][0]
+            file = _weight_file_of(where, weight, model.base_model_prefix, subfolder)
+            raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {weight!r} holds values up to "
+                          f"{float(largest[index]):.3g} in {file}, beyond {HUGE_WEIGHT:g}, far past any trained "
+                          "weight: the checkpoint is damaged (the outputs would overflow to inf or NaN); load an "
+                          "earlier checkpoint")
         return
     bad = [n for (n, _), ok in zip(params, finite.tolist()) if not ok]
     more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if len(bad) > 1 \

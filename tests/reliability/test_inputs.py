@@ -551,6 +551,10 @@ DAMAGED = [
      rf"the weight '{MATRIX}' holds NaN or inf values in \S*model\.safetensors; every output of this model would be NaN"),
     ("inf scalar", _rewrite(lambda sd: sd[WEIGHT].fill_(float("inf"))), OSError,
      rf"the weight '{WEIGHT}' holds NaN or inf values in \S*model\.safetensors"),
+    # re-probe 6: embeddings x 1e30 (finite) loaded and gave NaN logits
+    ("weights x 1e30", _rewrite(lambda sd: sd["model.embed_tokens.weight"].mul_(1e30)), OSError,
+     r"the weight 'model.embed_tokens.weight' holds values up to \S+ in \S*model\.safetensors, beyond 1e\+15, far "
+     r"past any trained weight: the checkpoint is damaged"),
     ("missing key", _rewrite(lambda sd: sd.pop(MATRIX)), RuntimeError, rf"missing from the checkpoint.*{MATRIX}"),
     ("missing scalar", _rewrite(lambda sd: sd.pop(WEIGHT)), RuntimeError, rf"missing from the checkpoint.*{WEIGHT}"),
     ("missing lm_head", _rewrite(lambda sd: sd.pop("lm_head.weight")), RuntimeError, "lm_head.weight"),
