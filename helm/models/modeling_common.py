@@ -624,7 +624,8 @@ class HelmGenerationMixin(GenerationMixin):
     """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
     them (:func:`check_generation_arguments`), and the cache: ``past_key_values`` (or ``cache``) must be a
     ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an ``AttributeError`` from
-    inside ``generate``."""
+    inside ``generate``. A cache must hold fewer tokens than ``input_ids`` and, where the ids it was written from
+    are known (:meth:`CacheOrigin.record`: CPU ids), the first of ``input_ids`` must be those ids."""
 
     def generate(self, *args, **kwargs):
         check_generation_arguments(kwargs, getattr(self.config, "vocab_size", None))
@@ -641,6 +642,15 @@ class HelmGenerationMixin(GenerationMixin):
                     raise ValueError(f"{name} already holds {cached} tokens but input_ids has {prompt.shape[1]}: "
                                      "generate continues a cache from input_ids = the cached tokens plus at least "
                                      "one new one; pass the full sequence, or a new cache")
+                origin = getattr(value, CacheOrigin.attribute, None)
+                tokens = None if origin is None else origin.tokens
+                if cached and tokens is not None and tokens.shape == (prompt.shape[0], cached) \
+                        and prompt.device.type == "cpu" and not torch.equal(tokens, prompt[:, :cached].long()):
+                    row, column = (tokens != prompt[:, :cached].long()).nonzero()[0].tolist()
+                    raise ValueError(f"{name} holds the keys of other tokens than input_ids begins with: of its "
+                                     f"{cached} cached tokens, token {column} of row {row} was {int(tokens[row, column])}"
+                                     f", input_ids has {int(prompt[row, column])} there; pass the cache returned for "
+                                     "this prompt, or a new cache")
         return super().generate(*args, **kwargs)
 
 
@@ -807,6 +817,19 @@ class CacheOrigin:
 
     def __init__(self, signature: dict):
         self.signature, self.checked = signature, 0
+        # the token ids the cached tokens were written from ([B, past] on the CPU), or None where unknown (inputs
+        # embeddings, ids on an accelerator, a cache filled elsewhere): generate compares its prompt with them
+        self.tokens: Optional[torch.Tensor] = torch.zeros(1, 0, dtype=torch.long)
+
+    def record(self, input_ids: Optional[torch.Tensor], past_len: Optional[int]) -> None:
+        """Note the ids a forward is about to cache after ``past_len`` tokens (a prefix kept when a cache was
+        cropped, e.g. by assisted decoding); unknown from the first forward that gives no CPU ids."""
+        tokens = self.tokens
+        if tokens is None or past_len is None or input_ids is None or input_ids.device.type != "cpu" \
+                or tokens.shape[1] < past_len or past_len and tokens.shape[0] != input_ids.shape[0]:
+            self.tokens = None
+            return
+        self.tokens = torch.cat([tokens[:, :past_len], input_ids.long()], 1) if past_len else input_ids.long()
 
 
 def cache_signature(config) -> dict:
@@ -945,6 +968,9 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     check_cache_layers(config, past_key_values)
     past = layout.known_past_len(config)
     check_cache_origin(config, past_key_values, dtype, past)
+    if (origin := getattr(past_key_values, CacheOrigin.attribute, None)) is not None \
+            and not torch.compiler.is_compiling():
+        origin.record(input_ids, past)
     if layout.q_offset is not None and past is not None and past + seq_len > layout.kv_len:
         raise ValueError(f"past_key_values (cache=) is a {type(past_key_values).__name__} of max_cache_len="
                          f"{layout.kv_len} holding {past} tokens: {seq_len} more do not fit ({past + seq_len} > "

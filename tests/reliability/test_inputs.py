@@ -268,6 +268,21 @@ def test_a_helm_cache_extended_by_llama_is_refused(models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_generate_refuses_the_cache_of_another_prompt_and_continues_its_own(models, family):
+    """re-probe 6: a cache filled from [9, 9, 9] continued input_ids [5, 6, 7, 8] silently (Llama does the same);
+    the ids a cache was written from are recorded (CPU ids), so generate compares them with its prompt."""
+    model = models[family]
+    prompt = ids(1, 4)
+    other = model(prompt[:, :3] + 1, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"past_key_values holds the keys of other tokens than input_ids begins with: "
+                                         r"of its 3 cached tokens, token 0 of row 0 was \d+, input_ids has \d+ there"):
+        model.generate(prompt, past_key_values=other, max_new_tokens=2)
+    own = model(prompt[:, :3], use_cache=True).past_key_values
+    assert torch.equal(model.generate(prompt, past_key_values=own, max_new_tokens=2),
+                       model.generate(prompt, max_new_tokens=2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_an_empty_static_cache_of_fewer_layers_is_refused(models, family):
     """re-probe 6: a StaticCache allocated for a 1-layer config failed with "IndexError: list index out of range"."""
     cache = StaticCache(config=tiny_config(family, num_hidden_layers=1), max_cache_len=16)
