@@ -19,8 +19,10 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
 * Points: :func:`sqdist`, :func:`dist`, :func:`logmap0`, :func:`centroid` and :func:`rescale` (``x`` on
   ``H_{k_in}``) take points of ``H^n_k`` for *their* ``k``, and :func:`normalize` a future-pointing ``s``
   (``s_t > 0``). Where the values are free to read (:func:`readable_for_free`) a ``ValueError`` names the argument
-  for a point of the lower sheet (``-x``, time coordinate ``<= 0``), a NaN or inf coordinate, or a point off the
-  hyperboloid: ``|<x, x>_L + k| > rtol · (x_t² + |x_s|²)`` (:func:`point_rtol`: ``64 · 2^-23 = 7.6e-6`` for
+  for a point of the lower sheet (``-x``, time coordinate ``<= 0``), a NaN or inf coordinate, a point past the
+  statistics dtype's range of points, time coordinate ``x_t >= sqrt(max)/2`` (``9.2e18`` in fp32, ``6.7e153`` in
+  fp64; ``|x_s| < x_t``), beyond which the inner products and squared distances of two points overflow (fp32
+  points at ``|x_s| = 1e20``, which :func:`lift` refuses, gave ``dist = inf``), or a point off the hyperboloid: ``|<x, x>_L + k| > rtol · (x_t² + |x_s|²)`` (:func:`point_rtol`: ``64 · 2^-23 = 7.6e-6`` for
   fp32 and fp64 points, ``4 · eps`` of the dtype for fp16/bf16 ones; the points this module returns are on
   ``H_k`` to ``2e-7`` in fp32). The bound is relative to the Euclidean size of the point, the scale of its
   rounding, so a point of another curvature ``k'`` is refused while ``|k - k'| > rtol (x_t² + |x_s|²)`` (near the
@@ -32,6 +34,9 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   points with no coordinates) a ``ValueError``, and two point arguments whose coordinates differ in number or
   whose batch dims do not broadcast a ``ValueError`` naming both shapes (and two on different devices one naming
   both devices). These look at dtypes, shapes and devices only, so they run everywhere (no device work).
+  Overflow: for finite inputs they accept (where free to read) the functions return finite values: :func:`inner`
+  and :func:`sqnorm` of finite vectors whose product overflows, :func:`normalize` of an ``s`` whose squares
+  overflow and :func:`rescale` to inf coordinates are a ``ValueError`` (``k`` and the points are bounded above).
 * Precision (:mod:`helm.precision`): every function here computes in the statistics dtype, fp32 for
   fp32/bf16/fp16 inputs and fp64 for fp64 ones. What it returns: :func:`expmap0`, :func:`logmap0` and
   :func:`rescale` (maps a caller applies to its own points and tangents; no layer calls them in a forward) round
@@ -186,11 +191,19 @@ def point_rtol(dtype: torch.dtype) -> float:
     return max(4 * torch.finfo(dtype).eps, _POINT_RTOL_FP32)
 
 
+def _point_bound(dtype: torch.dtype) -> float:
+    """The largest time coordinate of the points :func:`_check_points` takes in the statistics dtype ``dtype``:
+    ``sqrt(max)/2`` (9.2e18 in fp32, 6.7e153 in fp64), so ``<x, y>_L``, ``d²(x, y)`` (up to ``4 x_t y_t``) and the
+    other pairwise quantities of two points are finite."""
+    return math.sqrt(torch.finfo(dtype).max) / 2
+
+
 def _check_points(fn: str, k: Curv, kname: str = "k", **points: torch.Tensor) -> None:
     """``ValueError`` naming the argument of ``fn`` that holds something other than points of ``H^n_k`` (``k``
     already checked: a number or a tensor broadcasting against the points' time coordinates), where its values
-    are free to read: the lower sheet (:func:`_check_upper`), NaN/inf coordinates, or
-    ``|<x, x>_L + k| > point_rtol · (x_t² + |x_s|²)``.
+    are free to read: the lower sheet (:func:`_check_upper`), NaN/inf coordinates, a time coordinate (the largest,
+    ``|x_s| < x_t``) of at least :func:`_point_bound` (``9.2e18`` in fp32: beyond, ``d²`` of two points overflows
+    and :func:`dist` returned ``inf`` for finite points), or ``|<x, x>_L + k| > point_rtol · (x_t² + |x_s|²)``.
 
     Evaluated in the statistics dtype on ``x / x_t`` (``|x_s/x_t|² - 1 + k/x_t²`` against ``rtol (1 + |x_s/x_t|²)``),
     which neither overflows for the large points fp32 holds nor cancels more than the bound allows."""
@@ -201,6 +214,12 @@ def _check_points(fn: str, k: Curv, kname: str = "k", **points: torch.Tensor) ->
         xf = to_stat(x.detach())
         if not bool(torch.isfinite(xf).all()):
             raise ValueError(f"{fn}: {name} must be finite points of H^n_k, got NaN or inf coordinates")
+        bound = _point_bound(xf.dtype)
+        if not bool((xf[..., 0] < bound).all()):  # x_t > |x_s| on H_k: the time coordinate bounds the point
+            raise ValueError(f"{fn}: {name} has points with time coordinates up to {float(xf[..., 0].max()):g} "
+                             f"(|{name}_s| < {name}_t), outside the range of points in "
+                             f"{str(xf.dtype).removeprefix('torch.')}: {name}_t < {bound:.3g} (sqrt(max)/2: the inner "
+                             "products and squared distances of two such points, up to 4 x_t y_t, overflow beyond)")
         t = xf[..., :1]
         s2 = (xf[..., 1:] / t).square().sum(-1, keepdim=True)
         kk = k.detach().to(dtype=xf.dtype, device=xf.device) if isinstance(k, torch.Tensor) else float(k)
@@ -340,19 +359,36 @@ def inner(x: torch.Tensor, y: torch.Tensor, *, keepdim: bool = False) -> torch.T
     result use a difference form instead (:func:`sqdist`, the pairwise norm of :func:`centroid`, attention's
     centred values). Shapes: ``x, y`` broadcastable ``[..., 1+n]`` -> ``[...]`` (``[..., 1]`` with ``keepdim``);
     the same number of coordinates and broadcastable batch dims, else ``ValueError`` naming both shapes. Any
-    vectors (not only points): nothing is read.
+    vectors (not only points): their values are not checked, except that finite vectors whose product overflows the
+    statistics dtype (coordinates past ``sqrt(max)``, ``1.8e19`` in fp32: the probe's ``-inf`` for two points at
+    ``|x_s| = 1e20``) are a ``ValueError`` naming them, where free to read (:func:`readable_for_free`; one
+    reduction over the result). NaN and inf inputs propagate.
     """
+    return _checked_inner("inner", x, y, keepdim)
+
+
+def _checked_inner(fn: str, x: torch.Tensor, y: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    """:func:`inner` (``y is x``: :func:`sqnorm`) with its checks, messages naming the public ``fn``."""
     same = y is x  # sqnorm: one cast
-    _check_tensor("inner", "x", x)
+    _check_tensor(fn, "x", x)
     if not same:
-        _check_tensor("inner", "y", y)
-        _check_pair("inner", x, y)
+        _check_tensor(fn, "y", y)
+        _check_pair(fn, x, y)
+    x0, y0 = x, y
     x = to_stat(x)
     y = x if same else to_stat(y)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         out = _Inner.apply(x, None if same else y)
     else:
         out = _inner(x, x if same else y, same)
+    if readable_for_free(x0) and readable_for_free(y0) and out.numel() and not bool(out.detach().isfinite().all()) \
+            and bool(x.detach().isfinite().all()) and (same or bool(y.detach().isfinite().all())):
+        names = "x has" if same else "x and y have"
+        largest = max(float(x.detach().abs().max()), float(y.detach().abs().max()))
+        raise ValueError(f"{fn}: {names} coordinates up to {largest:g}, outside the range where "
+                         f"<x, {'x' if same else 'y'}>_L is finite in {str(out.dtype).removeprefix('torch.')}: "
+                         f"coordinates below {math.sqrt(torch.finfo(out.dtype).max):.3g} (sqrt(max); less for many "
+                         "coordinates), got a non-finite product of finite vectors")
     return out if keepdim else out.squeeze(-1)
 
 
@@ -395,8 +431,9 @@ class _Inner(torch.autograd.Function):
 
 
 def sqnorm(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
-    """Squared Minkowski norm ``<x, x>_L`` (``-k`` on ``H^n_k``; negative for time-like vectors)."""
-    return inner(x, x, keepdim=keepdim)
+    """Squared Minkowski norm ``<x, x>_L`` (``-k`` on ``H^n_k``; negative for time-like vectors); checks as
+    :func:`inner`'s (finite vectors whose square overflows are a ``ValueError`` naming ``x``, where free to read)."""
+    return _checked_inner("sqnorm", x, x, keepdim)
 
 
 def lift(x_s: torch.Tensor, *, k: Curv) -> torch.Tensor:
@@ -545,8 +582,9 @@ def _sqdist_accurate(x: torch.Tensor, y: torch.Tensor, kk: Union[float, torch.Te
       ``|Σ|² |Δ - cΣ|² - (ck)² + 4k |Δ|²`` with ``c = Δ·Σ / (|Σ|² + k)`` (a projection of ``Δ`` off ``Σ``; the
       ``+k`` keeps it finite at ``Σ = 0`` and the ``(ck)²`` term, at most ``k|Δ|²/4``, undoes it exactly).
 
-    Every quantity is finite for finite points with ``|x_s|, |y_s| < 9e18`` (fp32) and so is its gradient, also at
-    ``x = y`` (the gradient is 0 there): the form not selected gets safe operands."""
+    Every quantity is finite for finite points with time coordinates below ``9.2e18`` (fp32, :func:`_point_bound`)
+    for every ``k`` of :func:`check_k`'s range (``k |Δ|²`` and ``(ck)²`` enter as ratios to the denominator) and so is
+    its gradient, also at ``x = y`` (the gradient is 0 there): the form not selected gets safe operands."""
     x, y = to_stat(x), to_stat(y)
     xt, xs = x[..., :1], x[..., 1:]
     yt, ys = y[..., :1], y[..., 1:]
@@ -560,7 +598,9 @@ def _sqdist_accurate(x: torch.Tensor, y: torch.Tensor, kk: Union[float, torch.Te
     den = kk + tt + torch.where(apart, torch.zeros_like(p), p)  # >= k + τ > 0 where not selected
     c = ds / (ss + kk)
     perp = torch.addcmul(delta, c, sigma, value=-1)
-    near = ((ss / den) * perp.square().sum(-1, keepdim=True) - (c * kk).square() / den + (4 * kk) * dd / den) / 2
+    # ratios to den first: k |Δ|² and (ck)² themselves overflowed fp32 for large k (k = 1e30: inf - inf = NaN)
+    kd = kk / den  # <= 1
+    near = ((ss / den) * perp.square().sum(-1, keepdim=True) - (c * (c * kk)) * kd + (4 * kd) * dd) / 2
     return torch.where(apart, 2 * (tt - kk - p), near).clamp_min(0)
 
 
@@ -574,8 +614,10 @@ def dist(x: torch.Tensor, y: torch.Tensor, *, k: Curv, keepdim: bool = False) ->
     """
     d2, kk = _checked_sqdist("dist", x, y, k)
     tiny = torch.finfo(d2.dtype).tiny
-    out = 2 * _sqrt(kk) * torch.asinh((d2.clamp_min(tiny) / (4 * kk)).sqrt())
-    out = torch.where(d2 > 0, out, torch.zeros_like(out))  # exactly 0 (not sqrt(tiny)) for equal points
+    # sqrt(d²) / (2 sqrt k), not sqrt(d² / 4k): d² / 4k overflowed fp32 for small k (k = 1e-30, |x_s| = 1e5: inf)
+    sk = _sqrt(kk)
+    out = 2 * sk * torch.asinh(d2.clamp_min(tiny).sqrt() / (2 * sk))
+    out = torch.where(d2 == 0, torch.zeros_like(out), out)  # exactly 0 (not sqrt(tiny)) for equal points; NaN stays
     return out if keepdim else out.squeeze(-1)
 
 
@@ -683,6 +725,10 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     A non-finite result where free to read (NaN/inf in ``s``, or ``|<s, s>_L| = 0`` with no positive floor: ``s``
     light-like or zero has no point on its ray) is a ``ValueError`` naming ``s``.
 
+    ``s`` must be within the statistics dtype's range: where free to read, a finite ``s`` with
+    ``s_t² + |s_s|² = inf`` (``1.8e19`` in fp32) is a ``ValueError`` naming ``s`` (``|<s, s>_L|`` overflowed and the
+    result was the origin).
+
     ``s`` must be time-like: where free to read, a space-like ``s`` (``<s, s>_L > point_rtol · (s_t² + |s_s|²)``,
     beyond the rounding of that form) is a ``ValueError`` naming ``s`` (it used to land on the point of its space
     part's direction). Within that rounding of the light cone the sign of ``<s, s>_L`` cannot be told in the
@@ -703,8 +749,14 @@ def normalize(s: torch.Tensor, *, k: Curv, floor: Union[float, torch.Tensor, Non
     given = norm2 is not None
     minkowski = None
     if readable_for_free(s) and s.numel():  # the sign of <s, s>_L: refuse a clearly space-like s
-        minkowski = sqnorm(s.detach(), keepdim=True)
         scale = s.detach().square().sum(-1, keepdim=True)
+        if not bool(scale.isfinite().all()) and bool(s.isfinite().all()):  # finite s: its squares overflow
+            raise ValueError(f"normalize: s has coordinates up to {float(s.detach().abs().max()):g}, outside the "
+                             f"range where <s, s>_L and s_t² + |s_s|² are finite in "
+                             f"{str(s.dtype).removeprefix('torch.')}: sqrt(s_t² + |s_s|²) < "
+                             f"{math.sqrt(torch.finfo(s.dtype).max):.3g} (beyond, |<s, s>_L| = inf made the point "
+                             "the origin)")
+        minkowski = _inner(s.detach(), s.detach(), True)
         if not bool((minkowski <= rtol * scale).all()):
             worst = ((minkowski - rtol * scale) / scale).flatten().argmax()
             value, row = float(minkowski.flatten()[worst]), s.detach().reshape(-1, s.shape[-1])[worst]
@@ -780,9 +832,9 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
     bf16/fp16 points is theirs, :func:`point_rtol`, as in every other function), before the fp32 evaluation.
 
     The centroid does not change when the weights of one centroid are scaled by a common positive factor, and
-    neither does its evaluation: the weights are divided by their largest one per centroid first, so weights
-    like ``1e-30`` or ``1e20`` (whose ``(Σ w)²`` under- or overflows fp32) give the centroid of the same weights
-    near 1.
+    neither does its evaluation: the weights are divided by their largest one per centroid first, then by their sum,
+    so weights like ``1e-30`` or ``1e20`` (whose ``(Σ w)²`` under- or overflows fp32) give the centroid of the same
+    weights summing to 1 (and ``|<s, s>_L|`` stays below the largest ``d²``, finite for the points checked).
 
     For points of ``H_k``, ``<x_i, x_j>_L = -k - d²_ij / 2``, hence
     ``|<s, s>_L| = k (Σ w)² + ½ Σ_ij w_i w_j d²(x_i, x_j)``. That form is used: it is exact for points on the
@@ -822,6 +874,7 @@ def centroid(x: torch.Tensor, w: torch.Tensor | None = None, *, k: Curv, dim: in
                   x=given_x.movedim(dim, -2))
     if given:  # scale-free: (Σ w)² and Σ w_i w_j d² under- or overflow fp32 for tiny or huge common scales
         wm = wm / wm.amax(-1, keepdim=True)
+        wm = wm / wm.sum(-1, keepdim=True)  # Σ w = 1: ½ Σ w_i w_j d² <= max d², finite for checked points
     s = (wm.unsqueeze(-1) * xm).sum(-2)
     d2 = sqdist_one_pass(xm.unsqueeze(-2), xm.unsqueeze(-3))
     norm2 = kc * wm.sum(-1, keepdim=True).square() + \
@@ -833,11 +886,21 @@ def rescale(x: torch.Tensor, *, k_in: Curv, k_out: Curv) -> torch.Tensor:
     """Curvature change ``x ↦ sqrt(k_out / k_in) · x``: maps ``H_{k_in}`` onto ``H_{k_out}`` (MiCE experts).
 
     ``x`` must be points of ``H_{k_in}`` (checked on CPU, see the module docstring). Computed in the statistics
-    dtype and returned in ``x``'s (one rounding, whether ``k`` is a number or a tensor)."""
+    dtype and returned in ``x``'s (one rounding, whether ``k`` is a number or a tensor). A result past the range of
+    that dtype (``k_out / k_in`` large: inf coordinates) is a ``ValueError`` naming ``k_out / k_in`` where free to
+    read (:func:`readable_for_free`)."""
     _check_tensor("rescale", "x", x)
     k_out, k_in = _kt(k_out, x, "k_out"), _kt(k_in, x, "k_in")
     _check_points("rescale", k_in, "k_in", x=x)
-    return (to_stat(x) * _sqrt(k_out / k_in)).to(x.dtype)
+    out = (to_stat(x) * _sqrt(k_out / k_in)).to(x.dtype)
+    if readable_for_free(x) and out.numel() and not bool(out.detach()[..., 0].isfinite().all()):
+        ratio = k_out / k_in
+        ratio = float(ratio.max()) if isinstance(ratio, torch.Tensor) else ratio
+        raise ValueError(f"rescale: k_out / k_in = {ratio:g} scales x (time coordinates up to "
+                         f"{float(x.detach()[..., 0].max()):g}) past the range of "
+                         f"{str(x.dtype).removeprefix('torch.')}: the points of H_k_out would be inf, "
+                         f"sqrt(k_out / k_in) · x_t < {torch.finfo(x.dtype).max:.3g}")
+    return out
 
 
 def hcat(xs: Union[torch.Tensor, Sequence[torch.Tensor]], *, k: Curv, dim: int = -2) -> torch.Tensor:

@@ -487,6 +487,8 @@ _far = M.lift(1e4 * space_parts((3,), 4, "unit"), k=K).float()  # |x_s| = 1e4 on
 _u = torch.tensor([[0.0, 0.3, -0.2]])
 _nan, _inf = float("nan"), float("inf")
 _k3 = torch.tensor([[1.0], [2.0], [5.0]])
+# C172's points: lifted in fp64 at |x_s| = 1e20 (on H_1 to rounding) and rounded to fp32, where lift refuses them
+_huge = M.lift(torch.tensor([[1e20, 0.0], [-1e20, 0.0]], dtype=torch.float64), k=1.0).float()
 _ON_H = r"must be points of H\^n_k for "
 BAD_ARGUMENTS = [
     # item 1: points of another curvature or off the hyperboloid (only the lower sheet was refused)
@@ -621,6 +623,35 @@ BAD_ARGUMENTS = [
      r"^origin: k = 10000000000.0 has no origin in float16: its time coordinate sqrt\(k\) = 1e\+05"),
     ("origin tensor k=1e-20 in fp16", lambda: M.origin(2, 3, k=torch.tensor([[1.0], [1e-20]]), dtype=torch.float16),
      ValueError, r"^origin: k has no origin in float16 for some entries: .*got values in \[0, 1\]"),
+    # C172: fp32 points at |x_s| = 1e20 (lift refuses them; rounded from fp64 they passed): dist/sqdist/inner gave
+    # inf, logmap0 NaN. The points' range is x_t < sqrt(max)/2 = 9.22e18 in fp32 (d² of two points, up to 4 x_t y_t)
+    ("C172: dist of fp32 points at |x_s| = +-1e20 (was inf)", lambda: M.dist(_huge, _huge.flip(0), k=1.0), ValueError,
+     r"^dist: x has points with time coordinates up to 1e\+20 \(\|x_s\| < x_t\), outside the range of points in "
+     r"float32: x_t < 9.22e\+18"),
+    ("C172: sqdist of points at 1e20 (was inf)", lambda: M.sqdist(_pts, _huge[:1], k=1.0), ValueError,
+     r"^sqdist: y has points with time coordinates up to 1e\+20 \(\|y_s\| < y_t\), .*y_t < 9.22e\+18"),
+    ("C172: logmap0 of a point at 1e20 (was NaN)", lambda: M.logmap0(_huge, k=1.0), ValueError,
+     r"^logmap0: x has points with time coordinates up to 1e\+20"),
+    ("C172: centroid of points at 1e20", lambda: M.centroid(_huge, k=1.0, dim=0), ValueError,
+     r"^centroid: x has points with time coordinates up to 1e\+20"),
+    ("C172: hcat of points at 1e20", lambda: M.hcat([_huge, _huge], k=1.0), ValueError,
+     r"^hcat: xs\[0\] has points with time coordinates up to 1e\+20"),
+    ("C172: rescale of points at 1e20", lambda: M.rescale(_huge, k_in=1.0, k_out=1.0), ValueError,
+     r"^rescale: x has points with time coordinates up to 1e\+20"),
+    ("C172: fp64 points past fp64's range (6.7e153)", lambda: M.logmap0(
+        torch.tensor([[1e154, 1e154, 0.0]], dtype=torch.float64), k=1.0), ValueError,
+     r"^logmap0: x has points with time coordinates up to 1e\+154 .*in float64: x_t < 6.7e\+153"),
+    ("C172: inner of finite vectors whose product overflows (was -inf)", lambda: M.inner(_huge, _huge.flip(0)),
+     ValueError, r"^inner: x and y have coordinates up to 1e\+20, outside the range where <x, y>_L is finite in "
+                 r"float32: coordinates below 1.84e\+19"),
+    ("C172: sqnorm of a point at 1e20 (was nan)", lambda: M.sqnorm(_huge), ValueError,
+     r"^sqnorm: x has coordinates up to 1e\+20, outside the range where <x, x>_L is finite"),
+    ("C172: normalize of s at 2e19 (was the origin)", lambda: M.normalize(torch.tensor([[2e19, 1e19, 0.0]]), k=1.0),
+     ValueError, r"^normalize: s has coordinates up to 2e\+19, outside the range where <s, s>_L and s_t² \+ \|s_s\|² "
+                 r"are finite in float32: sqrt\(s_t² \+ \|s_s\|²\) < 1.84e\+19"),
+    ("C172: rescale to inf coordinates", lambda: M.rescale(M.lift(torch.tensor([[100.0, 0.0]]), k=1e-37), k_in=1e-37,
+                                                           k_out=3e38), ValueError,
+     r"^rescale: k_out / k_in = 3e\+75 scales x \(time coordinates up to 100\) past the range of float32"),
 ]
 
 
@@ -750,6 +781,41 @@ def test_half_precision_points_are_checked_in_their_own_dtype_by_every_function(
     # fp32's bound still holds for fp32 copies of those points, which are off H_1 by bf16/fp16 rounding
     with pytest.raises(ValueError, match=r"^centroid: x must be points of H\^n_k"):
         M.centroid(x.float() * (1 + 4 * M.point_rtol(dtype)), k=1.0)
+
+
+# C172, the other side: points inside the range (time coordinates up to 9e18 < 9.22e18 in fp32) give finite
+# distances, inner products, logarithms, centroids and concatenations for every pair: apart (antipodal,
+# orthogonal), equal, and with the smallest and largest k of check_k's range. On the old code the distance of such
+# points for a small k was inf (d² / 4k overflowed) and the weighted centroid of four of them overflowed its norm.
+def _edge_points(r, k):
+    s = torch.tensor([[r, 0.0], [-r, 0.0], [0.0, r], [r / 3, -r / 2]], dtype=torch.float64)
+    return M.lift(s, k=k).float()
+
+
+# (|x_s|, k); the old code failed each (k = 1 is fine there below 9e18; for k = 1e30 near the origin, 4k |Δ|² and
+# (ck)² in sqdist's nearby form overflowed: NaN, which dist turned into 0)
+_EDGE_CASES = [(r, k) for r in (1e5, 1e15, 9e18) for k in (M.K_MIN, 1e-30, 1e30)] + [(9e18, 1.0)]
+
+
+@pytest.mark.parametrize("r, k", _EDGE_CASES, ids=[f"r={r:g}-k={k:.3g}" for r, k in _EDGE_CASES])
+def test_points_inside_the_range_give_finite_results(r, k):
+    x = _edge_points(r, k)
+    a, b = x[:, None], x[None]
+    d = M.dist(a, b, k=k)
+    assert torch.isfinite(d).all() and (d.diagonal() == 0).all() and (d + torch.eye(4) > 0).all()
+    reference = M.dist(a.double(), b.double(), k=k)  # fp64 on the same fp32 points
+    assert_close(d, reference.float(), rtol=1e-5, msg=f"dist at r={r:g}, k={k:g}")
+    for out in (M.sqdist(a, b, k=k), M.inner(a, b), M.sqnorm(x), M.logmap0(x, k=k), M.hcat(x, k=k, dim=0),
+                M.centroid(x, torch.tensor([1.0, 1.0, 1.0, 1.0]), k=k, dim=0), M.centroid(x, k=k, dim=0),
+                M.rescale(x, k_in=k, k_out=k)):
+        assert torch.isfinite(out).all()
+
+
+def test_dist_for_a_small_k_is_finite_and_accurate():
+    """C172 (found with it): d² / 4k overflowed fp32 for k = 1e-30 at |x_s| = 1e5 (dist inf; fp64: 9.35e-14)."""
+    x = M.lift(torch.tensor([[1e5, 0.0], [-1e5, 0.0]]), k=1e-30)
+    d = M.dist(x[:1], x[1:], k=1e-30)
+    assert_close(d, M.dist(x[:1].double(), x[1:].double(), k=1e-30).float(), rtol=1e-6)
 
 
 # --- attention -------------------------------------------------------------------------------------------
