@@ -9,8 +9,9 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   Every public function refuses a Python-number ``k`` that is not positive and finite, or outside fp32's normal
   range ``[K_MIN, K_MAX] = [1.18e-38, 3.4e38]`` (where ``k`` or ``sqrt(k)`` is 0, subnormal or inf in fp32:
   ``origin(3, k=1e-320)`` had the time coordinate 0), for every dtype (``ValueError`` naming ``k``,
-  :func:`check_k`: no device work); :func:`curvature_to_k` refuses a ``K`` whose ``k`` is outside it. A tensor ``k`` is checked the same way where reading it is free: a
-  plain CPU tensor outside ``torch.compile`` tracing (:func:`readable_for_free`). A tensor on an accelerator, a
+  :func:`check_k`: no device work); :func:`curvature_to_k` refuses a ``K`` whose ``k`` is outside it. A tensor
+  ``k`` is checked the same way where reading it is free: a plain CPU tensor outside ``torch.compile`` tracing
+  (:func:`readable_for_free`). A tensor on an accelerator, a
   DTensor (FSDP) or one met while compiling is *not* checked: reading it would synchronise with the device (or
   run a collective, or break the graph); tensors come from parametrisations that keep them positive (MiCE
   experts). :func:`centroid`'s weights follow the same rule. Its *shape* is always checked (free): a tensor ``k``
@@ -22,9 +23,10 @@ Conventions (README.md, Conventions; ARCHITECTURE.md for who uses what):
   for a point of the lower sheet (``-x``, time coordinate ``<= 0``), a NaN or inf coordinate, a point past the
   statistics dtype's range of points, time coordinate ``x_t >= sqrt(max)/2`` (``9.2e18`` in fp32, ``6.7e153`` in
   fp64; ``|x_s| < x_t``), beyond which the inner products and squared distances of two points overflow (fp32
-  points at ``|x_s| = 1e20``, which :func:`lift` refuses, gave ``dist = inf``), or a point off the hyperboloid: ``|<x, x>_L + k| > rtol · (x_t² + |x_s|²)`` (:func:`point_rtol`: ``64 · 2^-23 = 7.6e-6`` for
-  fp32 and fp64 points, ``4 · eps`` of the dtype for fp16/bf16 ones; the points this module returns are on
-  ``H_k`` to ``2e-7`` in fp32). The bound is relative to the Euclidean size of the point, the scale of its
+  points at ``|x_s| = 1e20``, which :func:`lift` refuses, gave ``dist = inf``), or a point off the hyperboloid:
+  ``|<x, x>_L + k| > rtol · (x_t² + |x_s|²)`` (:func:`point_rtol`: ``64 · 2^-23 = 7.6e-6`` for fp32 and fp64
+  points, ``4 · eps`` of the dtype for fp16/bf16 ones, each checked in its own dtype; the points this module
+  returns are on ``H_k`` to ``2e-7`` in fp32). The bound is relative to the Euclidean size of the point, the scale of its
   rounding, so a point of another curvature ``k'`` is refused while ``|k - k'| > rtol (x_t² + |x_s|²)`` (near the
   origin); far out the two hyperboloids are within rounding of each other and it passes. fp64 gets fp32's
   bound: fp32 points promoted to fp64 (references evaluated on fp32-rounded inputs) are points. On accelerators
