@@ -78,8 +78,27 @@ def ollivier_ricci(graph: nx.Graph, *, alpha: float = 0.5, progress: bool = True
     return curvature
 
 
-def curvature_of_model(path: str, texts: list[str], args) -> tuple[np.ndarray, dict]:
-    """Edge curvatures and summary statistics for one checkpoint."""
+def check_hyperboloid(points: torch.Tensor, k: float, *, dtype: torch.dtype, where: str) -> None:
+    """An :class:`EvalError` unless every row of ``points`` is a point of the hyperboloid ``<x, x>_L = -k``, time
+    coordinate first and positive, up to the rounding of ``dtype`` (the hidden states' own): the Lorentz distance of
+    other vectors (a Euclidean model's hidden states) is no distance of theirs. ``where`` names the model."""
+    x = points.double()
+    inner = x[:, 1:].pow(2).sum(-1) - x[:, 0].pow(2)
+    scale = x.pow(2).sum(-1)  # the rounding error of <x, x>_L grows with the squared coordinates
+    off = (inner + k).abs() > 1e-3 * k + 8 * torch.finfo(dtype).eps * scale
+    if bool(off.any()) or bool((x[:, 0] <= 0).any()):
+        worst = int(((inner + k).abs() / (k + scale)).argmax())
+        raise EvalError(f"--distance lorentz: the final hidden states of {where} are not points of the hyperboloid "
+                        f"<x, x>_L = -{k:g} with a positive first (time) coordinate ({int(off.sum())} of "
+                        f"{x.shape[0]} off it; e.g. <x, x>_L = {float(inner[worst]):.4g}, x_0 = "
+                        f"{float(x[worst, 0]):.4g}), so a hyperboloid distance between them means nothing: use "
+                        "--distance euclidean, or auto (Lorentz for HELM models, Euclidean for the others)")
+
+
+def embedding_sample(name: str, path: str, texts: list[str], args) -> tuple[torch.Tensor, dict]:
+    """``--max-points`` final hidden states of one checkpoint (``[N, D]``, fp64, before duplicates are dropped) and
+    how to measure them: ``{"distance", "k", "seq_len"}``; a Lorentz distance only between points of its
+    hyperboloid (:func:`check_hyperboloid`)."""
     model, tokenizer = load_checkpoint(path, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
     seq_len = args.seq_len or min(model.config.max_position_embeddings, 512)
@@ -96,7 +115,17 @@ def curvature_of_model(path: str, texts: list[str], args) -> tuple[np.ndarray, d
     if distance == "auto":
         distance = "lorentz" if str(model.config.model_type).startswith("helm") else "euclidean"
     k = curvature_to_k(getattr(model.config, "curvature", -1.0)) if distance == "lorentz" else 1.0
-    dist = pairwise_distances(hidden[pick], metric=distance, k=k)
+    points = hidden[pick].double()
+    if distance == "lorentz":
+        check_hyperboloid(points, k, dtype=hidden.dtype,
+                          where=f"--model {name!r} (model_type {model.config.model_type!r})")
+    return points, {"distance": distance, "k": k, "seq_len": seq_len}
+
+
+def curvature_of_points(points: torch.Tensor, measure: dict, args) -> tuple[np.ndarray, dict]:
+    """Edge curvatures and summary statistics for one checkpoint's :func:`embedding_sample`."""
+    distance, seq_len = measure["distance"], measure["seq_len"]
+    dist = pairwise_distances(points, metric=distance, k=measure["k"])
     # a zero-length edge has no curvature: keep the first of every group of (numerically) equal points
     keep = ~np.triu(dist <= 1e-9 * (float(np.median(dist)) or 1.0), k=1).any(axis=0)
     graph = knn_graph(dist[np.ix_(keep, keep)], args.knn, weighted=args.edge_weights == "distance")
@@ -138,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--knn", type=int, default=10, help="neighbours per point (default 10)")
     parser.add_argument("--alpha", type=float, default=0.5, help="idleness: mass kept at the node (default 0.5)")
     parser.add_argument("--distance", choices=["auto", "euclidean", "lorentz"], default="auto",
-                        help="auto: geodesic on the hyperboloid for HELM models, Euclidean otherwise")
+                        help="lorentz: geodesic on the hyperboloid <x, x>_L = -1/|K| (the model's curvature K), "
+                             "only for hidden states that are its points (a HELM model's), refused (before any "
+                             "curvature is computed) for others, e.g. a Llama's; euclidean: straight-line distance; "
+                             "auto (default): lorentz for HELM models, euclidean otherwise")
     parser.add_argument("--edge-weights", choices=["unit", "distance"], default="unit",
                         help="kNN edge lengths: unit (hop count, default) or the embedding distance")
     parser.add_argument("--seq-len", type=int, help="window length (default: min(max_position_embeddings, 512))")
@@ -169,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     curvatures, runs = {}, []
+    # every model's sample (and its check) before the first graph, whose optimal transport takes the time
+    samples = {name: embedding_sample(name, path, texts, args) for name, path in models}
     for name, path in models:
-        values, stats = curvature_of_model(path, texts, args)
+        values, stats = curvature_of_points(*samples[name], args)
         curvatures[name] = values
         runs.append({"model_name": name, "model_path": path, "source": "eval/curvature.py",
                      "results": {"ricci_curvature": stats},

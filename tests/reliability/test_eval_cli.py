@@ -98,7 +98,8 @@ def paths(tmp_path, tiny_checkpoint, learned_checkpoints):
     run = _train_run_layout(tmp_path, tiny_checkpoint)
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join(["one two three four five"] * 20)}) + "\n")
     shutil.copytree(tiny_checkpoint, tmp_path / "lr=0.1")  # a model folder whose name holds '='
-    return {"eqmodel": str(tmp_path / "lr=0.1"),**learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
+    return {"eqmodel": str(tmp_path / "lr=0.1"),
+            **learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
             "trainckpt": str(run / "checkpoints" / "step-00000002"), "checkpoints": str(run / "checkpoints"),
             "missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
             "remotetok": str(remotetok),
@@ -294,6 +295,12 @@ CASES = [
      r"^error: --output '.*pe\.txt' ends in \.txt, a format matplotlib does not write; .*\.pdf, .*\.png, .*\.svg"),
     ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
                   "2", "--output", "{tmp}/pe"], 2, r"--output '.*pe' has no suffix; .* end it in one of .*\.png"),
+    # F056: --distance lorentz on a Llama's (Euclidean) hidden states is refused, not a chord clamped to 0
+    ("curvature", ["--model", "{model}", "--files", "{long}", "--distance", "lorentz", "--max-points", "20", "--knn",
+                   "3", "--output-dir", "{tmp}/o", "--no-progress"], 2,
+     r"^error: --distance lorentz: the final hidden states of --model '.*' \(model_type 'llama'\) are not points of "
+     r"the hyperboloid <x, x>_L = -1 with a positive first \(time\) coordinate \(\d+ of 20 off it; .*use "
+     r"--distance euclidean, or auto"),
 ]
 
 
@@ -460,3 +467,21 @@ def test_harness_no_progress_hides_the_progress_bars(paths, capsys):
     assert "Running loglikelihood requests" in runs[False] and "Loading weights" in runs[False], runs[False]
     assert "%|" not in runs[True], runs[True]
     assert transformers_logging.is_progress_bar_enabled()
+
+
+def test_curvature_lorentz_distance_only_between_points_of_the_hyperboloid(paths, tmp_path, capsys):
+    """F056: a HELM model's final hidden states lie on its hyperboloid, so --distance lorentz measures them; with a
+    Llama beside it the run is refused before any curvature is computed or written, the HELM model's included."""
+    curvature = load_script("curvature").main
+    common = ["--files", paths["long"], "--distance", "lorentz", "--max-points", "20", "--knn", "3", "--seq-len", "8",
+              "--no-progress"]
+    record = run_script(curvature, ["--model", f"helm={paths['helmlearned']}", *common, "--output-dir",
+                                    str(tmp_path / "ok")])
+    stats = record["runs"][0]["results"]["ricci_curvature"]
+    assert stats["distance"] == "lorentz" and stats["edges"] > 0, capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(curvature, ["--model", f"helm={paths['helmlearned']}", "--model", f"llama={paths['model']}",
+                               *common, "--output-dir", str(tmp_path / "refused")])
+    assert exit_info.value.code == 2
+    assert re.search(r"error: --distance lorentz: .* --model 'llama' \(model_type 'llama'\)", capsys.readouterr().err)
+    assert not list((tmp_path / "refused").glob("curvature*"))
