@@ -450,6 +450,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         warning."""
         from huggingface_hub.errors import StrictDataclassClassValidationError
 
+        # the cross-field checks first: a field assigned after construction passed its own rule only, and a saved
+        # config.json of such a config would be refused when loaded
+        self.validate_architecture()
         for validator in type(self).__class_validators__:
             if validator.__name__ == "validate_rope":
                 validator = type(self).validate_rope_scaling
@@ -457,6 +460,11 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
                 validator(self)
             except (ValueError, TypeError) as err:
                 raise StrictDataclassClassValidationError(validator=validator.__name__, cause=err) from err
+
+    def to_json_file(self, json_file_path, use_diff: bool = True) -> None:
+        """``transformers``' writer after the checks :meth:`validate` runs for ``save_pretrained``."""
+        self.validate()
+        super().to_json_file(json_file_path, use_diff=use_diff)
 
     def validate_rope_scaling(self) -> None:
         """``rope_parameters`` against the positional encoding: only the rotary kinds with RoPE frequencies

@@ -1177,6 +1177,7 @@ def _checked_loss_kwargs(model, shape: tuple, labels: torch.Tensor, kwargs: dict
     """Check ``labels`` against ``[B, T] = shape`` and the vocabulary; set ``num_items_in_batch`` (see
     :func:`causal_lm_loss`)."""
     check_tensor(labels, "labels", shape, "[B, T]", dtype="long")
+    check_not_meta(weights_device(model.get_input_embeddings()), labels=labels)
     ignore = kwargs.get("ignore_index", -100)
     check_token_ids(model.config, labels, "labels", ignore_index=ignore)
     if kwargs.get("num_items_in_batch") is None:

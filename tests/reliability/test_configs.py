@@ -447,6 +447,18 @@ def test_building_a_model_checks_fields_assigned_after_construction(tiny_config,
         AutoModelForCausalLM.from_config(config)
 
 
+@pytest.mark.parametrize("family, name, value, match", ASSIGNED_ACROSS_FIELDS,
+                         ids=[f"{f}-{n}={v}" for f, n, v, _ in ASSIGNED_ACROSS_FIELDS])
+def test_saving_a_config_checks_fields_assigned_after_construction(tiny_config, family, name, value, match, tmp_path):
+    """re-probe 7: such a config was saved (save_pretrained, to_json_file) and then refused when loaded."""
+    config = tiny_config(family)
+    setattr(config, name, value)
+    for save in (config.save_pretrained, lambda folder: config.to_json_file(folder / "config.json")):
+        with pytest.raises(ValueError, match=match):
+            save(tmp_path)
+        assert not (tmp_path / "config.json").exists()
+
+
 def test_derived_expert_curvatures_follow_a_new_expert_count(tiny_config, tmp_path):
     """routed_curvatures derived from expert_curvature_range (not set) are derived again for another
     n_routed_experts: from a saved config.json with the keyword, or assigned after construction (re-probe 6:

@@ -52,6 +52,8 @@ BAD_INPUTS = [
      r"input_ids is on the meta device, which holds shapes but no values; create it on the model's device \(model\.device is cpu\)"),
     ("attention_mask on meta", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T, device="meta")), ValueError,
      "attention_mask is on the meta device"),
+    # re-probe 7: transformers' "Cannot copy out of meta tensor; no data!" before
+    ("labels on meta", lambda: dict(input_ids=ids(), labels=ids().to("meta")), ValueError, "labels is on the meta device"),
     ("attention_mask 1-D", lambda: dict(input_ids=ids(), attention_mask=torch.ones(T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(5,\)"),
     ("attention_mask batch", lambda: dict(input_ids=ids(), attention_mask=torch.ones(3, T)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(3, 5\)"),
     ("attention_mask length", lambda: dict(input_ids=ids(), attention_mask=torch.ones(B, T + 1)), ValueError, r"attention_mask must be \[B, T_past\+T\] = \[2, 5\], got \(2, 6\)"),
