@@ -140,6 +140,9 @@ def split_model_spec(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or "/" in name or "\\" in name or Path(spec).expanduser().exists():
         return "", spec
+    if not path.strip():
+        raise EvalError(f"--model {spec!r} has no path after {name}=: pass NAME=PATH (a folder written by "
+                        "save_pretrained or a hub model id)")
     return name, path
 
 
@@ -474,6 +477,9 @@ def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -
 
     local = isinstance(path, os.PathLike)  # a Path names a folder, never a hub id
     path = os.fspath(path)
+    if not path.strip():
+        raise EvalError("checkpoint path is empty: pass a folder written by save_pretrained (config.json and the "
+                        "weights) or a hub model id")
     folder = Path(path).expanduser()
     if folder.is_dir():
         if problem := model_folder_problem(folder, path, "--model "):

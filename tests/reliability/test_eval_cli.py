@@ -430,6 +430,16 @@ def test_split_model_spec(spec, expected):
     assert split_model_spec(spec) == expected
 
 
+@pytest.mark.parametrize("spec, match", [("name=", r"--model 'name=' has no path after name=: pass NAME=PATH"),
+                                         ("name=  ", r"has no path after name=")])
+def test_a_label_without_a_path_is_named(spec, match):
+    """re-probe 7: ``--model name=`` said "checkpoint '' has no config.json"."""
+    from helm.evaluation import EvalError, split_model_spec
+
+    with pytest.raises(EvalError, match=match):
+        split_model_spec(spec)
+
+
 def test_a_model_folder_whose_name_holds_an_equals_sign_is_scored(paths, capsys):
     """F034: an existing folder ``lr=0.1`` is the path, not the label ``lr`` of a path ``0.1``; labelled, it is
     ``NAME=PATH`` with the path whole."""
