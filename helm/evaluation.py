@@ -28,6 +28,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
+from .models.loading import looks_like_local_path
+
 logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
@@ -493,11 +495,10 @@ def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -
             raise EvalError(f"checkpoint {path!r} has model_type {kind!r}, which neither helm nor transformers "
                             f"knows, so loading it would run the code saved with it; {REMOTE_CODE_HINT}")
         return str(folder)
-    parts = path.split("/")
     if folder.is_file():
         raise EvalError(f"checkpoint not found: {path!r} is a file; give the folder that holds it (written by "
                         "save_pretrained, with config.json and the weights)")
-    if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
+    if local or folder.exists() or looks_like_local_path(path):
         raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
                         "save_pretrained, holding config.json and the weights, or a hub model id)")
     return path
@@ -540,8 +541,7 @@ def check_tokenizer(path: str | os.PathLike, option: str = "--tokenizer", advice
         if problem := tokenizer_files_problem(folder):
             raise EvalError(f"{option} {problem}: {advice}")
         return str(folder)
-    parts = path.split("/")
-    if local or folder.exists() or path.startswith((".", "~", "/")) or len(parts) > 2 or not all(parts):
+    if local or folder.exists() or looks_like_local_path(path):
         raise EvalError(f"tokenizer not found: {path!r} is not a folder (expected a folder written by "
                         "tokenizer.save_pretrained, or a hub id)")
     return path

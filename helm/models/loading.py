@@ -51,7 +51,7 @@ def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
 _TARGET = "a folder written by save_pretrained or a hub model id ('owner/name')"
 
 
-def _looks_local(where) -> bool:
+def looks_like_local_path(where) -> bool:
     """Whether ``where`` can only be a local path: a ``PathLike``, or a str that no hub id matches (hub ids are
     ``name`` or ``owner/name``, never starting with ``.``, ``/`` or ``~``)."""
     if isinstance(where, os.PathLike):
@@ -85,7 +85,7 @@ def config_file_problem(file: Path) -> str | None:
 def unloadable_path_problem(where) -> str | None:
     """Why ``where`` can load nothing, whatever is asked of it, or None: None, not a path, an empty path, a ``~``
     path that does not exist (transformers does not expand it), or a path that no hub id matches
-    (:func:`_looks_local`) and that does not exist."""
+    (:func:`looks_like_local_path`) and that does not exist."""
     if where is None:
         return f"got None; pass {_TARGET}"
     if not isinstance(where, (str, os.PathLike)):
@@ -101,7 +101,7 @@ def unloadable_path_problem(where) -> str | None:
         found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
         return (f"'~' is not expanded by transformers (it would be read as a hub id); pass "
                 f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
-    return "no such folder" if _looks_local(where) else None
+    return "no such folder" if looks_like_local_path(where) else None
 
 
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
