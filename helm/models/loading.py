@@ -162,6 +162,18 @@ def _run_of(folder: Path) -> Path | None:
     return None
 
 
+def weights_identity(where, *, subfolder: str = "", revision=None) -> str:
+    """A name for the weights ``from_pretrained(where)`` loaded, equal for two loads of the same files: for a local
+    folder its weight files' real paths, sizes and modification times; for a hub id the id, subfolder and commit.
+    A KV cache records the identity of the model that filled it (:class:`~helm.models.modeling_common.CacheOrigin`)."""
+    folder = Path(str(where)).expanduser() / (subfolder or "")
+    if folder.is_dir():
+        files = sorted(f for f in folder.iterdir() if WEIGHT_FILE.match(f.name) and f.is_file())
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return "local:" + json.dumps(stats)
+    return f"hub:{where}/{subfolder}@{revision}"
+
+
 def device_map_problem(device_map) -> str | None:
     """Why ``device_map`` (a device, its name or index, a strategy name, or a dict of them) names a CUDA device this
     machine lacks, or None (torch would raise "Torch not compiled with CUDA enabled" or "invalid device ordinal")."""

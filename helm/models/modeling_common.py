@@ -11,6 +11,8 @@ import math
 import numbers
 import os
 import re
+import uuid
+import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -36,14 +38,14 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
-from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem
-from .peft_targets import register_peft_targets
+from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, weights_identity
+from .peft_support import check_adapter, register_peft_support
 
 
 logger = logging.get_logger(__name__)
 
 # LoraConfig() without target_modules picks HELM's projections, as it picks Llama's (also in remote code)
-register_peft_targets()
+register_peft_support()
 
 # Checkpoints saved before the attention and MLP projections became plain linears under Llama's names
 # (``q_proj.linear.weight`` is now ``q_proj.weight``); ``final_proj`` is still a LorentzLinear.
@@ -80,6 +82,9 @@ class HelmPreTrainedModel(PreTrainedModel):
         # own rule only, and would build another model than the config describes (or one its save cannot reload)
         config.validate_architecture()
         super().__init__(config, *args, **kwargs)
+        # which weights fill a KV cache (CacheOrigin): a new model's own; copy.deepcopy keeps it, and from_pretrained
+        # names the files it loaded (two loads of one checkpoint are the same weights)
+        self.weights_id = uuid.uuid4().hex
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -210,7 +215,20 @@ class HelmPreTrainedModel(PreTrainedModel):
                                      if list(c.source_patterns) != list(LEGACY_KEY_MAPPING)]
         model.restore_geometry()
         check_finite_weights(cls.__name__, where, model, subfolder=kwargs.get("subfolder") or "")
+        identity = weights_identity(where, subfolder=kwargs.get("subfolder") or "",
+                                    revision=getattr(model.config, "_commit_hash", None) or kwargs.get("revision"))
+        for module in model.modules():
+            if isinstance(module, HelmPreTrainedModel):
+                module.weights_id = identity
         return (model, info) if want_info else model
+
+    def load_adapter(self, peft_model_id=None, *args, **kwargs):
+        """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.check_adapter`: an adapter
+        saved for another model type, or holding weights for modules this model lacks, is a ``ValueError``."""
+        adapter_kwargs = kwargs.get("adapter_kwargs") or {}
+        check_adapter(f"{type(self).__name__}.load_adapter", self, peft_model_id,
+                      subfolder=adapter_kwargs.get("subfolder") or "")
+        return super().load_adapter(peft_model_id, *args, **kwargs)
 
     def _allow_new_head(self, where, info: dict) -> dict:
         """The loading info with a missing head accepted, as ``transformers`` accepts it for Llama: from a checkpoint
@@ -811,12 +829,13 @@ class HelmDynamicCache(DynamicCache):
 
 class CacheOrigin:
     """What a HELM forward records on a cache the first time it sees it (as the attribute ``helm_origin``): the
-    :func:`cache_signature` of its model, and how many leading tokens have been checked for finite values."""
+    :func:`cache_signature` of its model, the ``weights_id`` of the model that fills it (``owner``; None: unknown),
+    and how many leading tokens have been checked for finite values."""
 
     attribute = "helm_origin"
 
-    def __init__(self, signature: dict):
-        self.signature, self.checked = signature, 0
+    def __init__(self, signature: dict, owner: Optional[str] = None):
+        self.signature, self.owner, self.checked = signature, owner, 0
         # the token ids the cached tokens were written from ([B, past] on the CPU), or None where unknown (inputs
         # embeddings, ids on an accelerator, a cache filled elsewhere): generate compares its prompt with them
         self.tokens: Optional[torch.Tensor] = torch.zeros(1, 0, dtype=torch.long)
@@ -847,7 +866,8 @@ def cache_signature(config) -> dict:
     return signature
 
 
-def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Optional[int]) -> None:
+def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Optional[int],
+                       owner: Optional[str] = None) -> None:
     """``ValueError`` naming ``past_key_values`` when a cache holding tokens does not fit this model beyond its
     shapes:
 
@@ -872,7 +892,7 @@ def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Op
     origin = getattr(cache, CacheOrigin.attribute, None)
     if written is None or origin is None or past_len == 0:
         # a new (or reset static) cache, or one filled by hand: from now on it belongs to this model
-        setattr(cache, CacheOrigin.attribute, CacheOrigin(signature))
+        setattr(cache, CacheOrigin.attribute, CacheOrigin(signature, owner))
         if written is None:
             return
     elif origin.signature != signature:
@@ -893,6 +913,13 @@ def check_cache_origin(config, cache, dtype: Optional[torch.dtype], past_len: Op
                          "the cache this model returned (or a new DynamicCache), or cast the model to the cache's "
                          "dtype")
     origin = getattr(cache, CacheOrigin.attribute)
+    if owner is not None and origin.owner is not None and origin.owner != owner:
+        warnings.warn("past_key_values (cache=) was filled by another model (the same architecture, curvature and "
+                      "encoding, but another instance, not loaded from the same checkpoint files): its keys and values "
+                      "are that model's, so unless the two have the same weights this continuation is wrong; pass "
+                      "the cache this model returned (or a new DynamicCache). A copy.deepcopy of a model, or a second "
+                      "load of the same checkpoint, counts as the same model", UserWarning, stacklevel=4)
+    origin.owner = owner if owner is not None else origin.owner
     # an offloading cache copies layers to and from the host asynchronously: reading them here could race the copy
     if past_len is None or not config.validate_inputs or written.device.type != "cpu" or \
             getattr(cache, "offloading", False):
@@ -918,7 +945,8 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                  segment_ids: Optional[torch.Tensor], *,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                 cache_position: Optional[torch.Tensor] = None) -> tuple[int, int, CacheLayout]:
+                 cache_position: Optional[torch.Tensor] = None,
+                 owner: Optional[str] = None) -> tuple[int, int, CacheLayout]:
     """Check a forward's inputs and return ``(B, T, layout)`` (:func:`cache_layout` of ``past_key_values``).
 
     Exactly one of ``input_ids [B, T]`` (integers in ``[0, vocab_size)``) and ``inputs_embeds [B, T, 1+n]``
@@ -929,7 +957,8 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
     batch as in ``transformers``); lengths the positional encoding can reach; a cache holding tokens written by a
     model of this architecture (:func:`check_cache_layers`: number of layers, key widths), of this curvature,
     positional encoding and precision, with finite values on the CPU (:func:`check_cache_origin`; ``dtype``: the
-    model's weights) and, for a static cache, room for the new tokens (``past + T <= max_cache_len``);
+    model's weights; a cache filled by another model, ``owner`` being the ``weights_id`` of this one, is a warning)
+    and, for a static cache, room for the new tokens (``past + T <= max_cache_len``);
     ``cache_position``, which ``generate`` passes and HELM does not read (the positions come from the cache), an
     integer tensor ``[T]`` or ``[B, T]`` when given: one of another length says the caller's view of where the tokens
     sit is not the cache's. Inputs on the meta device (no values) while the model's weights (on ``device``) are not,
@@ -967,7 +996,7 @@ def check_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optio
                          f"{batch}; pass the cache returned for these same sequences (or a new DynamicCache)")
     check_cache_layers(config, past_key_values)
     past = layout.known_past_len(config)
-    check_cache_origin(config, past_key_values, dtype, past)
+    check_cache_origin(config, past_key_values, dtype, past, owner)
     if (origin := getattr(past_key_values, CacheOrigin.attribute, None)) is not None \
             and not torch.compiler.is_compiling():
         origin.record(input_ids, past)

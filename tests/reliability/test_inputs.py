@@ -6,9 +6,11 @@ families). Checks are on shapes and dtypes only (no host synchronisation); the v
 one (one bool, switchable).
 """
 
+import copy
 import os
 import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -282,6 +284,41 @@ def test_generate_refuses_the_cache_of_another_prompt_and_continues_its_own(mode
     own = model(prompt[:, :3], use_cache=True).past_key_values
     assert torch.equal(model.generate(prompt, past_key_values=own, max_new_tokens=2),
                        model.generate(prompt, max_new_tokens=2))
+
+
+# re-probe 7 (N040, N068): a cache filled by another model of the same config from the same tokens was continued
+# without a word (Llama does the same). The cache records the weights_id of the model that fills it; another one is a
+# warning, a copy.deepcopy or a second load of the same checkpoint is the same model. (case, make the second model
+# from the first and a checkpoint folder, warned)
+OWNERS = [
+    ("another instance", lambda model, folder: tiny_model(model.config.model_type, seed=1), True),
+    ("same seed, built again", lambda model, folder: tiny_model(model.config.model_type), True),
+    ("the model itself", lambda model, folder: model, False),
+    ("a deepcopy", lambda model, folder: copy.deepcopy(model), False),
+    ("a second load of its checkpoint", lambda model, folder: AutoModelForCausalLM.from_pretrained(folder).eval(), False),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case, second, warned", OWNERS, ids=[c[0] for c in OWNERS])
+@torch.no_grad()
+def test_a_cache_filled_by_another_model_warns(family, case, second, warned, tmp_path):
+    first = tiny_model(family)
+    if case == "a second load of its checkpoint":
+        first.save_pretrained(tmp_path)
+        first = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    other = second(first, tmp_path)
+    prompt = ids(1, 4)
+    cache = first(prompt[:, :3], use_cache=True).past_key_values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = other.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    mine = [str(w.message) for w in caught if "filled by another model" in str(w.message)]
+    assert len(mine) == int(warned), mine
+    if warned:
+        assert mine[0].startswith("past_key_values (cache=) was filled by another model (the same architecture")
+    else:
+        assert torch.equal(out, other.generate(prompt, max_new_tokens=2, do_sample=False))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -128,7 +128,7 @@ class HelmDModel(HelmDPreTrainedModel):
         batch, seq_len, layout = check_inputs(self.config, input_ids, inputs_embeds, past_key_values, attention_mask,
                                               position_ids, segment_ids, dtype=self.embed_tokens.weight.dtype,
                                               device=weights_device(self.embed_tokens),
-                                              cache_position=kwargs.get("cache_position"))
+                                              cache_position=kwargs.get("cache_position"), owner=self.weights_id)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)

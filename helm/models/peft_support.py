@@ -1,0 +1,223 @@
+"""PEFT support for the HELM models: PEFT's default adapter targets for the HELM model types, and adapters checked
+against the model they are loaded onto.
+
+**Default targets.** PEFT picks the modules of a config without ``target_modules`` from its tables keyed by
+``config.model_type`` (``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` and the tables of
+the LoRA-like methods, copies of it). HELM's entries follow Llama's choice, the query and value projections (plain
+``nn.Linear``s whose outputs the layers lift, so adapted outputs stay on the hyperboloid): ``q_proj`` and ``v_proj``;
+HMLA makes its values in ``kv_b_proj``, so HELM-MiCE names that too.
+
+**Adapters of another model.** PEFT loads an adapter onto any model whose modules have the adapter's names and
+shapes: a HELM-D adapter loads onto a HELM-MiCE model with ``attention_type="mha"`` (both have ``q_proj`` and
+``v_proj`` of the same shapes), and adapter weights for modules the model lacks (``v_proj`` of a HMLA model, layers
+beyond its depth) are dropped without a word. :func:`adapter_problem` names both before PEFT loads anything:
+``PeftModel.load_adapter`` (which ``PeftModel.from_pretrained`` calls) is wrapped for HELM base models, and
+``HelmPreTrainedModel.load_adapter`` (``transformers``' PEFT integration) checks first.
+
+Both hooks are installed when PEFT's modules exist: at once if PEFT is already imported, else right after it is (helm
+does not import PEFT, an optional dependency that takes seconds to import).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_TARGETS = {"helm_d": ["q_proj", "v_proj"], "helm_mice": ["q_proj", "v_proj", "kv_b_proj"]}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# the prefix PEFT gives the keys of an adapter's saved weights (prompt-learning methods: "base_model." only)
+_SAVED_PREFIX = "base_model.model."
+
+
+def add_targets(constants) -> None:
+    """Add :data:`DEFAULT_TARGETS` to LoRA's table and to every table that copies it (the same ``llama`` entry),
+    keeping any entry already there."""
+    lora = constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    for name, table in vars(constants).items():
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and name.endswith("_TARGET_MODULES_MAPPING") and \
+                isinstance(table, dict) and (table is lora or table.get("llama") == lora.get("llama")):
+            for model_type, targets in DEFAULT_TARGETS.items():
+                table.setdefault(model_type, list(targets))
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # unreadable: the loader that reads it next reports it
+
+
+def _base_model_type(base) -> str | None:
+    """The ``model_type`` in the ``config.json`` of ``base`` (an adapter's ``base_model_name_or_path``): a local
+    folder, or a hub id whose config is in the local cache (nothing is downloaded); None where unknown."""
+    if not isinstance(base, str) or not base:
+        return None
+    folder = Path(base).expanduser()
+    file = folder / "config.json" if folder.is_dir() else None
+    if file is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(base, "config.json")
+        except Exception:  # noqa: BLE001 - not a valid repo id: nothing to compare
+            cached = None
+        file = Path(cached) if isinstance(cached, str) else None
+    config = _read_json(file) if file is not None and file.is_file() else None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
+def _adapter_keys(folder: Path) -> list[str]:
+    """The keys of the adapter weights saved in ``folder`` (names only: no tensor is read)."""
+    for name in ADAPTER_WEIGHTS:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(file, framework="pt") as f:
+                    return list(f.keys())
+            import torch
+
+            return list(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        except Exception:  # noqa: BLE001 - unreadable: PEFT's own load reports it
+            return []
+    return []
+
+
+def _tuner_prefix(peft_type) -> str | None:
+    """The prefix of the parameters a PEFT method adds to a module (``lora_`` for LoRA), from PEFT's own table."""
+    try:
+        from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
+    except ImportError:
+        return None
+    return next((prefix for kind, prefix in PEFT_TYPE_TO_PREFIX_MAPPING.items()
+                 if str(getattr(kind, "value", kind)) == str(peft_type)), None)
+
+
+def adapter_problem(model, adapter, *, subfolder: str = "") -> str | None:
+    """Why the PEFT adapter saved in the local folder ``adapter`` (``/subfolder``) does not belong to ``model`` (a
+    HELM model: the one PEFT adapts), or None:
+
+    * its ``adapter_config.json`` names a base model (``base_model_name_or_path``) whose ``config.json``, found
+      locally or in the hub cache, has another ``model_type`` than ``model``;
+    * its weights adapt modules ``model`` does not have (PEFT would load the others and drop these).
+
+    A hub adapter not downloaded yet, or a base model that cannot be found, is not checked (nothing is downloaded
+    here); an unreadable adapter is left to PEFT, whose errors name it."""
+    if not isinstance(adapter, (str, Path)) or not str(adapter):
+        return None
+    folder = Path(adapter).expanduser() / (subfolder or "")
+    config = _read_json(folder / ADAPTER_CONFIG) if folder.is_dir() else None
+    if not isinstance(config, dict):
+        return None
+    ours = getattr(model.config, "model_type", None)
+    base = config.get("base_model_name_or_path")
+    theirs = _base_model_type(base)
+    if theirs is not None and ours is not None and theirs != ours:
+        return (f"the adapter was trained on {base!r}, a {theirs} model, and this model is a {ours} model: PEFT would "
+                f"apply its weights to this model's modules of the same names and shapes; load it onto a {theirs} "
+                "model")
+    prefix = _tuner_prefix(config.get("peft_type"))
+    if not prefix:
+        return None
+    modules = {name for name, _ in model.named_modules()}
+    lacking = set()
+    for key in _adapter_keys(folder):
+        parts = key[len(_SAVED_PREFIX):].split(".") if key.startswith(_SAVED_PREFIX) else key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.startswith(prefix)), None)
+        if cut and ".".join(parts[:cut]) not in modules:
+            lacking.add(".".join(parts[:cut]))
+    if lacking:
+        shown = sorted(lacking)
+        listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+        trained = f"; it was trained on {base!r}" if isinstance(base, str) and base else ""
+        return (f"the adapter holds weights for {len(shown)} module(s) this {type(model).__name__} does not have "
+                f"({listed}): PEFT would load the others and drop these without a word{trained}; load it onto the "
+                "model it was trained on")
+    return None
+
+
+def check_adapter(name: str, model, adapter, *, subfolder: str = "") -> None:
+    """``ValueError`` naming the call ``name`` and the adapter when :func:`adapter_problem` finds one."""
+    problem = adapter_problem(model, adapter, subfolder=subfolder)
+    if problem is not None:
+        raise ValueError(f"{name}({str(adapter)!r}): {problem}")
+
+
+def _is_helm(model) -> bool:
+    from .modeling_common import HelmPreTrainedModel
+
+    return isinstance(model, HelmPreTrainedModel)
+
+
+def wrap_load_adapter(peft_model) -> None:
+    """Make ``PeftModel.from_pretrained`` and ``PeftModel.load_adapter`` (of the module ``peft.peft_model``) check an
+    adapter loaded onto a HELM base model first (:func:`check_adapter`), before PEFT injects any layer into the
+    model; other models are untouched. Idempotent."""
+    cls = peft_model.PeftModel
+    if getattr(cls.load_adapter, "_helm_checked", False):
+        return
+    load, build = cls.load_adapter, cls.from_pretrained.__func__
+
+    @functools.wraps(load)
+    def load_adapter(self, model_id, *args, **kwargs):
+        base = self.get_base_model()
+        if _is_helm(base):
+            check_adapter("PeftModel.load_adapter", base, model_id, subfolder=kwargs.get("subfolder") or "")
+        return load(self, model_id, *args, **kwargs)
+
+    @functools.wraps(build)
+    def from_pretrained(klass, model, model_id, *args, **kwargs):
+        if _is_helm(model):
+            check_adapter(f"{klass.__name__}.from_pretrained", model, model_id, subfolder=kwargs.get("subfolder") or "")
+        return build(klass, model, model_id, *args, **kwargs)
+
+    load_adapter._helm_checked = True
+    cls.load_adapter, cls.from_pretrained = load_adapter, classmethod(from_pretrained)
+
+
+# module name -> what runs once it has executed
+_AFTER_IMPORT = {"peft.utils.constants": add_targets, "peft.peft_model": wrap_load_adapter}
+
+
+class _RunAfterImport(importlib.abc.MetaPathFinder):
+    """Finds the modules of :data:`_AFTER_IMPORT` like the regular path finder and runs their hook right after the
+    module has executed; every other import is left to the other finders."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        hook = _AFTER_IMPORT.get(fullname)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module):
+            exec_module(module)
+            hook(module)
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
+
+
+def register_peft_support() -> None:
+    """Install the hooks of :data:`_AFTER_IMPORT` now (PEFT imported) or when PEFT is imported."""
+    for name, hook in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+    if any(name not in sys.modules for name in _AFTER_IMPORT) and \
+            not any(isinstance(finder, _RunAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RunAfterImport())
+
+
+__all__ = ["ADAPTER_CONFIG", "DEFAULT_TARGETS", "adapter_problem", "add_targets", "check_adapter",
+           "register_peft_support", "wrap_load_adapter"]
