@@ -4,7 +4,8 @@
 for training checkpoints validated when saved; ``"step": null`` and the weight files only for a ``save_pretrained``
 folder), written last and
 atomically, after every listed file has been flushed to disk: a folder with a manifest was written completely,
-and :func:`manifest_problem` detects any later truncation or corruption of the files it lists.
+and :func:`manifest_problem` detects any later truncation or corruption of the files it lists. Also how a run folder of
+``train.py`` is recognised (:func:`is_run_folder`, :func:`run_of`), for the loaders and for ``train.py`` alike.
 """
 
 from __future__ import annotations
@@ -15,11 +16,40 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+import yaml
+
 MANIFEST = "manifest.json"
 FORMAT = 2
 # train.py's markers, here so that loaders below helm.training can tell its folders from model folders
 STATE_FILE = "custom_checkpoint_0.pkl"  # the training state of a checkpoint (accelerate's custom object 0)
 RUN_MARKER = ".helm-train-run"  # the file that marks a run folder
+_RECIPE_SECTIONS = {"model", "data", "optim", "train", "demo"}  # a resolved train.py recipe, config.yaml
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether train.py wrote ``folder``: it holds :data:`RUN_MARKER`, or (a run of a train.py from before the
+    marker) a ``config.yaml`` that is a resolved train.py recipe (exactly the five sections, train.output_dir set)."""
+    folder = Path(folder)
+    if (folder / RUN_MARKER).is_file():
+        return True
+    try:
+        recipe = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return (isinstance(recipe, dict) and set(recipe) == _RECIPE_SECTIONS and isinstance(recipe["train"], dict)
+            and bool(recipe["train"].get("output_dir")))
+
+
+def run_of(folder: Path) -> Optional[Path]:
+    """The train.py run folder that ``folder`` is, or whose ``checkpoints/`` folder or checkpoint it is
+    (:func:`is_run_folder`; a checkpoint is also known by its :data:`STATE_FILE`); None for any other folder."""
+    folder = Path(folder)
+    for run in (folder, folder.parent, folder.parent.parent):
+        if is_run_folder(run):
+            return run
+    if (folder / STATE_FILE).is_file():
+        return folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+    return None
 
 
 def hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:

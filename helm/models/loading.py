@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, manifest_problem, read_manifest
+from ..manifest import MANIFEST, STATE_FILE, manifest_problem, read_manifest, run_of
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
@@ -141,7 +141,7 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         return None
     if not need_config or (folder / "adapter_config.json").is_file():
         return None
-    if (run := _run_of(folder)) is not None:
+    if (run := run_of(folder)) is not None:
         what = "a training checkpoint" if (folder / STATE_FILE).is_file() else \
             "the checkpoints/ folder" if folder != run else "a run folder"
         return (f"{what} of train.py (no config.json), not a save_pretrained folder: load the run's model, "
@@ -150,16 +150,6 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
     held = f"it holds {', '.join(weights)} but no config.json" if weights else "it has no config.json"
     return (f"not a checkpoint folder: {held} (a save_pretrained folder holds config.json and the weights); save "
             "the model's config there (model.config.save_pretrained), or pass config=")
-
-
-def _run_of(folder: Path) -> Path | None:
-    """The train.py run folder that ``folder`` is, or whose ``checkpoints/`` folder or checkpoint it is."""
-    for run in (folder, folder.parent, folder.parent.parent):
-        if (run / RUN_MARKER).is_file() or (run / "config.yaml").is_file() and (run / "checkpoints").is_dir():
-            return run
-    if (folder / STATE_FILE).is_file():
-        return folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
-    return None
 
 
 def weights_identity(where, *, subfolder: str = "", revision=None) -> str:

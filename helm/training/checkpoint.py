@@ -24,7 +24,8 @@ import yaml
 from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
-from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, fsync_dir, manifest_problem, read_manifest, write_manifest
+from ..manifest import (MANIFEST, RUN_MARKER, STATE_FILE, fsync_dir, is_run_folder, manifest_problem, read_manifest,
+                        write_manifest)
 from .config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,6 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "fina
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
 OVERWRITTEN = ("checkpoints", "final", ".tmp-final", "metrics.jsonl", "tensorboard")
 _TMP_STEP_DIR = re.compile(r"^\.tmp-step-\d{8}$")
-_RECIPE_SECTIONS = {"model", "data", "optim", "train", "demo"}
 # the files save_pretrained writes for a model and its tokenizer: a final/ written before final/ had a manifest
 _SAVE_PRETRAINED = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
                               r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
@@ -286,20 +286,6 @@ _SAVE_PRETRAINED = re.compile(r"^(config\.json|generation_config\.json|model(-\d
 def write_run_marker(output_dir: Path) -> None:
     """Mark ``output_dir`` as a run folder of train.py, the only kind train.overwrite deletes files from."""
     (Path(output_dir) / RUN_MARKER).write_text(json.dumps({"written_by": "train.py"}) + "\n", encoding="utf-8")
-
-
-def is_run_folder(folder: Path) -> bool:
-    """Whether train.py wrote ``folder``: it holds :data:`RUN_MARKER`, or (a run of a train.py from before the
-    marker) a ``config.yaml`` that is a resolved train.py recipe (exactly the five sections, train.output_dir set)."""
-    folder = Path(folder)
-    if (folder / RUN_MARKER).is_file():
-        return True
-    try:
-        recipe = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return False
-    return (isinstance(recipe, dict) and set(recipe) == _RECIPE_SECTIONS and isinstance(recipe["train"], dict)
-            and bool(recipe["train"].get("output_dir")))
 
 
 def model_folder_problem(folder: Path, name: str, option: str) -> str | None:
