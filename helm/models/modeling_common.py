@@ -638,12 +638,29 @@ def check_generation_arguments(kwargs: dict, vocab_size: Optional[int]) -> None:
                          f"{high} tokens; lower min_new_tokens or raise max_new_tokens")
 
 
+# the generate arguments (or generation-config fields) that select assisted decoding
+ASSISTED_DECODING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def _assisted_decoding(model, kwargs: dict) -> Optional[str]:
+    """``name=value`` of the argument or generation-config field that makes ``generate(**kwargs)`` assisted
+    decoding, or None."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    for name in ASSISTED_DECODING:
+        value = kwargs.get(name, getattr(config, name, None))
+        if value is not None:
+            return f"{name}={type(value).__name__ if isinstance(value, nn.Module) else repr(value)}"
+    return None
+
+
 class HelmGenerationMixin(GenerationMixin):
     """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
     them (:func:`check_generation_arguments`), and the cache: ``past_key_values`` (or ``cache``) must be a
     ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an ``AttributeError`` from
     inside ``generate``. A cache must hold fewer tokens than ``input_ids`` and, where the ids it was written from
-    are known (:meth:`CacheOrigin.record`: CPU ids), the first of ``input_ids`` must be those ids."""
+    are known (:meth:`CacheOrigin.record`: CPU ids), the first of ``input_ids`` must be those ids. Assisted decoding
+    (``prompt_lookup_num_tokens``, ``assistant_model``, ...) takes an empty cache only: ``transformers`` 5 feeds it
+    the whole prompt again after the cached tokens (:func:`_assisted_decoding`)."""
 
     def generate(self, *args, **kwargs):
         check_generation_arguments(kwargs, getattr(self.config, "vocab_size", None))
@@ -656,6 +673,12 @@ class HelmGenerationMixin(GenerationMixin):
             prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
             if isinstance(value, Cache) and isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
                 cached = int(value.get_seq_length())  # once per generate call, not per step
+                assisted = _assisted_decoding(self, kwargs)
+                if cached and assisted:
+                    raise ValueError(f"{name} already holds {cached} tokens, and {assisted} asks for assisted "
+                                     "decoding, which in transformers feeds the whole of input_ids again after the "
+                                     "cached tokens (the cache would hold the prompt twice and the continuation be "
+                                     "wrong; Llama's too): pass no cache (or a new one) for assisted decoding")
                 if cached >= prompt.shape[1]:
                     raise ValueError(f"{name} already holds {cached} tokens but input_ids has {prompt.shape[1]}: "
                                      "generate continues a cache from input_ids = the cached tokens plus at least "
@@ -836,19 +859,35 @@ class CacheOrigin:
 
     def __init__(self, signature: dict, owner: Optional[str] = None):
         self.signature, self.owner, self.checked = signature, owner, 0
-        # the token ids the cached tokens were written from ([B, past] on the CPU), or None where unknown (inputs
-        # embeddings, ids on an accelerator, a cache filled elsewhere): generate compares its prompt with them
-        self.tokens: Optional[torch.Tensor] = torch.zeros(1, 0, dtype=torch.long)
+        # the token ids the cached tokens were written from, as [B, t] chunks on the CPU (one per forward: a decode
+        # step appends, it does not copy), or None where unknown (inputs embeddings, ids on an accelerator, a cache
+        # filled elsewhere): generate compares its prompt with them (tokens)
+        self._chunks: Optional[list[torch.Tensor]] = []
+        self._length = 0
+
+    @property
+    def tokens(self) -> Optional[torch.Tensor]:
+        """The ids of the cached tokens, ``[B, past]`` (``[1, 0]`` while none), or None where unknown."""
+        if self._chunks is None:
+            return None
+        if len(self._chunks) != 1:
+            self._chunks = [torch.cat(self._chunks, 1) if self._chunks else torch.zeros(1, 0, dtype=torch.long)]
+        return self._chunks[0]
 
     def record(self, input_ids: Optional[torch.Tensor], past_len: Optional[int]) -> None:
         """Note the ids a forward is about to cache after ``past_len`` tokens (a prefix kept when a cache was
         cropped, e.g. by assisted decoding); unknown from the first forward that gives no CPU ids."""
-        tokens = self.tokens
-        if tokens is None or past_len is None or input_ids is None or input_ids.device.type != "cpu" \
-                or tokens.shape[1] < past_len or past_len and tokens.shape[0] != input_ids.shape[0]:
-            self.tokens = None
+        chunks = self._chunks
+        if chunks is None or past_len is None or input_ids is None or input_ids.device.type != "cpu" \
+                or self._length < past_len or past_len and chunks[0].shape[0] != input_ids.shape[0]:
+            self._chunks = None
             return
-        self.tokens = torch.cat([tokens[:, :past_len], input_ids.long()], 1) if past_len else input_ids.long()
+        if past_len < self._length:
+            chunks = self._chunks = [self.tokens[:, :past_len]]
+        if not past_len:
+            chunks.clear()
+        chunks.append(input_ids.long())
+        self._length = past_len + input_ids.shape[1]
 
 
 def cache_signature(config) -> dict:

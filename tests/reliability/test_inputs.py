@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 
 from helm.manifold import lift, manifold_error
-from helm.models.modeling_common import CACHE_FIELD
+from helm.models.modeling_common import CACHE_FIELD, CacheOrigin
 from tests.helpers import MANIFOLD_TOL, assert_close, tiny_config, tiny_model
 
 FAMILIES = ["helm_d", "helm_mice"]
@@ -284,6 +284,44 @@ def test_generate_refuses_the_cache_of_another_prompt_and_continues_its_own(mode
     own = model(prompt[:, :3], use_cache=True).past_key_values
     assert torch.equal(model.generate(prompt, past_key_values=own, max_new_tokens=2),
                        model.generate(prompt, max_new_tokens=2))
+
+
+def test_the_recorded_ids_follow_the_cache():
+    """CacheOrigin.record: a forward appends its ids (a decode step one column, without copying the others), a
+    crop (assisted decoding) keeps the prefix, a forward from the start replaces them, and ids it cannot see (on
+    another device, or inputs_embeds) make them unknown for good."""
+    origin = CacheOrigin({})
+    prompt = ids(2, 5)
+    origin.record(prompt[:, :3], 0)
+    for step in (3, 4):
+        origin.record(prompt[:, step:step + 1], step)
+    assert torch.equal(origin.tokens, prompt)
+    origin.record(prompt[:, 2:4] + 1, 2)  # cropped to 2 tokens, then two others
+    assert torch.equal(origin.tokens, torch.cat([prompt[:, :2], prompt[:, 2:4] + 1], 1))
+    origin.record(prompt[:, :1], 0)
+    assert torch.equal(origin.tokens, prompt[:, :1])
+    origin.record(None, 1)
+    assert origin.tokens is None
+    origin.record(prompt, 0)
+    assert origin.tokens is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_assisted_decoding_takes_an_empty_cache_only(models, family):
+    """Prompt-lookup decoding crops the cache after rejected guesses; the ids recorded follow it. Given a cache that
+    holds a prefix, transformers 5 feeds the whole prompt again after it (Llama's continuation differs from greedy
+    decoding's then), so that is refused."""
+    model, prompt = models[family], torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    cache = DynamicCache(config=model.config)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
+    assert torch.equal(cache.helm_origin.tokens, out[:, :cache.get_seq_length()])
+    prefilled = model(prompt[:, :4], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"^past_key_values already holds 4 tokens, and prompt_lookup_num_tokens=2 asks "
+                                         r"for assisted decoding, which in transformers feeds the whole of input_ids "
+                                         r"again after the cached tokens"):
+        model.generate(prompt, past_key_values=prefilled, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2)
 
 
 # re-probe 7 (N040, N068): a cache filled by another model of the same config from the same tokens was continued
