@@ -40,6 +40,8 @@ def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
         state = dict(path_or_state_dict)
     else:
         path = os.fspath(path_or_state_dict)
+        if os.path.isdir(path):
+            raise IsADirectoryError(_folder_message(path))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"official checkpoint {path!r} does not exist")
         try:  # never unpickle arbitrary objects
@@ -57,6 +59,23 @@ def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
     # DistributedDataParallel and torch.compile prefixes
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v.detach().to(torch.float64) if v.is_floating_point() else v
             for k, v in state.items()}, args
+
+
+def _folder_message(path: str) -> str:
+    """Why a folder is not an official checkpoint, naming the file to pass when the folder holds exactly one
+    ``torch.save`` file (``.pt`` / ``.pth``), and ``from_pretrained`` when it is already a converted model."""
+    saved = sorted(name for name in os.listdir(path)
+                   if name.endswith((".pt", ".pth")) and os.path.isfile(os.path.join(path, name)))
+    message = (f"official checkpoint {path!r} is a folder; convert_official_checkpoint takes the official "
+               f".pt/.pth file (torch.save) or a state dict")
+    if len(saved) == 1:
+        return f"{message}: pass {os.path.join(path, saved[0])!r}"
+    if saved:
+        return f"{message}: the folder holds {len(saved)} such files ({', '.join(saved[:4])}" + (
+            ", ...)" if len(saved) > 4 else ")")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return f"{message}; it holds a config.json, so it may already be a model folder: load it with from_pretrained"
+    return message
 
 
 def _positive_log(value: torch.Tensor, key: str, what: str) -> torch.Tensor:
@@ -279,7 +298,8 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     """An official HELM checkpoint as a ``HelmDForCausalLM`` / ``HelmMiCEForCausalLM`` computing the same logits.
 
     ``path_or_state_dict``: a ``torch.save`` file (read with ``weights_only=True``) or a state dict, bare or under
-    ``"state_dict"`` / ``"model"``. ``model``: ``"helm_d"`` (official ``LTransformerDecoder``) or ``"helm_mice"``
+    ``"state_dict"`` / ``"model"``; a folder is refused (``IsADirectoryError``) naming the one ``.pt`` / ``.pth`` file
+    in it, if there is one. ``model``: ``"helm_d"`` (official ``LTransformerDecoder``) or ``"helm_mice"``
     (``LorentzDeepSeekV3``); None detects it from the keys. The shapes are read from the weights, and so is the
     token table (HELM-D: Lorentz points; HELM-MiCE: points under ``embed.embedding``, the official default
     ``project_emb=False``, or space parts under ``embed.weight`` with ``project_emb=True``), the dense and MoE layer

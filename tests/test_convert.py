@@ -137,6 +137,19 @@ def test_model_argument_is_checked():
             convert_official_checkpoint(state, model="helm_d")
 
 
+def test_a_folder_is_refused_as_a_folder_naming_the_file_inside(tmp_path):
+    """Re-probe 8 N112: an existing folder was reported as 'does not exist'."""
+    with pytest.raises(IsADirectoryError, match=r"is a folder; convert_official_checkpoint takes the official "
+                                                 r"\.pt/\.pth file \(torch\.save\) or a state dict$"):
+        convert_official_checkpoint(tmp_path, model="helm_d")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(IsADirectoryError, match="may already be a model folder: load it with from_pretrained"):
+        convert_official_checkpoint(tmp_path, model="helm_d")
+    torch.save(fixture("helm_d"), tmp_path / "helm.pt")
+    with pytest.raises(IsADirectoryError, match=re.escape(f"pass {str(tmp_path / 'helm.pt')!r}")):
+        convert_official_checkpoint(tmp_path, model="helm_d")
+
+
 def test_cli_refuses_a_bad_checkpoint_with_exit_2(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_official.py"), "--checkpoint",
