@@ -53,6 +53,7 @@ from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, foreign_run_entri
                                       model_folder_problem, non_finite_optimizer_state, non_finite_parameters,
                                       non_finite_weights, remove_stale_tmp_checkpoints, set_aside_later_checkpoints,
                                       write_run_marker)
+from helm.training.config import DATA_STREAM_KEYS
 from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
@@ -264,7 +265,10 @@ def build_model(cfg, config, device, special_ids: dict):
 
 
 def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None:
-    differences = recipe_differences(saved["config"], cfg.to_dict())
+    """Refuse to resume with a recipe the run could not continue under; the keys of the data stream may change with
+    data.resume_on_changed_data, which the refusal names when they are among the differences."""
+    differences = recipe_differences(saved["config"], cfg.to_dict(), changed_data=cfg.data.resume_on_changed_data)
+    stream = [line.split(":", 1)[0] for line in differences if line.split(":", 1)[0] in DATA_STREAM_KEYS]
     # train.max_steps may change (extend a run, or end it earlier), as with transformers' Trainer, but a run only
     # goes forward: the schedule is then recomputed for the new length (replan_schedule)
     if cfg.train.max_steps != saved["config"]["train"]["max_steps"] and cfg.train.max_steps <= saved["step"]:
@@ -274,6 +278,9 @@ def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None
                               "an earlier checkpoint with --resume PATH")
     if saved["world_size"] != world_size:
         differences.append(f"number of processes: {saved['world_size']} in the checkpoint, {world_size} now")
+    if stream:
+        differences.append(f"({', '.join(stream)} {'defines' if len(stream) == 1 else 'define'} the data stream: "
+                           "continue on the new stream knowingly with --data.resume_on_changed_data=true)")
     if differences:
         raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with a different setup, because the run "
                               "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
@@ -390,11 +397,12 @@ def demo_sample(cfg, model, tokenizer) -> str:
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
-def train(cfg, resume) -> dict:
+def train(cfg, resume, state: TrainerState) -> dict:
+    """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` (the caller's, so that it
+    can say after a Ctrl-C how far the run got) holds the step reached."""
     out = Path(cfg.train.output_dir)
     check_no_links(out)
     checkpoint = find_checkpoint(resume, out)
-    state = TrainerState(cfg.to_dict())
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
     accelerator = make_accelerator(cfg, out, saved["step"] if saved else None)
     say = (lambda *a: tqdm.write(" ".join(str(x) for x in a))) if accelerator.is_main_process else (lambda *a: None)
@@ -589,6 +597,17 @@ def train(cfg, resume) -> dict:
     return result
 
 
+def interrupted(cfg, state: TrainerState | None) -> str:
+    """What a Ctrl-C (SIGINT) stopped, and how to go on: the steps done and the newest checkpoint (a checkpoint
+    being written when it came is deleted: only complete ones are listed)."""
+    if cfg is None or state is None:
+        return "interrupted before training started"
+    newest = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")[-1:]
+    where = (f"the newest checkpoint is {newest[0][1]} (step {newest[0][0]}); continue from it with --resume"
+             if newest else "no checkpoint was written yet: start over with --train.overwrite=true")
+    return f"interrupted after step {state.step}; {where}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -603,6 +622,7 @@ def main(argv=None) -> int:
     # The progress lines of this script are the output; the libraries' per-file bars are noise.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    cfg, state = None, None
     try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
         args, rest = parser.parse_known_args(argv)
         if args.resume is not None and not args.resume.strip():  # "--resume=": Path("") is ".", the current folder
@@ -616,10 +636,14 @@ def main(argv=None) -> int:
             print(describe(cfg))
             return 0
         with output_lock(Path(cfg.train.output_dir), enabled=os.environ.get("RANK", "0") == "0"):
-            train(cfg, args.resume)
+            state = TrainerState(cfg.to_dict())
+            train(cfg, args.resume, state)
     except (ConfigError, CheckpointError, FloatingPointError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 3 if isinstance(error, FloatingPointError) else 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), and what to do next
+        print(f"error: {interrupted(cfg, state)}", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -149,7 +149,8 @@ def _unreadable(file: Path) -> str | None:
 
 
 def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
-    """The verified checkpoint ``--resume`` names (``"latest"``: the newest in ``output_dir``), or ``None``."""
+    """The verified checkpoint ``--resume`` names (``"latest"``: the newest in ``output_dir``), or ``None``. A file
+    is refused naming its folder when that is a checkpoint (``--resume .../step-00000004/model.safetensors``)."""
     if resume is None:
         return None
     if resume == "latest":
@@ -158,6 +159,11 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
             logger.warning("--resume: no checkpoint in %s; starting from step 0", output_dir / "checkpoints")
             return None
         resume = found[-1][1]
+    if os.path.isfile(resume):
+        folder = os.path.dirname(os.path.abspath(resume))
+        hint = (f"give its checkpoint folder: --resume {folder}" if os.path.isfile(os.path.join(folder, MANIFEST))
+                else "give a checkpoint folder (OUTPUT_DIR/checkpoints/step-XXXXXXXX)")
+        raise CheckpointError(f"--resume {str(resume)!r} is a file, and a checkpoint is a folder; {hint}")
     verify_checkpoint(resume)
     return Path(resume)
 
@@ -207,6 +213,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
                               f"({kept[0]}) is intact: free space, then continue with --resume") from None
+    except KeyboardInterrupt:  # Ctrl-C while writing: the half-written folder goes (it was never listed)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:

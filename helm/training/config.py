@@ -73,10 +73,11 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the packed rows every epoch (in-memory data only; streams are read in order)."""
     resume_on_changed_data: bool = False
-    """Let --resume continue on a data stream other than the checkpoint's (dataset files, tokenizer, sequence
-    length or packing changed; recorded as a fingerprint in every checkpoint). The run goes on from the saved step
-    on the new stream, so it is no longer the run that was interrupted. false: such a resume exits with status 2
-    naming what changed."""
+    """Let --resume continue on a data stream other than the checkpoint's: changed dataset files (recorded as a
+    fingerprint in every checkpoint), or another dataset, dataset_config, tokenizer, text_column, train_split,
+    validation_split, holdout_documents, streaming, seq_len, mask_document_starts or shuffle. The run goes on from
+    the saved step on the new stream, so it is no longer the run that was interrupted. false: such a resume exits
+    with status 2 naming what changed. The model, optim and batch keys stay refused either way."""
     num_workers: int = 0
     """DataLoader worker processes preparing the next batches while the model trains. 0: the training process
     fetches them, best for in-memory rows (an indexing away) and on a CPU, where workers take cores from the
@@ -462,8 +463,19 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-def recipe_differences(saved: dict, current: dict) -> list[str]:
-    """``section.key: saved -> current`` for every key that differs and may not change on resume."""
+# Keys that define the data stream (recorded in the checkpoint's data fingerprint, or, data.streaming, deciding
+# whether in-memory rows are shuffled): they may change on resume with data.resume_on_changed_data=true.
+DATA_STREAM_KEYS = frozenset({
+    "data.dataset", "data.dataset_config", "data.tokenizer", "data.text_column", "data.train_split",
+    "data.validation_split", "data.holdout_documents", "data.streaming", "data.seq_len", "data.mask_document_starts",
+    "data.shuffle",
+})
+
+
+def recipe_differences(saved: dict, current: dict, changed_data: bool = False) -> list[str]:
+    """``section.key: saved -> current`` for every key that differs and may not change on resume; with
+    ``changed_data`` (data.resume_on_changed_data) the keys of the data stream may change too."""
+    allowed = RESUMABLE_CHANGES | DATA_STREAM_KEYS if changed_data else RESUMABLE_CHANGES
     return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} in the checkpoint, {value!r} now"
             for section, body in current.items() for key, value in body.items()
-            if f"{section}.{key}" not in RESUMABLE_CHANGES and saved.get(section, {}).get(key) != value]
+            if f"{section}.{key}" not in allowed and saved.get(section, {}).get(key) != value]

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -897,6 +898,16 @@ CHANGED_DATA = [
     ("tokenizer-changed", _other_tokenizer, [], 2, r"the tokenizer's vocabulary, rules or special tokens changed"),
     ("allowed-explicitly", _shortened, ["--data.resume_on_changed_data=true"], 0, None),
     ("unchanged", lambda f: None, [], 0, None),
+    # re-probe 8 Q024: the recipe comparison refused a changed data.seq_len even with the flag, never naming it
+    ("seq-len-changed", lambda f: None, ["--data.seq_len=16"], 2,
+     r"data\.seq_len: 32 in the checkpoint, 16 now\n  \(data\.seq_len defines the data stream: continue on the new "
+     r"stream knowingly with --data\.resume_on_changed_data=true\)$"),
+    ("seq-len-allowed-explicitly", lambda f: None, ["--data.seq_len=16", "--data.resume_on_changed_data=true"], 0,
+     None),
+    ("other-keys-still-refused", lambda f: None, ["--data.seq_len=16", "--optim.lr=0.5",
+                                                  "--data.resume_on_changed_data=true"], 2,
+     r"different setup, because the run would no longer continue where it stopped:\n  optim\.lr: 0\.01 in the "
+     r"checkpoint, 0\.5 now$"),
 ]
 
 
@@ -920,7 +931,9 @@ def test_resume_on_a_changed_data_stream_is_refused_naming_the_change(case, chan
     assert result == code, captured.out + captured.err
     if message:
         [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-        assert re.search(message, error) and "step-00000002" in error, error
+        assert "step-00000002" in error, error
+        error = captured.err[captured.err.index(error):].strip()  # the list of differences follows the line
+        assert re.search(message, error), error
         assert "[train] data:" not in captured.out, "the data was read before the refusal"
 
 
@@ -1243,3 +1256,51 @@ def test_the_summary_says_whether_the_perplexity_rose_or_fell(before, after, cha
     [line] = [line for line in captured.out.splitlines() if "before training ->" in line]
     assert line == (f"[train] validation perplexity: {math.exp(before):,.1f} before training -> {math.exp(after):,.1f} "
                     f"after ({change}; measured on the reloaded model)"), line
+
+
+def test_resume_of_a_file_says_it_is_a_file_and_names_its_checkpoint_folder(tmp_path, run_data, capsys):
+    """Re-probe 8 Q030: --resume=<checkpoint>/model.safetensors was reported as a checkpoint that 'does not
+    exist'."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    (tmp_path / "notes.txt").write_text("mine")
+    for path, hint in ((checkpoint / "model.safetensors", f"give its checkpoint folder: --resume {checkpoint}"),
+                       (tmp_path / "notes.txt", "give a checkpoint folder (OUTPUT_DIR/checkpoints/step-XXXXXXXX)")):
+        capsys.readouterr()
+        code = train_script.main(["--config", str(recipe), "--train.max_steps=4", f"--resume={path}"])
+        captured = capsys.readouterr()
+        assert code == 2, captured.out + captured.err
+        assert _error_line(captured) == f"error: --resume {str(path)!r} is a file, and a checkpoint is a folder; {hint}"
+    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+
+
+def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, run_data):
+    """Re-probe 8 Q901: SIGINT (Ctrl-C) printed a KeyboardInterrupt traceback and exited 1. Now: one line naming
+    the step and the newest complete checkpoint, exit 130, no half-written checkpoint, the lock released; the run
+    then resumes from that checkpoint."""
+    from tests.test_train import _wait_for, subprocess_env
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 100_000, "save_every": 2, "log_every": 1000},
+                          demo={"prompt": None})
+    # SIGINT at its default (a job started in the background inherits it ignored), in a session of its own (no
+    # terminal's Ctrl-C reaches it)
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(recipe)],
+                               env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(tmp_path / "run" / "checkpoints" / "step-00000002", process)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    out, err = out.decode(), err.decode()
+    assert process.returncode == 130, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    found = list_checkpoints(tmp_path / "run" / "checkpoints")
+    step, newest = found[-1]
+    match = re.fullmatch(rf"error: interrupted after step (\d+); the newest checkpoint is {re.escape(str(newest))} "
+                         rf"\(step {step}\); continue from it with --resume", line)
+    assert match and int(match.group(1)) >= step, line
+    verify_checkpoint(newest)
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*")), "a half-written checkpoint was left"
+    assert not (tmp_path / "run" / "train.lock").exists()
+    assert train_script.main(["--config", str(recipe), "--resume", f"--train.max_steps={step + 1}"]) == 0
