@@ -2,14 +2,16 @@
 
 ``transformers`` reads any path that is not an existing folder as a hub id, so a mistyped folder says "Repo id must
 be in the form 'repo_name' or 'namespace/repo_name'", a folder without ``config.json`` says "Unrecognized model ...
-should have a `model_type` key", and a ``config.json`` with a byte-order mark "is not a valid JSON file".
-:func:`local_path_problem` names the actual problem. The zoo's own classes check before loading
-(:func:`check_local_folder`). :func:`install_auto_load_messages` wraps the Auto classes (``AutoConfig``,
-``AutoModel``, ``AutoModelForCausalLM``, ... and ``AutoTokenizer``): a path that can load nothing
-(:func:`unloadable_path_problem`: None, an empty or ``~`` path, a missing folder) is refused at once, and any other
-failure is re-raised with :func:`local_path_problem` when it finds one. A load that succeeds is untouched, a
-re-raised exception keeps its type (``OSError`` or ``ValueError``) with transformers' own as its ``__cause__``, and
-a failure the path does not explain (a hub id, a bad keyword, damaged weights) is transformers' error unchanged."""
+should have a `model_type` key", a ``config.json`` with a byte-order mark "is not a valid JSON file", a damaged
+``tokenizer.json`` raises a bare ``JSONDecodeError``, and a PEFT adapter folder whose ``adapter_config.json`` names
+no base model says "AutoConfig.from_pretrained(None)". :func:`local_path_problem` names the actual problem. The
+zoo's own classes check before loading (:func:`check_local_folder`). :func:`install_auto_load_messages` wraps the
+Auto classes (``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM``, ... and ``AutoTokenizer``): a path that can
+load nothing (:func:`unloadable_path_problem`: None, an empty or ``~`` path, a missing folder) is refused at once,
+and any other failure is re-raised with :func:`local_path_problem` when it finds one. A load that succeeds is
+untouched, a re-raised exception is an ``OSError`` or, for transformers' ``ValueError``, a ``ValueError``, with
+transformers' own as its ``__cause__``, and a failure the path does not explain (a hub id, a bad keyword, damaged
+weights) is transformers' error unchanged."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bi
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
                     "sentencepiece.bpe.model")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json") + VOCABULARY_FILES[1:]
+# the JSON files of a tokenizer folder, each read with json.load (a damaged one raises a JSONDecodeError that names
+# no file)
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
@@ -61,9 +66,16 @@ def looks_like_local_path(where) -> bool:
 
 
 def config_file_problem(file: Path) -> str | None:
-    """Why ``file`` (an existing ``config.json``) cannot be read as a config: a UTF-8 byte-order mark (which
-    ``transformers``' reader refuses), text that is not UTF-8 or not JSON (with the line and column), or JSON that
-    is not an object; None when it reads as an object."""
+    """Why ``file`` (an existing ``config.json``) cannot be read as a config (:func:`json_file_problem`); None when
+    it reads as an object."""
+    return json_file_problem(file, holds="config fields")
+
+
+def json_file_problem(file: Path, *, holds: str | None = None) -> str | None:
+    """Why ``file`` (an existing JSON file that ``transformers`` reads: a config, a tokenizer's files, an adapter's
+    config) cannot be read as a JSON object, as a sentence beginning with the file's name: a UTF-8 byte-order mark
+    (which ``transformers``' reader refuses), text that is not UTF-8 or not JSON (with the line and column), or JSON
+    that is not an object (of ``holds``, when given); None when it reads as an object."""
     try:
         raw = file.read_bytes()
     except OSError as error:
@@ -78,7 +90,7 @@ def config_file_problem(file: Path) -> str | None:
     except json.JSONDecodeError as error:
         return f"{file.name} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
     if not isinstance(value, dict):
-        return f"{file.name} holds a JSON {type(value).__name__}, not an object of config fields"
+        return f"{file.name} holds a JSON {type(value).__name__}, not an object" + (f" of {holds}" if holds else "")
     return None
 
 
@@ -110,10 +122,11 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
     None when it may be loaded (a folder whose ``config.json`` reads as an object, or a str that may be a hub id).
 
     ``need_config=False``: a folder without ``config.json`` is fine (a ``config=`` was passed, a GGUF file is
-    named); a PEFT adapter folder (``adapter_config.json``) never needs one. ``json_file_ok``: a ``.json`` file
-    is a config (``AutoConfig.from_pretrained("config.json")``). ``tokenizer``: only the path itself is checked
-    (``AutoTokenizer``: a tokenizer folder needs no ``config.json``). ``need_model_type``: the ``config.json``
-    must name its ``model_type`` (the Auto classes pick the class by it)."""
+    named); a PEFT adapter folder (``adapter_config.json``) never needs one, but it must name a base model that can
+    be loaded (:func:`adapter_folder_problem`). ``json_file_ok``: a ``.json`` file is a config
+    (``AutoConfig.from_pretrained("config.json")``). ``tokenizer``: a tokenizer folder (no ``config.json`` needed)
+    that holds tokenizer files whose JSON files read (:func:`tokenizer_json_problem`). ``need_model_type``: the
+    ``config.json`` must name its ``model_type`` (the Auto classes pick the class by it)."""
     if problem := unloadable_path_problem(where):
         return problem
     path = Path(os.fspath(where))
@@ -124,8 +137,11 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         return f"expects {folder}, not a file; use {str(path.parent)!r}"
     if tokenizer:
         folder = path / subfolder if subfolder else path
-        problem = tokenizer_files_problem(folder) if folder.is_dir() else None
-        return problem and f"the folder {problem}"
+        if not folder.is_dir():
+            return None
+        if problem := tokenizer_files_problem(folder):
+            return f"the folder {problem}"
+        return tokenizer_json_problem(folder, path)
     folder = path / subfolder if subfolder else path
     if subfolder and path.is_dir() and not folder.is_dir():
         return f"has no subfolder {subfolder!r} (subfolder=)"
@@ -139,7 +155,9 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
             return ('config.json has no "model_type" key, by which the Auto classes pick the model class; add it '
                     '(e.g. "model_type": "helm_d"), or load with the model\'s own class (HelmDForCausalLM, ...)')
         return None
-    if not need_config or (folder / "adapter_config.json").is_file():
+    if (folder / "adapter_config.json").is_file():  # transformers loads the base model it names, then the adapter
+        return adapter_folder_problem(folder)
+    if not need_config:
         return None
     if (run := run_of(folder)) is not None:
         what = "a training checkpoint" if (folder / STATE_FILE).is_file() else \
@@ -150,6 +168,42 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
     held = f"it holds {', '.join(weights)} but no config.json" if weights else "it has no config.json"
     return (f"not a checkpoint folder: {held} (a save_pretrained folder holds config.json and the weights); save "
             "the model's config there (model.config.save_pretrained), or pass config=")
+
+
+def tokenizer_json_problem(folder: Path, path: Path) -> str | None:
+    """Why one of the tokenizer's JSON files in ``folder`` (:data:`TOKENIZER_JSON_FILES`) cannot be read
+    (:func:`json_file_problem`), naming it relative to ``path`` (the path given to ``from_pretrained``); None when
+    all those present read as objects."""
+    for name in TOKENIZER_JSON_FILES:
+        file = folder / name
+        if file.is_file() and (problem := json_file_problem(file)):
+            shown = file.relative_to(path).as_posix()
+            return shown + problem[len(name):]
+    return None
+
+
+def adapter_folder_problem(folder: Path) -> str | None:
+    """Why ``from_pretrained`` cannot load the PEFT adapter folder ``folder`` (an ``adapter_config.json``, no
+    ``config.json``): ``transformers`` loads the base model that ``adapter_config.json`` names
+    (``base_model_name_or_path``), then the adapter onto it, so an unreadable ``adapter_config.json``, one that
+    names no base model (PEFT writes null for a model built from a config), or a base that can load nothing
+    (:func:`unloadable_path_problem`: a local folder that does not exist) is named with the way to load the adapter
+    by hand. None otherwise."""
+    file = folder / "adapter_config.json"
+    if problem := json_file_problem(file, holds="adapter settings"):
+        return f"is a PEFT adapter folder, but its {problem}"
+    settings = json.loads(file.read_text(encoding="utf-8"))
+    base = settings.get("base_model_name_or_path")
+    shown = repr(str(folder))
+    remedy = f"load the base model, then PeftModel.from_pretrained(base, {shown}) or base.load_adapter({shown})"
+    if not isinstance(base, str) or not base.strip():
+        found = f"base_model_name_or_path is {json.dumps(base)}" if "base_model_name_or_path" in settings else \
+            "it has no base_model_name_or_path"
+        return f"is a PEFT adapter folder whose adapter_config.json names no base model ({found}): {remedy}"
+    if problem := unloadable_path_problem(base):
+        return (f"is a PEFT adapter folder whose base model {base!r} (base_model_name_or_path in "
+                f"adapter_config.json) cannot be loaded: {problem}; {remedy}, or correct base_model_name_or_path")
+    return None
 
 
 def weights_identity(where, *, subfolder: str = "", revision=None) -> str:
@@ -222,7 +276,9 @@ def _shown(where) -> str:
 
 def _explained(original, **options):
     """``original`` (a ``from_pretrained`` classmethod's function), re-raising its ``OSError`` / ``ValueError`` /
-    ``TypeError`` with :func:`local_path_problem` when that finds one."""
+    ``TypeError`` / ``KeyError`` with :func:`local_path_problem` when that finds one (a ``ValueError`` as a
+    ``ValueError``, the others as an ``OSError``; transformers reads ``base_model_name_or_path`` of an adapter's
+    config by key)."""
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
@@ -230,13 +286,13 @@ def _explained(original, **options):
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
         try:
             return original(cls, pretrained_model_name_or_path, *args, **kwargs)
-        except (OSError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError, KeyError) as error:
             problem = local_path_problem(
                 pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
                 need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None, **options)
             if problem is None:
                 raise
-            kind = OSError if isinstance(error, (OSError, TypeError)) else ValueError
+            kind = ValueError if isinstance(error, ValueError) else OSError
             raise kind(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}") \
                 from error
 

@@ -12,7 +12,9 @@ shapes: a HELM-D adapter loads onto a HELM-MiCE model with ``attention_type="mha
 ``v_proj`` of the same shapes), and adapter weights for modules the model lacks (``v_proj`` of a HMLA model, layers
 beyond its depth) are dropped without a word. :func:`adapter_problem` names both before PEFT loads anything:
 ``PeftModel.load_adapter`` (which ``PeftModel.from_pretrained`` calls) is wrapped for HELM base models, and
-``HelmPreTrainedModel.load_adapter`` (``transformers``' PEFT integration) checks first.
+``HelmPreTrainedModel.load_adapter`` (``transformers``' PEFT integration) checks first. The same check names a
+path that is no adapter folder (:func:`adapter_path_problem`: a missing folder, a file, a model folder), which PEFT
+and ``transformers`` would look up on the hub ("Repo id must be in the form ...").
 
 Both hooks are installed when PEFT's modules exist: at once if PEFT is already imported, else right after it is (helm
 does not import PEFT, an optional dependency that takes seconds to import).
@@ -23,7 +25,9 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,9 +106,61 @@ def _tuner_prefix(peft_type) -> str | None:
                  if str(getattr(kind, "value", kind)) == str(peft_type)), None)
 
 
-def adapter_problem(model, adapter, *, subfolder: str = "") -> str | None:
-    """Why the PEFT adapter saved in the local folder ``adapter`` (``/subfolder``) does not belong to ``model`` (a
-    HELM model: the one PEFT adapts), or None:
+def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = False) -> str | None:
+    """Why ``adapter`` (with ``subfolder``) is no PEFT adapter folder, as a sentence that follows ``load(adapter)``,
+    or None. PEFT and ``transformers`` read a path that does not exist as a hub id (their message: "Repo id must be
+    in the form 'repo_name' or 'namespace/repo_name'"), and a folder without ``adapter_config.json`` too; named
+    here:
+
+    * a path no hub id matches (:func:`~helm.models.loading.looks_like_local_path`) that does not exist, or a ``~``
+      path (neither expands it);
+    * an existing file;
+    * a ``subfolder`` the folder lacks;
+    * a folder without ``adapter_config.json``: always when it holds no adapter weights either (a model folder, say),
+      and when ``need_config`` (the loader reads the adapter's settings from the folder, no config was passed).
+
+    A str that may be a hub id, an empty one and a non-path (None: ``peft_config=`` and ``adapter_state_dict=``
+    were passed) are left to the loader."""
+    from .loading import looks_like_local_path
+
+    if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter).strip():
+        return None
+    text = os.fspath(adapter)
+    path = Path(text)
+    if not path.exists():
+        if text.startswith("~"):
+            expanded = path.expanduser()
+            found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
+            return (f"'~' is not expanded by PEFT or transformers (it would be read as a hub id); pass "
+                    f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
+        return "no such folder" if looks_like_local_path(adapter) else None
+    if path.is_file():
+        use = f"; use {str(path.parent)!r}" if path.name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS) else ""
+        return f"is a file, not an adapter folder (the folder PeftModel.save_pretrained writes){use}"
+    folder = path / subfolder if subfolder else path
+    if not folder.is_dir():
+        return f"has no subfolder {subfolder!r} (subfolder=)"
+    if (folder / ADAPTER_CONFIG).is_file():
+        return None
+    weights = [name for name in ADAPTER_WEIGHTS if (folder / name).is_file()]
+    if weights and not need_config:
+        return None
+    where = f"its subfolder {subfolder!r}" if subfolder else "the folder"
+    if weights:
+        hint = f"it holds {', '.join(weights)} only; pass the adapter's settings (a PEFT config) with them"
+    elif (folder / "config.json").is_file():
+        hint = "it is a model folder (config.json), which loads with from_pretrained"
+    elif adapters := sorted(str(sub) for sub in folder.iterdir() if (sub / ADAPTER_CONFIG).is_file()):
+        hint = f"its subfolders hold adapters: load one of {', '.join(map(repr, adapters))}"
+    else:
+        hint = "a model folder loads with from_pretrained"
+    return f"{where} has no {ADAPTER_CONFIG}: not a PEFT adapter folder; {hint}"
+
+
+def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = False) -> str | None:
+    """Why the PEFT adapter ``adapter`` (``/subfolder``) cannot be loaded onto ``model`` (a HELM model: the one PEFT
+    adapts), or None: a path that is no adapter folder (:func:`adapter_path_problem`, given ``need_config``), or an
+    adapter saved in a local folder that does not belong to ``model``:
 
     * its ``adapter_config.json`` names a base model (``base_model_name_or_path``) whose ``config.json``, found
       locally or in the hub cache, has another ``model_type`` than ``model``;
@@ -112,7 +168,9 @@ def adapter_problem(model, adapter, *, subfolder: str = "") -> str | None:
 
     A hub adapter not downloaded yet, or a base model that cannot be found, is not checked (nothing is downloaded
     here); an unreadable adapter is left to PEFT, whose errors name it."""
-    if not isinstance(adapter, (str, Path)) or not str(adapter):
+    if problem := adapter_path_problem(adapter, subfolder=subfolder, need_config=need_config):
+        return problem
+    if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter):
         return None
     folder = Path(adapter).expanduser() / (subfolder or "")
     config = _read_json(folder / ADAPTER_CONFIG) if folder.is_dir() else None
@@ -145,11 +203,11 @@ def adapter_problem(model, adapter, *, subfolder: str = "") -> str | None:
     return None
 
 
-def check_adapter(name: str, model, adapter, *, subfolder: str = "") -> None:
+def check_adapter(name: str, model, adapter, *, subfolder: str = "", need_config: bool = False) -> None:
     """``ValueError`` naming the call ``name`` and the adapter when :func:`adapter_problem` finds one."""
-    problem = adapter_problem(model, adapter, subfolder=subfolder)
+    problem = adapter_problem(model, adapter, subfolder=subfolder, need_config=need_config)
     if problem is not None:
-        raise ValueError(f"{name}({str(adapter)!r}): {problem}")
+        raise ValueError(f"{name}({os.fspath(adapter)!r}): {problem}")
 
 
 def _is_helm(model) -> bool:
@@ -171,13 +229,20 @@ def wrap_load_adapter(peft_model) -> None:
     def load_adapter(self, model_id, *args, **kwargs):
         base = self.get_base_model()
         if _is_helm(base):
-            check_adapter("PeftModel.load_adapter", base, model_id, subfolder=kwargs.get("subfolder") or "")
+            # PEFT reads adapter_config.json only for an adapter name it does not know yet (from_pretrained with
+            # config= adds the name first)
+            name = inspect.signature(load).bind_partial(self, model_id, *args, **kwargs).arguments.get("adapter_name")
+            check_adapter("PeftModel.load_adapter", base, model_id, subfolder=kwargs.get("subfolder") or "",
+                          need_config=name not in self.peft_config)
         return load(self, model_id, *args, **kwargs)
 
     @functools.wraps(build)
     def from_pretrained(klass, model, model_id, *args, **kwargs):
         if _is_helm(model):
-            check_adapter(f"{klass.__name__}.from_pretrained", model, model_id, subfolder=kwargs.get("subfolder") or "")
+            config = inspect.signature(build).bind_partial(klass, model, model_id, *args, **kwargs).arguments.get(
+                "config")
+            check_adapter(f"{klass.__name__}.from_pretrained", model, model_id, subfolder=kwargs.get("subfolder") or "",
+                          need_config=config is None)
         return build(klass, model, model_id, *args, **kwargs)
 
     load_adapter._helm_checked = True
@@ -219,5 +284,5 @@ def register_peft_support() -> None:
         sys.meta_path.insert(0, _RunAfterImport())
 
 
-__all__ = ["ADAPTER_CONFIG", "DEFAULT_TARGETS", "adapter_problem", "add_targets", "check_adapter",
-           "register_peft_support", "wrap_load_adapter"]
+__all__ = ["ADAPTER_CONFIG", "DEFAULT_TARGETS", "adapter_path_problem", "adapter_problem", "add_targets",
+           "check_adapter", "register_peft_support", "wrap_load_adapter"]

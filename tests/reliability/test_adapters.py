@@ -5,15 +5,20 @@ Before PEFT injects anything, ``PeftModel.from_pretrained``, ``PeftModel.load_ad
 ``load_adapter`` (``transformers``' integration) check the adapter (``helm.models.peft_support.adapter_problem``):
 its base model's ``model_type`` (from ``adapter_config.json``'s ``base_model_name_or_path``) and the modules its
 weights adapt. The table states, for each case, where the adapter was trained, where it is loaded, and the message
-fragment (None: it loads, and gives the logits it was saved with)."""
+fragment (None: it loads, and gives the logits it was saved with).
+
+Probe 8 (P302, P326, P350): a path that is no adapter folder (missing, a file, a model folder) is named by the same
+check; PEFT and ``transformers`` looked it up on the hub ("Repo id must be in the form ...")."""
 
 import json
+import re
 
 import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helm.models.peft_support import adapter_path_problem
 from tests.helpers import tiny_config
 
 IDS = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -89,3 +94,88 @@ def test_a_llama_adapter_is_left_to_peft(tmp_path):
     torch.manual_seed(1)
     other = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     assert isinstance(peft.PeftModel.from_pretrained(other, tmp_path / "adapter"), peft.PeftModel)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A folder holding a saved HELM-D adapter (``adapter``), a saved model (``model``), an empty folder
+    (``empty``) and the adapter's weights without its ``adapter_config.json`` (``weights``)."""
+    root = tmp_path_factory.mktemp("folders")
+    peft.get_peft_model(_base("helm_d"), peft.LoraConfig(r=4)).save_pretrained(root / "adapter")
+    _base("helm_d").save_pretrained(root / "model")
+    (root / "empty").mkdir()
+    (root / "weights").mkdir()
+    (root / "weights" / "adapter_model.safetensors").write_bytes(
+        (root / "adapter" / "adapter_model.safetensors").read_bytes())
+    return root
+
+
+NOT_ADAPTER = r"has no adapter_config\.json: not a PEFT adapter folder; "
+# (case, the path given (folders: the fixture's folder), message fragment after "load(path): "): probe 8 P302, P326,
+# P350: PEFT and transformers read a path that is no adapter folder as a hub id ("Repo id must be in the form
+# 'repo_name' or 'namespace/repo_name'") before
+NOT_ADAPTER_PATHS = [
+    ("no such folder", lambda root: root / "no-such-adapter", "no such folder$"),
+    ("no such relative folder", lambda root: "./no/such/adapter", "no such folder$"),
+    ("tilde path", lambda root: "~/no/such/adapter",
+     r"'~' is not expanded by PEFT or transformers \(it would be read as a hub id\); pass os\.path\.expanduser"
+     r"\(\.\.\.\) = '\S*no/such/adapter' \(there is no such folder either\)"),
+    ("the adapter's weights file", lambda root: root / "adapter" / "adapter_model.safetensors",
+     r"is a file, not an adapter folder \(the folder PeftModel\.save_pretrained writes\); use '\S*adapter'"),
+    ("a model folder", lambda root: root / "model",
+     "the folder " + NOT_ADAPTER + r"it is a model folder \(config\.json\), which loads with from_pretrained"),
+    ("an empty folder", lambda root: root / "empty", "the folder " + NOT_ADAPTER + "a model folder loads with "
+     "from_pretrained"),
+    ("a folder of adapters", lambda root: root, "the folder " + NOT_ADAPTER + r"its subfolders hold adapters: load "
+     r"one of '\S*adapter'$"),
+]
+ADAPTER_LOADERS = ["model.load_adapter", "PeftModel.from_pretrained", "PeftModel.load_adapter"]
+
+
+def _load_onto(model, how, path, **kwargs):
+    """Load the adapter at ``path`` onto ``model`` the way ``how`` names (a new adapter, for PeftModel.load_adapter)."""
+    if how == "model.load_adapter":
+        return model.load_adapter(path, **kwargs)
+    if how == "PeftModel.from_pretrained":
+        return peft.PeftModel.from_pretrained(model, path, **kwargs)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4)).load_adapter(path, "other", **kwargs)
+
+
+@pytest.mark.parametrize("how", ADAPTER_LOADERS)
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
+@pytest.mark.parametrize("case, where, match", NOT_ADAPTER_PATHS, ids=[c[0] for c in NOT_ADAPTER_PATHS])
+def test_a_path_that_is_no_adapter_folder_is_named(folders, family, how, case, where, match):
+    path = where(folders)
+    call = {"model.load_adapter": rf"Helm\w+ForCausalLM\.load_adapter"}.get(how, re.escape(how))
+    model = _base(family)
+    modules = sorted(name for name, _ in model.named_modules())
+    with pytest.raises(ValueError, match=rf"^{call}\({re.escape(repr(str(path)))}\): {match}"):
+        _load_onto(model, how, path)
+    if how != "PeftModel.load_adapter":
+        assert sorted(name for name, _ in model.named_modules()) == modules, "PEFT injected layers before the refusal"
+
+
+@pytest.mark.parametrize("how", ["PeftModel.from_pretrained", "PeftModel.load_adapter"])
+def test_adapter_weights_without_their_config_are_named(folders, how):
+    """PEFT reads the adapter's settings from the folder when none are passed (a new adapter name)."""
+    with pytest.raises(ValueError, match=r"the folder has no adapter_config\.json: not a PEFT adapter folder; it holds "
+                       r"adapter_model\.safetensors only; pass the adapter's settings \(a PEFT config\) with them"):
+        _load_onto(_base("helm_d"), how, folders / "weights")
+
+
+@pytest.mark.parametrize("how", ["model.load_adapter", "PeftModel.from_pretrained"])
+def test_adapter_weights_load_with_the_config_passed(folders, how):
+    """A folder of adapter weights alone is an adapter when its settings are passed (``peft_config=``, ``config=``):
+    not refused."""
+    settings = peft.LoraConfig.from_pretrained(folders / "adapter")
+    keyword = {"model.load_adapter": "peft_config", "PeftModel.from_pretrained": "config"}[how]
+    model = _base("helm_d")
+    loaded = _load_onto(model, how, str(folders / "weights"), **{keyword: settings})
+    peft_model = loaded if isinstance(loaded, peft.PeftModel) else model
+    assert any("lora_A" in name for name, _ in peft_model.named_parameters())
+
+
+@pytest.mark.parametrize("adapter", ["owner/adapter", "adapter"])
+def test_hub_ids_are_left_to_peft(adapter):
+    """A str that may be a hub id and is not a local path is PEFT's (nothing is looked up here)."""
+    assert adapter_path_problem(adapter) is None

@@ -1,0 +1,123 @@
+"""Probe 8: ``from_pretrained`` of a PEFT adapter folder whose base model cannot be loaded (P303, P327, P351), and
+``AutoTokenizer.from_pretrained`` of a tokenizer whose JSON files are damaged (S010, S020, S030).
+
+``transformers`` loads the base model an adapter folder's ``adapter_config.json`` names; for a base of null it said
+"AutoConfig.from_pretrained(None): got None", naming neither the folder nor the adapter. A damaged tokenizer file
+raised a bare ``JSONDecodeError`` that named no file. ``helm.models.loading.local_path_problem`` names both (after
+``transformers`` fails, for the Auto classes; before loading, for the zoo's own classes). Each table states the case
+and the message fragment after ``Class.from_pretrained(path): `` (None: it loads)."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import peft
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import helm.models
+from tests.helpers import tiny_model
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "default" / "tokenizer"
+LOADERS = {"helm_d": ["AutoModelForCausalLM", "HelmDForCausalLM"],
+           "helm_mice": ["AutoModelForCausalLM", "HelmMiCEForCausalLM"]}
+REMEDY = (r"load the base model, then PeftModel\.from_pretrained\(base, '\S*adapter'\) or "
+          r"base\.load_adapter\('\S*adapter'\)")
+
+
+def _without(key):
+    def edit(settings, tmp):
+        del settings[key]
+    return edit
+
+
+def _set(key, value):
+    def edit(settings, tmp):
+        settings[key] = value(tmp) if callable(value) else value
+    return edit
+
+
+# (case, how adapter_config.json is edited (its settings and tmp_path; bytes: its new contents), message fragment)
+ADAPTER_FOLDERS = [
+    ("base null", _set("base_model_name_or_path", None),
+     r"is a PEFT adapter folder whose adapter_config\.json names no base model \(base_model_name_or_path is null\): "
+     + REMEDY + "$"),
+    ("base empty", _set("base_model_name_or_path", ""),
+     r"is a PEFT adapter folder whose adapter_config\.json names no base model \(base_model_name_or_path is \"\"\): "
+     + REMEDY),
+    ("no base key", _without("base_model_name_or_path"),
+     r"is a PEFT adapter folder whose adapter_config\.json names no base model \(it has no base_model_name_or_path\): "
+     + REMEDY),
+    ("base a missing local folder", _set("base_model_name_or_path", lambda tmp: str(tmp / "gone")),
+     r"is a PEFT adapter folder whose base model '\S*gone' \(base_model_name_or_path in adapter_config\.json\) "
+     r"cannot be loaded: no such folder; " + REMEDY + ", or correct base_model_name_or_path$"),
+    ("adapter_config.json cut short", b'{"peft_type": "LORA",',
+     r"is a PEFT adapter folder, but its adapter_config\.json is not valid JSON \(Expecting property name enclosed in "
+     r"double quotes at line 1, column 22\)"),
+    ("base saved", None, None),
+]
+
+
+@pytest.mark.parametrize("family, loader", [(f, loader) for f, loaders in LOADERS.items() for loader in loaders])
+@pytest.mark.parametrize("case, edit, match", ADAPTER_FOLDERS, ids=[c[0] for c in ADAPTER_FOLDERS])
+def test_an_adapter_folder_whose_base_cannot_load_is_named(tmp_path, family, loader, case, edit, match):
+    import transformers
+
+    tiny_model(family).save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    peft.get_peft_model(base, peft.LoraConfig(r=4)).save_pretrained(tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_config.json"
+    if isinstance(edit, bytes):
+        file.write_bytes(edit)
+    elif edit is not None:
+        settings = json.loads(file.read_text())
+        edit(settings, tmp_path)
+        file.write_text(json.dumps(settings))
+    cls = getattr(helm.models, loader, None) or getattr(transformers, loader)
+    if match is None:
+        loaded = cls.from_pretrained(tmp_path / "adapter")
+        assert any("lora_A" in name for name, _ in loaded.named_parameters())
+        return
+    shown = re.escape(repr(str(tmp_path / "adapter")))
+    with pytest.raises((OSError, ValueError), match=rf"^{loader}\.from_pretrained\({shown}\): {match}") as err:
+        cls.from_pretrained(tmp_path / "adapter")
+    if loader.startswith("Auto"):  # transformers' own error is kept as the cause
+        assert err.value.__cause__ is not None
+
+
+BROKEN = b"{broken"
+# (case, the file written (relative to the folder given), its contents, message fragment); tokenizer.json and
+# tokenizer_config.json replace the tokenizer's own, the others are added
+TOKENIZER_FILES = [
+    ("tokenizer.json broken", "tokenizer.json", BROKEN,
+     r"tokenizer\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 1, column 2\)$"),
+    ("tokenizer.json cut short", "tokenizer.json", b'{\n  "version": "1.0",\n',
+     r"tokenizer\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 3, column 1\)"),
+    ("tokenizer.json with a BOM", "tokenizer.json", b"\xef\xbb\xbf" + (TOKENIZER / "tokenizer.json").read_bytes(),
+     r"tokenizer\.json starts with a UTF-8 byte-order mark, which transformers' JSON reader refuses"),
+    ("tokenizer_config.json broken", "tokenizer_config.json", BROKEN, r"tokenizer_config\.json is not valid JSON"),
+    ("special_tokens_map.json broken", "special_tokens_map.json", BROKEN,
+     r"special_tokens_map\.json is not valid JSON"),
+    ("added_tokens.json broken", "added_tokens.json", BROKEN, r"added_tokens\.json is not valid JSON"),
+    ("in a subfolder", "sub/tokenizer.json", BROKEN, r"sub/tokenizer\.json is not valid JSON \(Expecting property"),
+    ("intact", None, None, None),
+]
+
+
+@pytest.mark.parametrize("case, name, contents, match", TOKENIZER_FILES, ids=[c[0] for c in TOKENIZER_FILES])
+def test_a_damaged_tokenizer_file_is_named(tmp_path, case, name, contents, match):
+    """The message names the file (and line and column); the exception stays a ``ValueError`` with the
+    ``JSONDecodeError`` as its cause."""
+    folder = tmp_path / "model"
+    subfolder = name.rpartition("/")[0] if name else ""
+    shutil.copytree(TOKENIZER, folder / subfolder)
+    kwargs = {"subfolder": subfolder} if subfolder else {}
+    if match is None:
+        assert AutoTokenizer.from_pretrained(folder, **kwargs)("hello world")["input_ids"]
+        return
+    (folder / name).write_bytes(contents)
+    with pytest.raises(ValueError, match=rf"^AutoTokenizer\.from_pretrained\({re.escape(repr(str(folder)))}\): "
+                                         rf"{match}") as err:
+        AutoTokenizer.from_pretrained(folder, **kwargs)
+    assert isinstance(err.value.__cause__, json.JSONDecodeError)
