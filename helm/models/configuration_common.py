@@ -1,7 +1,9 @@
 """Fields and checks shared by the HELM configs (written like ``transformers``' ``LlamaConfig``).
 
-Every field carries its rule (:func:`helm.nn.validation.field`); ``__post_init__`` fills derived defaults and
-then runs the rules and :meth:`HelmConfigBase.validate_architecture`, the one place for cross-field checks.
+Every field carries its rule (:func:`helm.nn.validation.field`); ``__post_init__`` runs
+:meth:`HelmConfigBase.validate_architecture`, the one place for cross-field checks: the rules, then the derived
+defaults (:meth:`HelmConfigBase.derive_defaults`: a None ``head_dim`` or ``routed_curvatures``, also when assigned
+after construction), then the checks across fields.
 Derived values are properties, never stored: ``k`` (from ``curvature``) and ``residual_space_scale`` (from
 ``residual_space_scale_factor`` and ``hidden_size``).
 """
@@ -519,28 +521,40 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         if self.head_dim is not None or not all(isinstance(v, int) and not isinstance(v, bool) and v >= low
                                                 for v, low in ((hidden, 2), (heads, 1))):
             return  # (a hidden_size or num_attention_heads outside its own rule is refused by that rule)
-        self.head_dim = 1 + (hidden - 1) // heads
-        derived = (f"got {self.head_dim} = 1 + (hidden_size - 1) // num_attention_heads with hidden_size={hidden} and "
+        # checked before it is stored: a refused width leaves head_dim None (and, after construction, the error is
+        # this one rather than the field rule's "got 1")
+        head_dim = 1 + (hidden - 1) // heads
+        derived = (f"got {head_dim} = 1 + (hidden_size - 1) // num_attention_heads with hidden_size={hidden} and "
                    f"num_attention_heads={heads} (head_dim is derived from them when not set)")
-        if self.head_dim < 2:
+        if head_dim < 2:
             raise ValueError(f"head_dim must be an integer >= 2, {derived}; a head needs its time and at least one "
                              f"space dim: raise hidden_size to at least {1 + heads}, lower num_attention_heads, or set "
                              "head_dim")
-        space = self.head_dim - 1
+        space = head_dim - 1
         if space % 2 and isinstance(self.positional, str) and self.positional in POSITIONAL_ENCODINGS and \
                 positional_encoding_class(self.positional).pairs:
             sizes = " or ".join(str(1 + heads * d) for d in (space - 1, space + 1) if d > 0)
             raise ValueError(f"head_dim must be 1 + an even number for positional={self.positional!r} (it acts on "
                              f"pairs of space dims), {derived}; use hidden_size = 1 + num_attention_heads · an even "
                              f"number (e.g. {sizes}), another num_attention_heads, or set head_dim")
+        self.head_dim = head_dim
+
+    def derive_defaults(self) -> None:
+        """Fill the fields whose default None means "derived from other fields": ``head_dim``
+        (:meth:`default_head_dim`). Run by :meth:`validate_architecture`, so a None assigned after construction
+        (``config.head_dim = None`` after a ``hidden_size`` change) is derived again exactly as a constructor keyword
+        None is, when the model is built or the config saved; a field given a value is kept."""
+        self.default_head_dim()
 
     def positional_dims(self) -> dict[str, int]:
         """Config field -> space dims the attention's positional encoding acts on (per head)."""
         return {"head_dim": self.head_dim - 1}
 
     def validate_architecture(self) -> None:
-        """Cross-field checks (single-field rules run first, from the fields' ``validator`` metadata)."""
+        """Cross-field checks (single-field rules run first, from the fields' ``validator`` metadata), after the
+        derived defaults are filled (:meth:`derive_defaults`)."""
         check_fields(self)
+        self.derive_defaults()
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None:

@@ -24,19 +24,115 @@ from transformers.utils import logging
 
 from ..manifold.math import lift
 from ..nn.head import LorentzLMHead
+from ..nn.validation import check_tensor
 from .modeling_common import (CACHE_FIELD, FORWARD_KWARGS, can_return_tuple, check_flags, check_forward_kwargs,
-                              resolve_cache)
+                              check_not_meta, resolve_cache, weights_device)
 
 # what a head passes on to its base model's forward besides the arguments it names
 BASE_KWARGS = FORWARD_KWARGS | frozenset({"segment_ids", "output_hidden_states", "output_attentions"})
+# the target transformers' cross-entropy (fixed_cross_entropy) leaves out of the classification losses
+IGNORE_INDEX = -100
 
 logger = logging.get_logger(__name__)
+
+
+def problem_type(config, labels: torch.Tensor) -> str:
+    """The loss a sequence-classification head computes for ``labels``: ``config.problem_type``, or when unset the
+    one ``transformers``' ``ForSequenceClassificationLoss`` infers (and then stores in the config): ``regression``
+    for ``num_labels=1``, ``single_label_classification`` for int64 / int32 labels, else
+    ``multi_label_classification``."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+
+
+def check_class_indices(config, labels: torch.Tensor, name: str, why: str = "") -> None:
+    """``ValueError`` naming ``name`` unless ``labels`` is an int64 tensor (cross-entropy's targets) whose values
+    lie in ``[0, num_labels)`` or equal -100 (ignored). The values with ``config.validate_inputs``, as
+    :func:`~helm.models.modeling_common.check_token_ids` reads token ids: one device read, skipped while compiling
+    and on the meta device."""
+    if labels.dtype != torch.int64:
+        raise ValueError(f"{name} must be an int64 tensor of class indices, got {labels.dtype}{why}; convert it with "
+                         f"{name}.long()")
+    if not config.validate_inputs or torch.compiler.is_compiling() or labels.device.type == "meta":
+        return
+    count = config.num_labels
+    outside = (labels < 0) | (labels >= count)
+    outside &= labels != IGNORE_INDEX
+    if bool(outside.any()):
+        bad = labels[outside]
+        raise ValueError(f"{name} must lie in [0, num_labels={count}) or equal {IGNORE_INDEX} (ignored); got values "
+                         f"in [{int(bad.min())}, {int(bad.max())}]{why}")
+
+
+def check_sequence_labels(model, labels: torch.Tensor, batch: int) -> None:
+    """``labels`` of a sequence-classification loss, for the problem type that loss will use
+    (:func:`problem_type`), refused with a ``ValueError`` naming ``labels``, the expected shape and that problem
+    type where torch would fail deep in the loss (an ``IndexError`` of cross-entropy, a dtype error of BCE) or,
+    worse, broadcast silently (MSE):
+
+    - ``single_label_classification``: int64 ``[B]`` (or ``[B, 1]``), values in ``[0, num_labels)`` or -100
+      (:func:`check_class_indices`);
+    - ``multi_label_classification``: floating ``[B, num_labels]``, values in ``[0, 1]`` (the values with
+      ``config.validate_inputs``, one device read);
+    - ``regression``: ``[B]`` or ``[B, 1]`` for ``num_labels=1``, else ``[B, num_labels]``; any real dtype (MSE
+      promotes it).
+    """
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be a tensor, got {type(labels).__name__}")
+    check_not_meta(weights_device(model.get_input_embeddings()), labels=labels)
+    config = model.config
+    kind = problem_type(config, labels)
+    count = config.num_labels
+    if config.problem_type is not None:
+        inferred = ""
+    elif count == 1:
+        inferred = ", inferred from num_labels=1; set config.problem_type to choose"
+    else:
+        inferred = (f", inferred from num_labels={count} and the labels' dtype {labels.dtype}: int64 / int32 labels "
+                    "mean single-label, others multi-label; set config.problem_type to choose")
+    why = f" (problem_type={kind!r}{inferred})"
+    if kind == "single_label_classification" or (kind == "regression" and count == 1):
+        expected, alternative, described, note = (batch,), (batch, 1), "[B]", " (or [B, 1])"
+    else:
+        expected, alternative, described, note = (batch, count), None, "[B, num_labels]", ""
+    try:
+        check_tensor(labels, "labels", expected, described, alternative=alternative, note=note)
+    except ValueError as err:
+        raise ValueError(f"{err}{why}") from None
+    if kind == "single_label_classification":
+        check_class_indices(config, labels, "labels", why)
+    elif kind == "multi_label_classification":
+        if not labels.dtype.is_floating_point:
+            raise ValueError(f"labels must be a floating-point tensor of per-class targets in [0, 1], got "
+                             f"{labels.dtype}{why}; convert it with labels.float()")
+        if config.validate_inputs and not torch.compiler.is_compiling() and labels.device.type != "meta":
+            outside = (labels < 0) | (labels > 1) | labels.isnan()
+            if bool(outside.any()):
+                bad = labels[outside]
+                raise ValueError(f"labels must lie in [0, 1] (per-class target probabilities of binary "
+                                 f"cross-entropy); got values in [{float(bad.min())}, {float(bad.max())}]{why}")
 
 
 def class_head(config, out_features: int, *, bias: bool) -> LorentzLMHead:
     """Scores of ``out_features`` classes from a point ``[..., 1+n]`` (``config.lm_head_mode``)."""
     return LorentzLMHead(config.hidden_size, out_features, k=config.k, mode=config.lm_head_mode, bias=bias,
                          init_std=config.initializer_range)
+
+
+def check_answer_positions(model, start: torch.Tensor, end: torch.Tensor, batch: int) -> None:
+    """``start_positions`` and ``end_positions`` of the question-answering loss: int64 ``[B]`` (or ``[B, 1]``),
+    else a ``ValueError`` naming them (torch's message named neither: a batch-size mismatch of cross-entropy, or its
+    dtype error). Their values are free: the loss clamps them to ``[0, T]`` and ignores ``T`` (a position beyond
+    the sequence), as ``LlamaForQuestionAnswering``."""
+    for name, positions in (("start_positions", start), ("end_positions", end)):
+        check_tensor(positions, name, (batch,), "[B]", alternative=(batch, 1), note=" (or [B, 1])")
+        if positions.dtype != torch.int64:
+            raise ValueError(f"{name} must be an int64 tensor of token positions, got {positions.dtype}; convert it "
+                             f"with {name}.long()")
+    check_not_meta(weights_device(model.get_input_embeddings()), start_positions=start, end_positions=end)
 
 
 class HelmTaskHead:
@@ -69,7 +165,9 @@ class SequenceClassificationHead(HelmTaskHead):
     rightmost one, so left and right padding both work; the last token when ``pad_token_id`` is None, which allows
     batches of one only, or with ``inputs_embeds``), as ``LlamaForSequenceClassification``. The head is ``score``
     (no bias, as Llama's); ``logits [B, num_labels]``; the loss follows ``config.problem_type`` (regression,
-    single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset."""
+    single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset. ``labels`` that loss
+    cannot use (shape, dtype, a class index outside ``[0, num_labels)``) are a ``ValueError`` naming them and the
+    problem type (:func:`check_sequence_labels`)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -104,6 +202,7 @@ class SequenceClassificationHead(HelmTaskHead):
         logits = self.score(hidden_states[torch.arange(batch, device=hidden_states.device), last])
         loss = None
         if labels is not None:
+            check_sequence_labels(self, labels, batch)
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
         return SequenceClassifierOutputWithPast(loss=self.with_balance_loss(loss), logits=logits,
                                                 **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
@@ -115,7 +214,8 @@ class TokenClassificationHead(HelmTaskHead):
     """``…ForTokenClassification``: class scores of every token, ``logits [B, T, num_labels]``, cross-entropy over
     labels other than -100, as ``LlamaForTokenClassification``. Dropout (``config.classifier_dropout``, else
     ``hidden_dropout``, else 0.1, as Llama) acts on the space part and the time coordinate is recomputed, so the
-    head still reads a point. The head is ``score`` (with a bias, as Llama's)."""
+    head still reads a point. The head is ``score`` (with a bias, as Llama's). ``labels`` must be int64 ``[B, T]``
+    with values in ``[0, num_labels)`` or -100, else a ``ValueError`` naming them (:func:`check_class_indices`)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -141,6 +241,11 @@ class TokenClassificationHead(HelmTaskHead):
         logits = self.score(points)
         loss = None
         if labels is not None:
+            # checked here: the loss flattens both, so a wrong T was torch's "Expected input batch_size (4) to match
+            # target batch_size (3)" and a class index >= num_labels an IndexError
+            check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]")
+            check_not_meta(weights_device(self.get_input_embeddings()), labels=labels)
+            check_class_indices(self.config, labels, "labels")
             loss = self.loss_function(logits, labels, self.config)
         return TokenClassifierOutput(loss=self.with_balance_loss(loss), logits=logits,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -149,8 +254,9 @@ class TokenClassificationHead(HelmTaskHead):
 class QuestionAnsweringHead(HelmTaskHead):
     """``…ForQuestionAnswering`` (extractive): start and end scores of every token, ``start_logits``,
     ``end_logits [B, T]``, and with ``start_positions`` / ``end_positions`` the mean of the two cross-entropies
-    (positions outside the sequence clamped and ignored), as ``LlamaForQuestionAnswering``. The head is
-    ``qa_outputs`` (two classes, with a bias, as Llama's)."""
+    (positions beyond the sequence ignored, negative ones clamped to 0), as ``LlamaForQuestionAnswering``. The head
+    is ``qa_outputs`` (two classes, with a bias, as Llama's). Positions of another shape or dtype, or only one of
+    the two, are a ``ValueError`` naming them (:func:`check_answer_positions`)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -171,7 +277,13 @@ class QuestionAnsweringHead(HelmTaskHead):
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
         start_logits, end_logits = start_logits.contiguous(), end_logits.contiguous()
         loss = None
-        if start_positions is not None and end_positions is not None:
+        if (start_positions is None) != (end_positions is None):
+            given, missing = (("start_positions", "end_positions") if end_positions is None
+                              else ("end_positions", "start_positions"))
+            raise ValueError(f"{given} without {missing}: the loss needs both (pass both for a loss, neither for "
+                             "logits only)")
+        if start_positions is not None:
+            check_answer_positions(self, start_positions, end_positions, start_logits.shape[0])
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(loss=self.with_balance_loss(loss), start_logits=start_logits,
                                             end_logits=end_logits, hidden_states=outputs.hidden_states,

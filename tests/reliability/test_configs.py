@@ -784,3 +784,48 @@ def test_an_explicit_head_dim_keeps_its_own_message():
     with pytest.raises(ValueError, match=r"^head_dim must be 1 \+ an even number for positional='hope' \(it acts on "
                                          r"pairs of space dims\), got 40$"):
         HelmDConfig(head_dim=40)
+
+
+# Probe 8 P097/P099/S040: a field whose default None means "derived" (head_dim; MiCE's routed_curvatures), set to
+# None (or made needed, by attention_type='mha') after construction, is derived again when the model is built or the
+# config saved, as the same keywords derive it: it was a TypeError deep in positional_dims. (family, keywords the
+# config is built with, fields assigned afterwards, the derived field)
+DERIVED_AFTER_CONSTRUCTION = [
+    ("helm_d", {}, {"head_dim": None}, "head_dim"),
+    ("helm_d", {}, {"hidden_size": 65, "head_dim": None}, "head_dim"),
+    ("helm_d", {"positional": "rope3d"}, {"head_dim": None}, "head_dim"),
+    ("helm_mice", {"attention_type": "mha"}, {"head_dim": None}, "head_dim"),
+    ("helm_mice", {"attention_type": "hmla"}, {"attention_type": "mha"}, "head_dim"),
+    ("helm_mice", {"attention_type": "hmla"}, {"routed_curvatures": None}, "routed_curvatures"),
+    ("helm_mice", {"attention_type": "mha"}, {"routed_curvatures": None, "expert_curvature_range": [-0.5, -1.5]},
+     "routed_curvatures"),
+]
+
+
+@pytest.mark.parametrize("family, built, assigned, derived", DERIVED_AFTER_CONSTRUCTION,
+                         ids=[f"{f}-{b}-{a}" for f, b, a, _ in DERIVED_AFTER_CONSTRUCTION])
+def test_a_derived_field_assigned_none_is_derived_again(tiny_config, family, built, assigned, derived, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    expected = getattr(tiny_config(family, **{**built, **assigned}), derived)
+    assert expected is not None
+    config = tiny_config(family, **built)
+    for name, value in assigned.items():
+        setattr(config, name, value)
+    assert getattr(AutoModelForCausalLM.from_config(config).config, derived) == expected
+    config.save_pretrained(tmp_path)
+    assert getattr(AutoConfig.from_pretrained(tmp_path), derived) == expected
+    config.validate()
+    config.to_json_file(tmp_path / "again.json")
+
+
+def test_a_derived_head_dim_refused_after_construction_names_its_fields_and_stays_none(tiny_config, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("helm_d")
+    config.hidden_size, config.head_dim = 67, None
+    match = r"^head_dim must be 1 \+ an even number for positional='hope' .*got 34 = .*hidden_size=67"
+    for use in (AutoModelForCausalLM.from_config, lambda c: c.save_pretrained(tmp_path), lambda c: c.validate()):
+        with pytest.raises(ValueError, match=match):
+            use(config)
+    assert config.head_dim is None and not (tmp_path / "config.json").exists()

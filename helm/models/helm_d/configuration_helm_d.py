@@ -9,7 +9,8 @@ class HelmDConfig(HelmConfigBase):
     r"""Configuration of a dense HELM model (hyperbolic self-attention + hyperbolic SwiGLU, paper §4).
 
     Fields are those of :class:`helm.models.configuration_common.HelmConfigBase` (Llama's names, then the
-    HELM-specific ones documented there); ``head_dim`` defaults to ``1 + (hidden_size - 1) / num_heads``.
+    HELM-specific ones documented there); ``head_dim`` defaults to ``1 + (hidden_size - 1) / num_heads``, derived
+    again from the current fields when None is assigned after construction.
 
     ```python
     >>> import helm
@@ -23,8 +24,7 @@ class HelmDConfig(HelmConfigBase):
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)
         self.refuse_unknown_keys(kwargs)
-        self.default_head_dim()
-        self.validate_architecture()
+        self.validate_architecture()  # (fills the derived head_dim first)
         super().__post_init__(**kwargs)
 
 

@@ -6,7 +6,6 @@ from ...nn.validation import (
     ATTENTION_TYPES,
     SCORING_FUNCS,
     boolean,
-    check,
     curvature_pair,
     field,
     integer,
@@ -30,8 +29,8 @@ class HelmMiCEConfig(HelmConfigBase):
 
     HELM-specific fields (besides those of :class:`HelmConfigBase`):
         routed_curvatures: paper curvatures ``K_j < 0`` of the routed experts, each with ``|K_j|`` in
-            ``[1e-4, 1e4]`` like ``curvature`` (refused at config time otherwise); default: evenly spaced from
-            ``expert_curvature_range[0]`` to ``[1]`` (paper: -0.1 … -2.0).
+            ``[1e-4, 1e4]`` like ``curvature`` (refused at config time otherwise); default (None, also assigned
+            after construction): evenly spaced from ``expert_curvature_range[0]`` to ``[1]`` (paper: -0.1 … -2.0).
         trainable_curvatures: learn the expert curvatures (fp32 ``log k``, mapped smoothly into the range with
             at most a factor 10 of margin, never clamped with a zero gradient: :func:`helm.nn.mice.bounded_log_k`).
         attention_type: ``hmla`` (paper) or ``mha`` (the MiCE-HMHA ablation: Eq. 3 self-attention).
@@ -74,14 +73,19 @@ class HelmMiCEConfig(HelmConfigBase):
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)
         self.refuse_unknown_keys(kwargs)
+        self.validate_architecture()  # (fills the derived head_dim and routed_curvatures first)
+        super().__post_init__(**kwargs)
+
+    def derive_defaults(self) -> None:
+        """``head_dim`` as :class:`HelmConfigBase` derives it, with ``attention_type="mha"`` only (HMLA's widths are
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), and ``routed_curvatures`` spread over
+        ``expert_curvature_range`` (:meth:`spread_curvatures`); at construction and again whenever the config is
+        validated, so ``attention_type="mha"`` or a None assigned after construction builds what the keywords
+        would."""
         if self.attention_type == "mha":
             self.default_head_dim()
-        if self.routed_curvatures is None and isinstance(self.n_routed_experts, int) and self.n_routed_experts > 0:
-            # checked before use (check_fields runs after the defaults are derived)
-            check(self.expert_curvature_range, "expert_curvature_range", optional(curvature_pair))
+        if self.routed_curvatures is None:
             self.routed_curvatures = self.spread_curvatures(self.n_routed_experts)
-        self.validate_architecture()
-        super().__post_init__(**kwargs)
 
     def spread_curvatures(self, n: int) -> list[float]:
         """The curvatures of ``n`` routed experts spread evenly over ``expert_curvature_range`` (default
