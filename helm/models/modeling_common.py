@@ -4,6 +4,7 @@ config, and the causal-LM loss."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import json
@@ -181,6 +182,9 @@ class HelmPreTrainedModel(PreTrainedModel):
                             subfolder=kwargs.get("subfolder") or "", gguf_file=kwargs.get("gguf_file"))
         if kwargs.get("device_map") is not None and (problem := device_map_problem(kwargs["device_map"])):
             raise ValueError(f"{cls.__name__}.from_pretrained({str(where)!r}): {problem}")
+        check_dtype_arguments(f"{cls.__name__}.from_pretrained({str(where)!r})", kwargs)
+        if (args[1] if len(args) > 1 else kwargs.get("config")) is None:
+            check_model_type(cls, where, subfolder=kwargs.get("subfolder") or "")
         try:
             # transformers would refuse mismatched shapes with "look at the above report"; check_loading_info
             # names them instead (and honours the caller's ignore_mismatched_sizes)
@@ -221,6 +225,18 @@ class HelmPreTrainedModel(PreTrainedModel):
             if isinstance(module, HelmPreTrainedModel):
                 module.weights_id = identity
         return (model, info) if want_info else model
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """``transformers``' constructor behind ``AutoModel*.from_config(config, **kwargs)``, with ``dtype=`` (and
+        ``torch_dtype=``) checked first (:func:`check_dtype_arguments`; transformers' own error is an
+        ``AttributeError`` from ``torch``). ``dtype="auto"`` builds the model in ``config.dtype`` (the default dtype
+        when the config records none), as ``from_pretrained`` reads ``config.json``'s."""
+        check_dtype_arguments(f"from_config of {cls.__name__}", kwargs)
+        # without dtype= (or torch_dtype=), transformers builds the model in config.dtype
+        kwargs = {name: value for name, value in kwargs.items()
+                  if not (name in ("dtype", "torch_dtype") and value == "auto")}
+        return super()._from_config(config, **kwargs)
 
     def load_adapter(self, peft_model_id=None, *args, **kwargs):
         """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.check_adapter`: an adapter
@@ -328,7 +344,19 @@ class HelmPreTrainedModel(PreTrainedModel):
 
         A ``save_directory`` that is an existing file (or lies under one) is a ``NotADirectoryError`` naming it
         (``transformers`` would log an error and save nothing); one that cannot be created an ``OSError`` naming
-        it and the reason."""
+        it and the reason. An empty ``save_directory`` is a ``ValueError``, and so is a model whose weights are on the
+        meta device (:func:`unloaded_weights`; unless ``state_dict=`` gives the weights), refused before anything is
+        written."""
+        call = f"{type(self).__name__}.save_pretrained({str(save_directory)!r})"
+        if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
+            raise ValueError(f"{call}: save_directory is empty (or not a path); give a folder (it is created if "
+                             "missing)")
+        if kwargs.get("state_dict") is None and (unloaded := unloaded_weights(self)):
+            raise ValueError(f"{call}: the model's weights are on the meta device (shapes without values: "
+                             f"{len(unloaded)} tensors, e.g. {unloaded[0]!r}; built with device='meta' or "
+                             "init_empty_weights, or moved with .to('meta'), and never loaded), so there is nothing "
+                             "to save and nothing was written; load the weights (from_pretrained) or materialise "
+                             "them (model.to_empty(device=...) and initialise) first")
         path = Path(save_directory)
         blocking = next((p for p in (path, *path.parents) if p.is_file()), None)
         if blocking is not None:
@@ -377,6 +405,84 @@ def _mentions_weights(err: BaseException, files: list) -> bool:
     text = str(err)
     return any(f.name in text or str(f) in text for f in files) or "safetensors" in text.lower() \
         or "header" in text.lower()
+
+
+# the dtypes a HELM model is built and run in (helm.precision); transformers also reads their names
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtype_arguments(call: str, kwargs: dict) -> None:
+    """``ValueError`` naming ``dtype=`` (or ``torch_dtype=``) of ``call`` unless it is None, ``"auto"``, one of
+    :data:`MODEL_DTYPES` or the name of one (``"float32"``, ``"bfloat16"``, ``"half"``, ...), or a dict of such
+    values (transformers' per-sub-config form); transformers would fail with torch's ``AttributeError`` on an unknown
+    name, or build a model in an integer dtype."""
+    def accepted(value) -> bool:
+        if isinstance(value, str):
+            return value == "auto" or getattr(torch, value, None) in MODEL_DTYPES
+        return value is None or value in MODEL_DTYPES
+
+    for name in ("dtype", "torch_dtype"):
+        value = kwargs.get(name)
+        if not (all(map(accepted, value.values())) if isinstance(value, dict) else accepted(value)):
+            names = ", ".join(repr(str(d).removeprefix("torch.")) for d in MODEL_DTYPES)
+            raise ValueError(f"{call}: {name}={value!r} is not a dtype a HELM model runs in; pass a torch dtype "
+                             f"({', '.join(map(str, MODEL_DTYPES))}), its name ({names}) or 'auto'")
+
+
+def check_model_type(cls, where, *, subfolder: str = "") -> None:
+    """``ValueError`` when the local checkpoint folder ``where`` holds a ``config.json`` whose ``model_type`` is not
+    ``cls``'s (a HELM-MiCE folder given to ``HelmDForCausalLM``, or a Llama one), naming both types and the classes
+    that load it; the config class would otherwise refuse the other family's fields one by one ("unknown config
+    field"). Folders without a readable ``config.json`` or without ``model_type``, and hub ids, are left to the
+    loader."""
+    try:
+        folder = Path(os.fspath(where)) / subfolder
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (TypeError, OSError, ValueError):
+        return
+    found, own = config.get("model_type") if isinstance(config, dict) else None, cls.config_class.model_type
+    if not isinstance(found, str) or found == own:
+        return
+    from .remote_code import AUTO_CLASSES
+
+    family = cls.config_class.__name__.removesuffix("Config")
+    suffix = cls.__name__.removeprefix(family)
+    auto = next((name for name, ending in AUTO_CLASSES.items() if ending == suffix), "AutoModel")
+    other = _model_class_name(auto, found)
+    use = f"{other} or {auto}" if other else auto
+    raise ValueError(f"{cls.__name__}.from_pretrained({str(where)!r}): the folder holds a {found} model (config.json "
+                     f"has model_type={found!r}), not a {own} one; load it with {use}")
+
+
+def _model_class_name(auto: str, model_type: str) -> Optional[str]:
+    """The class ``transformers``' Auto class ``auto`` picks for ``model_type``, or None where it knows none."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        chosen = getattr(transformers, auto)._model_mapping[CONFIG_MAPPING[model_type]]
+    except (KeyError, AttributeError, ImportError, ValueError):
+        return None
+    return (chosen[0] if isinstance(chosen, (tuple, list)) else chosen).__name__
+
+
+def unloaded_weights(model: nn.Module) -> list:
+    """The names of ``model``'s parameters and persistent buffers (what ``save_pretrained`` writes) that are on the
+    meta device without being offloaded: a model built with ``device="meta"`` or ``init_empty_weights`` and never
+    loaded, or moved with ``.to("meta")``. A tensor that accelerate offloaded (a ``_hf_hook`` on its module or an
+    ancestor holds its values, as with a ``device_map`` that places layers on ``"cpu"`` or ``"disk"``) is not
+    counted: ``transformers``' save reads it back (:func:`weights_device` treats such modules the same way)."""
+    buffers = [(f"{prefix}.{name}" if prefix else name, t) for prefix, module in model.named_modules()
+               for name, t in module.named_buffers(recurse=False)
+               if name not in module._non_persistent_buffers_set]
+    return [name for name, t in [*model.named_parameters(), *buffers]
+            if t.device.type == "meta" and not _offloaded(model, name)]
+
+
+def _offloaded(model: nn.Module, name: str) -> bool:
+    """Whether an accelerate hook on the module of the tensor ``name``, or on one of its ancestors, holds it."""
+    parts = name.split(".")[:-1]
+    return any(hasattr(model.get_submodule(".".join(parts[:i])), "_hf_hook") for i in range(len(parts) + 1))
 
 
 # no trained weight comes near it; products of such weights overflow fp32 (a scaled or damaged checkpoint)
@@ -653,6 +759,55 @@ def _assisted_decoding(model, kwargs: dict) -> Optional[str]:
     return None
 
 
+def _generation_prompt(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The prompt of ``generate(*args, **kwargs)``: ``inputs`` (first positional) or ``input_ids`` when a tensor is
+    given, else ``inputs_embeds``; None when none is."""
+    inputs = kwargs.get("inputs", args[0] if args else None)
+    for prompt in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+        if isinstance(prompt, torch.Tensor):
+            return prompt
+    return None
+
+
+def check_generation_mask(attention_mask, prompt: Optional[torch.Tensor]) -> None:
+    """``ValueError`` naming ``attention_mask`` unless it is ``[B, T]`` of ``generate``'s prompt (``input_ids [B, T]``
+    or ``inputs_embeds [B, T, ...]``): ``generate`` derives the positions from it and extends it by one column per
+    new token, so a longer mask was continued silently and a shorter one failed as a ``position_ids`` shape error.
+    A shape comparison (no device read)."""
+    if attention_mask is None or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    batch, length = prompt.shape[:2]
+    check_tensor(attention_mask, "attention_mask", (batch, length), "[B, T]",
+                 note=" (one entry per prompt token; generate adds one per new token)")
+
+
+def _transformers_warns_right_padding(model, kwargs: dict, prompt: torch.Tensor) -> bool:
+    """Whether ``transformers``' ``generate`` logs its own right-padding warning for this call: for a batch of more
+    than one row of token ids, where a pad token id (or an eos token id standing in for it) is set by the call, its
+    ``generation_config`` or the model's."""
+    if prompt.dim() != 2 or prompt.shape[0] < 2:
+        return False
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    return any(kwargs.get(name) is not None or any(getattr(c, name, None) is not None for c in configs)
+               for name in ("pad_token_id", "eos_token_id"))
+
+
+def warn_right_padding(model, kwargs: dict, prompt: Optional[torch.Tensor]) -> None:
+    """A ``UserWarning`` when ``generate``'s 2-D ``attention_mask`` ends in padding (a 0 in its last column of a row
+    that holds a 1): a decoder-only model then continues after the pad tokens. Emitted where ``transformers``' own
+    warning is not (:func:`_transformers_warns_right_padding`: it covers batched token ids with a pad token only), so
+    each such call warns once. One device read per ``generate`` call, none per token."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not mask.numel() or prompt is None \
+            or getattr(model.config, "is_encoder_decoder", False) \
+            or _transformers_warns_right_padding(model, kwargs, prompt):
+        return
+    if bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any()):
+        warnings.warn("generate: right padding was detected (attention_mask ends in 0 in some row), and a decoder-only "
+                      "model continues after the padding; pad prompts on the left (tokenizer.padding_side = \"left\")",
+                      UserWarning, stacklevel=3)
+
+
 class HelmGenerationMixin(GenerationMixin):
     """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
     them (:func:`check_generation_arguments`), and the cache: ``past_key_values`` (or ``cache``) must be a
@@ -660,17 +815,21 @@ class HelmGenerationMixin(GenerationMixin):
     inside ``generate``. A cache must hold fewer tokens than ``input_ids`` and, where the ids it was written from
     are known (:meth:`CacheOrigin.record`: CPU ids), the first of ``input_ids`` must be those ids. Assisted decoding
     (``prompt_lookup_num_tokens``, ``assistant_model``, ...) takes an empty cache only: ``transformers`` 5 feeds it
-    the whole prompt again after the cached tokens (:func:`_assisted_decoding`)."""
+    the whole prompt again after the cached tokens (:func:`_assisted_decoding`). ``attention_mask`` must be
+    ``[B, T]`` of the prompt (:func:`check_generation_mask`); a right-padded one is a ``UserWarning``
+    (:func:`warn_right_padding`)."""
 
     def generate(self, *args, **kwargs):
         check_generation_arguments(kwargs, getattr(self.config, "vocab_size", None))
+        prompt = _generation_prompt(args, kwargs)
+        check_generation_mask(kwargs.get("attention_mask"), prompt)
+        warn_right_padding(self, kwargs, prompt)
         for name in ("past_key_values", "cache"):
             value = kwargs.get(name)
             if value is not None and not isinstance(value, Cache):
                 raise ValueError(f"{name} must be a transformers Cache (DynamicCache, StaticCache, e.g. the one a "
                                  f"previous call returned) or None for a new DynamicCache, got "
                                  f"{type(value).__name__}")
-            prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
             if isinstance(value, Cache) and isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
                 cached = int(value.get_seq_length())  # once per generate call, not per step
                 assisted = _assisted_decoding(self, kwargs)
@@ -848,6 +1007,26 @@ class HelmDynamicCache(DynamicCache):
                              f"keys of shape {tuple(key_states.shape)} is extending it; a cache is only valid for the "
                              "model that filled it: pass a new DynamicCache (or none) to this model")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A deep copy, as ``copy.deepcopy`` makes of any object. A cache filled with gradients enabled holds
+        tensors of an autograd graph, which torch refuses to deepcopy ("Only Tensors created explicitly by the user
+        (graph leaves) support the deepcopy protocol"): that ``RuntimeError`` is re-raised with what to do, chained
+        from torch's."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        try:
+            for name, value in vars(self).items():
+                setattr(copied, name, copy.deepcopy(value, memo))
+        except RuntimeError as error:
+            if "graph leaves" not in str(error):
+                raise
+            raise RuntimeError("copy.deepcopy(cache): the cache holds keys and values that are part of an autograd "
+                               "graph (it was filled with gradients enabled), which torch cannot deepcopy; fill it "
+                               "under torch.no_grad() (as generate does), or detach its tensors first (layer.keys = "
+                               "layer.keys.detach(), layer.values = layer.values.detach() for each of cache.layers)") \
+                from error
+        return copied
 
 
 class CacheOrigin:

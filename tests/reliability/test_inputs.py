@@ -959,3 +959,194 @@ def test_fp16_on_cpu_is_applied(models, saved, family):
         assert manifold_error(h, model.config.k).max() <= MANIFOLD_TOL[torch.float32]
     assert_close(out.logits, models[family](x).logits, dtype=torch.float16, factor=2.0)
     assert model.generate(x, max_new_tokens=3, do_sample=False).shape == (B, T + 3)
+
+
+# ---- re-probe 8: generate's mask, cache copies, dtype=, saving and loading across model types ----------------
+
+PROMPT = torch.tensor([[5, 6, 7]])
+# P136/P176/P216 (a longer mask was continued silently) and S001/S011/S021 (a shorter one was blamed on
+# position_ids): generate's attention_mask must be [B, T] of its prompt. (case id, generate keywords from the model,
+# the mask's shape as the message gives it)
+BAD_GENERATE_MASKS = [
+    ("longer than input_ids", lambda model: dict(input_ids=PROMPT, attention_mask=torch.ones(1, 5, dtype=torch.long)),
+     "(1, 5)"),
+    ("shorter than input_ids", lambda model: dict(input_ids=PROMPT, attention_mask=torch.ones(1, 2, dtype=torch.long)),
+     "(1, 2)"),
+    ("another batch size", lambda model: dict(input_ids=PROMPT, attention_mask=torch.ones(2, 3, dtype=torch.long)),
+     "(2, 3)"),
+    ("1-D, positional prompt", lambda model: dict(inputs=PROMPT, attention_mask=torch.ones(3, dtype=torch.long)),
+     "(3,)"),
+    ("longer than inputs_embeds", lambda model: dict(inputs_embeds=model.model.embed_tokens(PROMPT).detach(),
+                                                     attention_mask=torch.ones(1, 4, dtype=torch.long)),
+     "(1, 4)"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,make,given", BAD_GENERATE_MASKS, ids=[c[0] for c in BAD_GENERATE_MASKS])
+def test_generate_refuses_a_mask_of_another_shape_than_the_prompt(models, family, case, make, given):
+    with pytest.raises(ValueError, match=r"^attention_mask must be \[B, T\] = \[1, 3\] \(one entry per prompt token; "
+                                         r"generate adds one per new token\), got " + re.escape(given) + "$"):
+        models[family].generate(**make(models[family]), max_new_tokens=3, do_sample=False)
+
+
+# Z005/Z010/Z015: generate from a right-padded prompt continued after the pad without a word (transformers logs its
+# own warning for batched token ids with a pad token id only). HELM warns where transformers does not, so each such
+# call warns once. (case id, prompt, mask, keep the model's pad/eos token ids, HELM warns, transformers logs)
+RIGHT_PADDING = [
+    ("one row ends in a pad", [[5, 6, 7, 0]], [[1, 1, 1, 0]], True, True, False),
+    ("two rows, no pad or eos token id", [[5, 6, 7, 0], [5, 6, 7, 8]], [[1, 1, 1, 0], [1, 1, 1, 1]], False, True,
+     False),
+    ("two rows with a pad token id: transformers warns", [[5, 6, 7, 0], [5, 6, 7, 8]], [[1, 1, 1, 0], [1, 1, 1, 1]],
+     True, False, True),
+    ("left padding", [[0, 5, 6, 7]], [[0, 1, 1, 1]], True, False, False),
+    ("no padding", [[5, 6, 7, 8]], [[1, 1, 1, 1]], True, False, False),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,prompt,mask,special,helm_warns,transformers_logs", RIGHT_PADDING,
+                         ids=[c[0] for c in RIGHT_PADDING])
+def test_right_padding_in_generate_warns_once(family, case, prompt, mask, special, helm_warns, transformers_logs):
+    from transformers.generation import utils as generation_utils
+    from transformers.testing_utils import CaptureLogger
+
+    model = tiny_model(family)
+    if not special:
+        model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    with CaptureLogger(generation_utils.logger) as log, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(torch.tensor(prompt), attention_mask=torch.tensor(mask), max_new_tokens=2, do_sample=False)
+    mine = [str(w.message) for w in caught if "right padding" in str(w.message)]
+    assert mine == ["generate: right padding was detected (attention_mask ends in 0 in some row), and a decoder-only "
+                    "model continues after the padding; pad prompts on the left (tokenizer.padding_side = \"left\")"] \
+        * helm_warns
+    assert ("right-padding was detected" in log.out) == transformers_logs, log.out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_cache_filled_with_gradients_names_the_deepcopy_problem(models, family):
+    """P133/P173/P213: copy.deepcopy of a cache that a forward filled with gradients enabled raised torch's "Only
+    Tensors created explicitly by the user (graph leaves)"; the HELM cache says what to do, chained from torch's. One
+    filled under torch.no_grad() copies, and the copy continues generation as the original does."""
+    model, prompt = models[family], ids(1, 4)
+    cache = model(prompt[:, :3], use_cache=True).past_key_values
+    with pytest.raises(RuntimeError, match=r"^copy\.deepcopy\(cache\): the cache holds keys and values that are part "
+                                           r"of an autograd graph \(it was filled with gradients enabled\), which "
+                                           r"torch cannot deepcopy; fill it under torch\.no_grad\(\)") as err:
+        copy.deepcopy(cache)
+    assert isinstance(err.value.__cause__, RuntimeError) and "graph leaves" in str(err.value.__cause__)
+    with torch.no_grad():
+        cache = model(prompt[:, :3], use_cache=True).past_key_values
+    copied = copy.deepcopy(cache)
+    assert type(copied) is type(cache) and copied.layers[0].keys is not cache.layers[0].keys
+    greedy = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert torch.equal(model.generate(prompt, past_key_values=copied, max_new_tokens=3, do_sample=False), greedy)
+    assert torch.equal(model.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False), greedy)
+
+
+def _helm_class(family, suffix="ForCausalLM"):
+    import helm.models
+
+    return getattr(helm.models, {"helm_d": "HelmD", "helm_mice": "HelmMiCE"}[family] + suffix)
+
+
+DTYPE_ACCEPTED = (r"is not a dtype a HELM model runs in; pass a torch dtype \(torch\.float32, torch\.bfloat16, "
+                  r"torch\.float16, torch\.float64\), its name \('float32', 'bfloat16', 'float16', 'float64'\) or "
+                  r"'auto'")
+# P023/P046/P069: dtype='float33' was torch's "module 'torch' has no attribute 'float33'"; an integer dtype built an
+# integer model. (case id, call (family, saved folder), message fragment before DTYPE_ACCEPTED)
+BAD_DTYPES = [
+    ("AutoModelForCausalLM.from_config dtype='float33'",
+     lambda family, saved: AutoModelForCausalLM.from_config(tiny_config(family), dtype="float33"),
+     r"^from_config of Helm\w+ForCausalLM: dtype='float33' "),
+    ("AutoModel.from_config torch_dtype='float33'",
+     lambda family, saved: AutoModel.from_config(tiny_config(family), torch_dtype="float33"),
+     r"^from_config of Helm\w+Model: torch_dtype='float33' "),
+    ("AutoModelForCausalLM.from_config dtype=torch.int8",
+     lambda family, saved: AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.int8),
+     r"^from_config of Helm\w+ForCausalLM: dtype=torch\.int8 "),
+    ("concrete from_pretrained dtype='float33'",
+     lambda family, saved: _helm_class(family).from_pretrained(saved / family, dtype="float33"),
+     r"^Helm\w+ForCausalLM\.from_pretrained\('\S+'\): dtype='float33' "),
+    ("concrete from_pretrained torch_dtype='int64'",
+     lambda family, saved: _helm_class(family).from_pretrained(saved / family, torch_dtype="int64"),
+     r"^Helm\w+ForCausalLM\.from_pretrained\('\S+'\): torch_dtype='int64' "),
+    ("AutoModelForCausalLM.from_pretrained dtype=torch.int8",
+     lambda family, saved: AutoModelForCausalLM.from_pretrained(saved / family, dtype=torch.int8),
+     r"^Helm\w+ForCausalLM\.from_pretrained\('\S+'\): dtype=torch\.int8 "),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case,call,match", BAD_DTYPES, ids=[c[0] for c in BAD_DTYPES])
+def test_a_dtype_that_is_not_one_is_named(saved, family, case, call, match):
+    with pytest.raises(ValueError, match=match + DTYPE_ACCEPTED):
+        call(family, saved)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_config_takes_dtype_names_and_auto(family):
+    """The accepted forms build the model in that dtype; "auto" in the config's (fp32 here), as from_pretrained."""
+    assert AutoModelForCausalLM.from_config(tiny_config(family), dtype="auto").dtype == torch.float32
+    assert AutoModelForCausalLM.from_config(tiny_config(family), dtype="bfloat16").dtype == torch.bfloat16
+    assert AutoModel.from_config(tiny_config(family), torch_dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_empty_save_directory_is_named(models, family):
+    """P363: a raw "FileNotFoundError: [Errno 2] No such file or directory: ''" before."""
+    with pytest.raises(ValueError, match=r"^Helm\w+ForCausalLM\.save_pretrained\(''\): save_directory is empty \(or "
+                                         r"not a path\); give a folder"):
+        models[family].save_pretrained("")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saving_weights_on_the_meta_device_is_refused_before_writing(saved, tmp_path, family):
+    """U009/U018/U027: model.to("meta").save_pretrained raised torch's "Cannot copy out of meta tensor" after
+    writing config.json and generation_config.json. It is refused before anything is written; a model whose
+    layers accelerate offloaded to disk (meta tensors, values held by its hooks) still saves, and reloads equal."""
+    folder = tmp_path / "meta"
+    with pytest.raises(ValueError, match=r"^Helm\w+ForCausalLM\.save_pretrained\('\S+'\): the model's weights are on "
+                                         r"the meta device \(shapes without values: \d+ tensors, e.g\. "
+                                         r"'model\.embed_tokens\.weight'.*nothing was written"):
+        tiny_model(family).to("meta").save_pretrained(folder)
+    assert not folder.exists()
+    device_map = {"model.embed_tokens": "cpu", "model.pos_encoding": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(saved / family, device_map=device_map,
+                                                     offload_folder=tmp_path / "offload")
+    assert any(p.device.type == "meta" for p in offloaded.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' note on saving offloaded modules
+        offloaded.save_pretrained(tmp_path / "resaved")
+    x = ids()
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "resaved").eval()(x).logits,
+                       AutoModelForCausalLM.from_pretrained(saved / family).eval()(x).logits)
+
+
+# S031: a folder of another model type given to a HELM class was refused field by field ("unknown config field
+# 'attention_type' for HelmDConfig; did you mean 'attention_bias'?"). (case id, loader, folder (saved, tmp_path,
+# models), message fragment after "Class.from_pretrained('folder'): ")
+OTHER_MODEL_TYPES = [
+    ("HelmDForCausalLM, helm_mice folder", "HelmDForCausalLM", lambda saved, tmp, models: saved / "helm_mice",
+     r"the folder holds a helm_mice model \(config\.json has model_type='helm_mice'\), not a helm_d one; load it with "
+     r"HelmMiCEForCausalLM or AutoModelForCausalLM$"),
+    ("HelmMiCEForCausalLM, helm_d folder", "HelmMiCEForCausalLM", lambda saved, tmp, models: saved / "helm_d",
+     r"the folder holds a helm_d model .*not a helm_mice one; load it with HelmDForCausalLM or AutoModelForCausalLM$"),
+    ("HelmMiCEModel, helm_d folder", "HelmMiCEModel", lambda saved, tmp, models: saved / "helm_d",
+     r"the folder holds a helm_d model .*; load it with HelmDModel or AutoModel$"),
+    ("HelmDForCausalLM, llama folder", "HelmDForCausalLM",
+     lambda saved, tmp, models: models["llama"].save_pretrained(tmp / "llama") or tmp / "llama",
+     r"the folder holds a llama model \(config\.json has model_type='llama'\), not a helm_d one; load it with "
+     r"LlamaForCausalLM or AutoModelForCausalLM$"),
+]
+
+
+@pytest.mark.parametrize("case,loader,where,match", OTHER_MODEL_TYPES, ids=[c[0] for c in OTHER_MODEL_TYPES])
+def test_a_folder_of_another_model_type_is_named(models, saved, tmp_path, case, loader, where, match):
+    import helm.models
+
+    path = where(saved, tmp_path, models)
+    with pytest.raises(ValueError, match=rf"^{loader}\.from_pretrained\({re.escape(repr(str(path)))}\): {match}"):
+        getattr(helm.models, loader).from_pretrained(path)
