@@ -623,6 +623,15 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         # A key of the saved config (or of the dict given) that no field reads is refused like an unknown override
         # of helm.load_config: transformers would keep it as a stray attribute, and a typo ("hiden_size") would
         # leave the field it meant at its default.
+        saved_type = config_dict.get("model_type")
+        if isinstance(saved_type, str) and saved_type and saved_type != cls.model_type:
+            # another model's config: its fields would be refused one by one as unknown ("did you mean ...")
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            own = CONFIG_MAPPING[saved_type].__name__ if saved_type in CONFIG_MAPPING else None
+            use = f"{own} or AutoConfig" if own else "its own config class"
+            raise ValueError(f"{cls.__name__}: the config is of a {saved_type} model (model_type={saved_type!r}), not "
+                             f"a {cls.model_type} one; load it with {use}")
         for key in config_dict:
             if not is_known_key(cls, key):
                 raise unknown_field_error(cls, key, config_fields(cls), f"a key of the saved config (config.json): "

@@ -506,6 +506,22 @@ def test_a_saved_config_json_is_a_preset_file(tiny_config, tmp_path):
     assert fields(helm.load_config(str(tmp_path / "config.json"))) == fields(tiny_config("helm_d"))
 
 
+# re-probe 8 (S031): HelmDConfig.from_pretrained(<a HELM-MiCE folder>) refused the first MiCE field as an unknown
+# field ("did you mean 'attention_bias'?"); the saved model_type is compared first. (saved family, class loading it,
+# the class the message suggests)
+OTHER_MODEL_TYPE = [("helm_mice", HelmDConfig, "HelmMiCEConfig"), ("helm_d", HelmMiCEConfig, "HelmDConfig"),
+                    ("llama", HelmDConfig, "LlamaConfig")]
+
+
+@pytest.mark.parametrize("saved, cls, suggested", OTHER_MODEL_TYPE, ids=[f"{c[0]} into {c[1].__name__}"
+                                                                          for c in OTHER_MODEL_TYPE])
+def test_a_config_of_another_model_type_is_named(tiny_config, saved, cls, suggested, tmp_path):
+    tiny_config(saved).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: the config is of a {saved} model \(model_type='{saved}'\), "
+                                         rf"not a {cls.model_type} one; load it with {suggested} or AutoConfig$"):
+        cls.from_pretrained(tmp_path)
+
+
 # MiCE expert curvatures: log k is mapped smoothly into the runtime range (identity on the config range), so
 # every optimiser step leaves k finite and positive and the gradient is never exactly zero.
 @pytest.mark.parametrize("K", [-1e-4, -0.1, -1.0, -2.0, -1e4])
