@@ -26,7 +26,8 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
 from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_checkpoint, check_hub_model,
-                             check_tokenizer, check_writable, run_script, split_model_spec, write_json)
+                             check_tokenizer, check_vocabulary, check_writable, run_script, split_model_spec,
+                             write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -158,6 +159,7 @@ def evaluate(args, name: str, path: str, groups: list[tuple[list[str], int]], de
     # importing helm (with helm.evaluation) registered the HELM model types, so HFLM needs no remote code for them
     lm = HFLM(pretrained=path, trust_remote_code=args.trust_remote_code, batch_size=batch_size, device=device,
               dtype=args.dtype)
+    check_vocabulary(lm.model, lm.tokenizer, f"the tokenizer saved with --model {path!r}")
     record = {"model_name": name or Path(path.rstrip("/")).name, "model_path": path, "source": "eval/harness.py",
               "suite": None if args.tasks else args.suite, "primary_metrics": {
                   task: [metric] for task, _, metric in ([] if args.tasks else SUITES[args.suite]) if metric}}

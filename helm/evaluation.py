@@ -33,7 +33,7 @@ from .models.loading import looks_like_local_path
 logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
-           "check_hub_model", "check_tokenizer", "check_window", "check_writable", "data_files",
+           "check_hub_model", "check_tokenizer", "check_vocabulary", "check_window", "check_writable", "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "packed_inputs", "perplexity",
            "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
            "token_stream", "with_rope_scaling", "write_json"]
@@ -381,6 +381,7 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
     Importing ``helm`` registered the HELM model types, so HELM folders load with our own code, never the code
     saved with them, and ``transformers`` models load as usual. Code saved with any other checkpoint runs only
     with ``trust_remote_code``. ``dtype``: ``float32``, ``bfloat16``, ``float16``, ``float64`` or ``auto``.
+    A tokenizer with more tokens than the model's vocabulary is refused (:func:`check_vocabulary`).
     """
     from helm.data.tokenizer import no_vocabulary_hint
 
@@ -389,6 +390,8 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
     device = check_device(device)
     if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
         raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
+    source = f"--tokenizer {os.fspath(tokenizer)!r}" if tokenizer is not None else \
+        f"the tokenizer saved with --model {path!r}"
     # the tokenizer's files are checked before the weights load, which can take minutes
     tokenizer = check_tokenizer(tokenizer, "--tokenizer") if tokenizer is not None else check_tokenizer(
         path, "--model", f"pass --tokenizer and {TOKENIZER_ADVICE}")
@@ -404,7 +407,19 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
         hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else no_vocabulary_hint(tokenizer) or
                 " (save one next to the model with tokenizer.save_pretrained, or name its folder)")
         raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {text}{hint}") from error
+    check_vocabulary(model, tok, source)
     return model.to(device).eval(), tok
+
+
+def check_vocabulary(model, tokenizer, source: str) -> None:
+    """An :class:`EvalError` when ``tokenizer`` (``source`` names where it came from) has more tokens than
+    ``model``'s ``config.vocab_size``: its ids past the embedding table would fail the first forward, after the
+    text was read (``train.py`` refuses such a ``data.tokenizer`` the same way). A config without an integer
+    ``vocab_size`` is not checked."""
+    vocab_size = getattr(model.config, "vocab_size", None)
+    if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        raise EvalError(f"{source} has {len(tokenizer)} tokens but the model has vocab_size={vocab_size}: ids past "
+                        "its embedding table cannot be scored; use the tokenizer the model was trained with")
 
 
 ROPE_SCALINGS = ("none", "linear", "dynamic", "yarn", "longrope", "resonance")

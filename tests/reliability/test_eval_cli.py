@@ -54,6 +54,18 @@ def learned_checkpoints(tokenizer, tmp_path_factory):
     return folders
 
 
+@pytest.fixture(scope="module")
+def small_vocab_checkpoint(tokenizer, tmp_path_factory):
+    """A saved tiny HELM-D of vocab_size=100 with the shared 320-token tokenizer beside it (re-probe 8 R906: the
+    forward's ValueError on the first ids past its table was a traceback)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("vocab100")
+    AutoModelForCausalLM.from_config(tiny_config("helm_d", vocab_size=100)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def _train_run_layout(root, model):
     """The folders train.py leaves (marker, recipe, a checkpoint of accelerate files, final/), without training."""
     run = root / "old-run"
@@ -68,7 +80,7 @@ def _train_run_layout(root, model):
 
 
 @pytest.fixture
-def paths(tmp_path, tiny_checkpoint, learned_checkpoints):
+def paths(tmp_path, tiny_checkpoint, learned_checkpoints, small_vocab_checkpoint):
     """``{missing}``, ``{text}``, ``{link}`` (a symlink to it), ``{bare}`` (a folder with only a Llama config.json),
     ``{custom}`` (an unknown model type with an auto_map and code that must never run), ``{nocfg}`` (an empty folder),
     ``{result}`` (a result file in the folder ``{results}``), ``{tmp}``."""
@@ -98,7 +110,7 @@ def paths(tmp_path, tiny_checkpoint, learned_checkpoints):
     run = _train_run_layout(tmp_path, tiny_checkpoint)
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join(["one two three four five"] * 20)}) + "\n")
     shutil.copytree(tiny_checkpoint, tmp_path / "lr=0.1")  # a model folder whose name holds '='
-    return {"eqmodel": str(tmp_path / "lr=0.1"),
+    return {"eqmodel": str(tmp_path / "lr=0.1"), "vocab100": small_vocab_checkpoint,
             **learned_checkpoints, "modelonly": str(modelonly), "run": str(run), "long": str(tmp_path / "long.jsonl"),
             "trainckpt": str(run / "checkpoints" / "step-00000002"), "checkpoints": str(run / "checkpoints"),
             "missing": str(tmp_path / "no-such-checkpoint"), "text": str(text), "bare": str(bare),
@@ -301,6 +313,25 @@ CASES = [
      r"^error: --distance lorentz: the final hidden states of --model '.*' \(model_type 'llama'\) are not points of "
      r"the hyperboloid <x, x>_L = -1 with a positive first \(time\) coordinate \(\d+ of 20 off it; .*use "
      r"--distance euclidean, or auto"),
+    # re-probe 8 R906: a tokenizer of more tokens than the model's vocabulary is refused before any text is scored
+    # (the first forward raised "input_ids must lie in [0, vocab_size=100)": a traceback)
+    ("perplexity", ["--model", "{vocab100}", "--tokenizer", "{model}", "--files", "{long}", "--seq-len", "8"], 2,
+     r"^error: --tokenizer '.*' has 320 tokens but the model has vocab_size=100: ids past its embedding table "
+     r"cannot be scored; use the tokenizer the model was trained with$"),
+    ("perplexity", ["--model", "{vocab100}", "--files", "{long}", "--seq-len", "8"], 2,
+     r"^error: the tokenizer saved with --model '.*vocab100.*' has 320 tokens but the model has vocab_size=100"),
+    ("length_extrapolation", ["--model", "{vocab100}", "--files", "{long}", "--train-length", "4", "--output-dir",
+                              "{tmp}/o"], 2, r"the tokenizer saved with --model .* has 320 tokens .*vocab_size=100"),
+    ("curvature", ["--model", "{vocab100}", "--files", "{long}", "--max-points", "20", "--knn", "3", "--output-dir",
+                   "{tmp}/o", "--no-progress"], 2,
+     r"the tokenizer saved with --model .* has 320 tokens .*vocab_size=100"),
+    # re-probe 8 R036: a Markdown table was written into a .json file without a word
+    ("compare", ["{result}", "--output", "{tmp}/table.json"], 2,
+     r"^error: --output '.*table\.json' ends in \.json, but compare\.py writes a Markdown table: end it in \.md, "
+     r"\.markdown or \.txt$"),
+    ("compare", ["{result}", "--output", "{tmp}/table.CSV"], 2, r"ends in \.CSV, but compare\.py writes a Markdown"),
+    ("harness", ["--model", "{vocab100}", "--suite", "local", "--limit", "2"], 2,
+     r"the tokenizer saved with --model .* has 320 tokens but the model has vocab_size=100"),
 ]
 
 
@@ -347,6 +378,13 @@ def test_perplexity_loads_a_tokenizer_only_folder(paths, tokenizer, tmp_path, ca
     assert exit_info.value.code == 2
     assert re.search(r"error: --tokenizer '.*nocfg' has no tokenizer files \(looked for tokenizer\.json",
                      capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("name", ["table.md", "table.markdown", "table.TXT", "table"])
+def test_compare_writes_its_table_to_a_markdown_or_text_output(name, paths, tmp_path):
+    """The suffixes R036's refusal leaves: Markdown, text, or none (no other format is claimed)."""
+    table = run_script(load_script("compare").main, [paths["result"], "--output", str(tmp_path / name)])
+    assert (tmp_path / name).read_text(encoding="utf-8") == table and table.startswith("| Model |")
 
 
 def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
