@@ -111,7 +111,7 @@ def unloadable_path_problem(where) -> str | None:
     if text.startswith("~"):
         expanded = path.expanduser()
         found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
-        return (f"'~' is not expanded by transformers (it would be read as a hub id); pass "
+        return (f"'~' is not expanded by transformers or PEFT (it would be read as a hub id); pass "
                 f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
     return "no such folder" if looks_like_local_path(where) else None
 

@@ -121,19 +121,14 @@ def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = Fa
 
     A str that may be a hub id, an empty one and a non-path (None: ``peft_config=`` and ``adapter_state_dict=``
     were passed) are left to the loader."""
-    from .loading import looks_like_local_path
+    from .loading import unloadable_path_problem
 
     if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter).strip():
         return None
     text = os.fspath(adapter)
     path = Path(text)
     if not path.exists():
-        if text.startswith("~"):
-            expanded = path.expanduser()
-            found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
-            return (f"'~' is not expanded by PEFT or transformers (it would be read as a hub id); pass "
-                    f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
-        return "no such folder" if looks_like_local_path(adapter) else None
+        return unloadable_path_problem(adapter)  # PEFT reads paths as transformers does: '~', no such folder
     if path.is_file():
         use = f"; use {str(path.parent)!r}" if path.name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS) else ""
         return f"is a file, not an adapter folder (the folder PeftModel.save_pretrained writes){use}"

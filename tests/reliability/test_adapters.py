@@ -118,7 +118,7 @@ NOT_ADAPTER_PATHS = [
     ("no such folder", lambda root: root / "no-such-adapter", "no such folder$"),
     ("no such relative folder", lambda root: "./no/such/adapter", "no such folder$"),
     ("tilde path", lambda root: "~/no/such/adapter",
-     r"'~' is not expanded by PEFT or transformers \(it would be read as a hub id\); pass os\.path\.expanduser"
+     r"'~' is not expanded by transformers or PEFT \(it would be read as a hub id\); pass os\.path\.expanduser"
      r"\(\.\.\.\) = '\S*no/such/adapter' \(there is no such folder either\)"),
     ("the adapter's weights file", lambda root: root / "adapter" / "adapter_model.safetensors",
      r"is a file, not an adapter folder \(the folder PeftModel\.save_pretrained writes\); use '\S*adapter'"),
