@@ -9,8 +9,6 @@ and the message fragment after ``Class.from_pretrained(path): `` (None: it loads
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import peft
 import pytest
@@ -19,7 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import helm.models
 from tests.helpers import tiny_model
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "default" / "tokenizer"
 LOADERS = {"helm_d": ["AutoModelForCausalLM", "HelmDForCausalLM"],
            "helm_mice": ["AutoModelForCausalLM", "HelmMiCEForCausalLM"]}
 REMEDY = (r"load the base model, then PeftModel\.from_pretrained\(base, '\S*adapter'\) or "
@@ -87,14 +84,14 @@ def test_an_adapter_folder_whose_base_cannot_load_is_named(tmp_path, family, loa
 
 
 BROKEN = b"{broken"
-# (case, the file written (relative to the folder given), its contents, message fragment); tokenizer.json and
-# tokenizer_config.json replace the tokenizer's own, the others are added
+# (case, the file written (relative to the folder given), its contents (or a function of the file it replaces),
+# message fragment); tokenizer.json and tokenizer_config.json replace the tokenizer's own, the others are added
 TOKENIZER_FILES = [
     ("tokenizer.json broken", "tokenizer.json", BROKEN,
      r"tokenizer\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 1, column 2\)$"),
     ("tokenizer.json cut short", "tokenizer.json", b'{\n  "version": "1.0",\n',
      r"tokenizer\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 3, column 1\)"),
-    ("tokenizer.json with a BOM", "tokenizer.json", b"\xef\xbb\xbf" + (TOKENIZER / "tokenizer.json").read_bytes(),
+    ("tokenizer.json with a BOM", "tokenizer.json", lambda old: b"\xef\xbb\xbf" + old,
      r"tokenizer\.json starts with a UTF-8 byte-order mark, which transformers' JSON reader refuses"),
     ("tokenizer_config.json broken", "tokenizer_config.json", BROKEN, r"tokenizer_config\.json is not valid JSON"),
     ("special_tokens_map.json broken", "special_tokens_map.json", BROKEN,
@@ -106,17 +103,17 @@ TOKENIZER_FILES = [
 
 
 @pytest.mark.parametrize("case, name, contents, match", TOKENIZER_FILES, ids=[c[0] for c in TOKENIZER_FILES])
-def test_a_damaged_tokenizer_file_is_named(tmp_path, case, name, contents, match):
+def test_a_damaged_tokenizer_file_is_named(tokenizer, tmp_path, case, name, contents, match):
     """The message names the file (and line and column); the exception stays a ``ValueError`` with the
     ``JSONDecodeError`` as its cause."""
     folder = tmp_path / "model"
     subfolder = name.rpartition("/")[0] if name else ""
-    shutil.copytree(TOKENIZER, folder / subfolder)
+    tokenizer.save_pretrained(folder / subfolder)
     kwargs = {"subfolder": subfolder} if subfolder else {}
     if match is None:
         assert AutoTokenizer.from_pretrained(folder, **kwargs)("hello world")["input_ids"]
         return
-    (folder / name).write_bytes(contents)
+    (folder / name).write_bytes(contents((folder / name).read_bytes()) if callable(contents) else contents)
     with pytest.raises(ValueError, match=rf"^AutoTokenizer\.from_pretrained\({re.escape(repr(str(folder)))}\): "
                                          rf"{match}") as err:
         AutoTokenizer.from_pretrained(folder, **kwargs)
