@@ -19,12 +19,24 @@ before and after and a sample. ``python train.py --help`` lists every recipe key
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+# Run as a script, a Ctrl-C during the seconds the libraries below take to import is one line and the shell's
+# status for SIGINT (128 + 2), as later on; main() hands SIGINT back to KeyboardInterrupt once its own handling is in
+# place. A SIGINT that the caller ignores (a background job) stays ignored.
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    def _interrupted_at_startup(signum, frame):
+        print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
+        os._exit(130)  # at once: an exception raised inside an import could be caught by the library importing
+
+    signal.signal(signal.SIGINT, _interrupted_at_startup)
+
 import argparse
 import logging
 import math
-import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -601,7 +613,7 @@ def interrupted(cfg, state: TrainerState | None) -> str:
     """What a Ctrl-C (SIGINT) stopped, and how to go on: the steps done and the newest checkpoint (a checkpoint
     being written when it came is deleted: only complete ones are listed)."""
     if cfg is None or state is None:
-        return "interrupted before training started"
+        return "interrupted before training started; nothing was written"
     newest = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")[-1:]
     where = (f"the newest checkpoint is {newest[0][1]} (step {newest[0][0]}); continue from it with --resume"
              if newest else "no checkpoint was written yet: start over with --train.overwrite=true")
@@ -624,6 +636,9 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     cfg, state = None, None
     try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
+        if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            # from here a Ctrl-C is a KeyboardInterrupt, reported below with what it stopped
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         args, rest = parser.parse_known_args(argv)
         if args.resume is not None and not args.resume.strip():  # "--resume=": Path("") is ".", the current folder
             raise ConfigError("--resume= has no value: pass --resume CHECKPOINT (a checkpoint folder, e.g. "

@@ -164,8 +164,54 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
         hint = (f"give its checkpoint folder: --resume {folder}" if os.path.isfile(os.path.join(folder, MANIFEST))
                 else "give a checkpoint folder (OUTPUT_DIR/checkpoints/step-XXXXXXXX)")
         raise CheckpointError(f"--resume {str(resume)!r} is a file, and a checkpoint is a folder; {hint}")
+    if problem := not_a_checkpoint(Path(resume), output_dir):
+        raise CheckpointError(problem)
     verify_checkpoint(resume)
     return Path(resume)
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` that has its manifest (so was written completely), or None."""
+    complete = [path for _, path in list_checkpoints(root) if (path / MANIFEST).is_file()]
+    return complete[-1] if complete else None
+
+
+def not_a_checkpoint(folder: Path, output_dir: Path) -> str | None:
+    """Why ``--resume folder`` names another folder of a run than a checkpoint, saying what it is and what to pass
+    (a run folder: ``--resume`` with no value, or its newest checkpoint; its ``checkpoints/``: the newest one in it;
+    its ``final/`` or another ``save_pretrained`` folder: the newest checkpoint, or ``--model.pretrained`` for a new
+    run); None for a checkpoint, or a folder named like one (``step-XXXXXXXX``, ``.tmp-step-XXXXXXXX``, or holding
+    a trainer state), which :func:`verify_checkpoint` judges. Without this, such folders were reported as
+    half-written checkpoints to delete: the advice would have deleted the run or its final model."""
+    name = str(folder)
+    if not folder.is_dir() or (folder / STATE_FILE).is_file() or re.match(r"^(\.tmp-)?step-\d{8}$", folder.name):
+        return None
+    if is_run_folder(folder):
+        newest = _newest_complete(folder / "checkpoints")
+        if newest is None:
+            return (f"--resume {name!r} is a run folder of train.py, not a checkpoint, and it holds no complete "
+                    "checkpoint to resume from; start the run over with --train.overwrite=true")
+        plain = ("--resume with no value" if folder.resolve() == output_dir.resolve() else
+                 f"--resume with no value and --train.output_dir={folder}")
+        return (f"--resume {name!r} is a run folder of train.py, not a checkpoint: pass {plain} to continue from its "
+                f"newest checkpoint, or --resume={newest}")
+    if folder.name == "checkpoints" and (is_run_folder(folder.parent) or list_checkpoints(folder)):
+        newest = _newest_complete(folder)
+        where = (f"pass its newest checkpoint, --resume={newest}" if newest is not None else
+                 "it holds no complete checkpoint to resume from")
+        return f"--resume {name!r} is the checkpoints/ folder of a train.py run, not a checkpoint: {where}"
+    if (folder / "config.json").is_file():
+        run = folder.parent if is_run_folder(folder.parent) else None
+        what = ("the exported model (save_pretrained) of a train.py run" if run is not None and folder.name == "final"
+                else "a model folder written by save_pretrained")
+        newest = _newest_complete(run / "checkpoints") if run is not None else None
+        resume = f"resume the run from its newest checkpoint, --resume={newest}, or " if newest is not None else ""
+        return (f"--resume {name!r} is {what}, not a training checkpoint (which holds the optimiser and trainer "
+                f"state too): {resume}start a new run from this model with --model.pretrained={folder}")
+    if not (folder / MANIFEST).is_file():
+        return (f"--resume {name!r} is not a training checkpoint of train.py (no {MANIFEST}, no trainer state): give "
+                "a checkpoint folder, OUTPUT_DIR/checkpoints/step-XXXXXXXX")
+    return None
 
 
 def read_trainer_state(checkpoint: Path) -> dict:

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -1304,3 +1305,74 @@ def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, 
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*")), "a half-written checkpoint was left"
     assert not (tmp_path / "run" / "train.lock").exists()
     assert train_script.main(["--config", str(recipe), "--resume", f"--train.max_steps={step + 1}"]) == 0
+
+
+def test_resume_of_a_run_folder_its_checkpoints_or_final_says_what_it_is_and_what_to_pass(tmp_path, run_data,
+                                                                                          capsys):
+    """Re-probe 9 J006-J008: --resume=<run folder>, <run>/checkpoints and <run>/final were each called an
+    incomplete checkpoint to delete, advice that would delete the run or its final model. Each is named for what it
+    is, with the option to pass instead; nothing is written. A half-written step folder keeps its advice."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    run = tmp_path / "run"
+    newest = run / "checkpoints" / "step-00000004"
+    (other := tmp_path / "other").mkdir()
+    half = run / "checkpoints" / "step-00000006"
+    half.mkdir()
+    cases = [(run, f"error: --resume {str(run)!r} is a run folder of train.py, not a checkpoint: pass --resume with "
+                   f"no value to continue from its newest checkpoint, or --resume={newest}"),
+             (run / "checkpoints", f"error: --resume {str(run / 'checkpoints')!r} is the checkpoints/ folder of a "
+                                   f"train.py run, not a checkpoint: pass its newest checkpoint, --resume={newest}"),
+             (run / "final", f"error: --resume {str(run / 'final')!r} is the exported model (save_pretrained) of a "
+                             "train.py run, not a training checkpoint (which holds the optimiser and trainer state "
+                             f"too): resume the run from its newest checkpoint, --resume={newest}, or start a new run "
+                             f"from this model with --model.pretrained={run / 'final'}"),
+             (other, f"error: --resume {str(other)!r} is not a training checkpoint of train.py (no manifest.json, no "
+                     "trainer state): give a checkpoint folder, OUTPUT_DIR/checkpoints/step-XXXXXXXX"),
+             (half, f"error: checkpoint {str(half)!r} is incomplete: it has no manifest.json, so it was interrupted "
+                    "while being written; delete it and resume from an earlier checkpoint with --resume PATH, or "
+                    "start over")]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for folder, message in cases:
+        capsys.readouterr()
+        code = train_script.main(["--config", str(recipe), "--train.max_steps=6", f"--resume={folder}"])
+        captured = capsys.readouterr()
+        assert code == 2, captured.out + captured.err
+        assert _error_line(captured) == message
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    capsys.readouterr()
+    code = train_script.main(["--config", str(recipe), "--train.max_steps=6", f"--train.output_dir={tmp_path / 'b'}",
+                              f"--resume={run}"])
+    assert code == 2 and re.search(rf"pass --resume with no value and --train\.output_dir={re.escape(str(run))} to "
+                                   "continue", _error_line(capsys.readouterr()))
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, run_data):
+    """Re-probe 9 J003: a SIGINT while train.py still imported its libraries (seconds) was a KeyboardInterrupt
+    traceback and exit -2. It is sent once torch's libraries are loaded (so the imports are under way); whatever
+    phase it reaches, it is one 'interrupted' line and exit 130."""
+    from tests.test_train import subprocess_env
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 100_000, "save_every": 2}, demo={"prompt": None})
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(recipe)],
+                               env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    maps, deadline = f"/proc/{process.pid}/maps", time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(maps, encoding="utf-8", errors="replace") as handle:
+                if "libtorch" in handle.read():
+                    break
+        except OSError:  # no /proc (not Linux): a second is well inside the imports
+            time.sleep(1)
+            break
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    out, err = out.decode(), err.decode()
+    assert process.returncode == 130, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: interrupted "), line
+    if line == "error: interrupted before training started; nothing was written":
+        assert not any((tmp_path / "run").rglob("*")), "files were written"
