@@ -122,17 +122,54 @@ def class_head(config, out_features: int, *, bias: bool) -> LorentzLMHead:
                          init_std=config.initializer_range)
 
 
-def check_answer_positions(model, start: torch.Tensor, end: torch.Tensor, batch: int) -> None:
-    """``start_positions`` and ``end_positions`` of the question-answering loss: int64 ``[B]`` (or ``[B, 1]``),
-    else a ``ValueError`` naming them (torch's message named neither: a batch-size mismatch of cross-entropy, or its
-    dtype error). Their values are free: the loss clamps them to ``[0, T]`` and ignores ``T`` (a position beyond
-    the sequence), as ``LlamaForQuestionAnswering``."""
+def check_answer_positions(model, start: torch.Tensor, end: torch.Tensor, batch: int, length: int) -> None:
+    """``start_positions`` and ``end_positions`` of the question-answering loss over ``length`` tokens: int64
+    ``[B]`` (or ``[B, 1]``), else a ``ValueError`` naming them (torch's message named neither: a batch-size mismatch
+    of cross-entropy, or its dtype error). Their values must lie in ``[0, T]`` with ``T = length``: ``T`` marks an
+    answer outside the window, which the loss ignores (``transformers``' ``ignored_index``); a value outside, which
+    ``LlamaForQuestionAnswering`` clamps without a word (9 to ``T``, ignored; -3 to 0, scored), is a ``ValueError``.
+    The values with ``config.validate_inputs``, as :func:`check_class_indices`: one device read for both, skipped
+    while compiling and on the meta device."""
     for name, positions in (("start_positions", start), ("end_positions", end)):
         check_tensor(positions, name, (batch,), "[B]", alternative=(batch, 1), note=" (or [B, 1])")
         if positions.dtype != torch.int64:
             raise ValueError(f"{name} must be an int64 tensor of token positions, got {positions.dtype}; convert it "
                              f"with {name}.long()")
     check_not_meta(weights_device(model.get_input_embeddings()), start_positions=start, end_positions=end)
+    if not model.config.validate_inputs or torch.compiler.is_compiling() or start.device.type == "meta":
+        return
+    outside = [(positions < 0) | (positions > length) for positions in (start, end)]
+    if not bool(outside[0].any() | outside[1].any().to(outside[0].device)):
+        return
+    for name, positions, mask in zip(("start_positions", "end_positions"), (start, end), outside):
+        if bool(mask.any()):
+            bad = positions[mask]
+            raise ValueError(f"{name} must lie in [0, T] (T = sequence length = {length}, which marks an answer "
+                             f"outside the window, ignored by the loss), got values in [{int(bad.min())}, "
+                             f"{int(bad.max())}]")
+
+
+def labelled_count(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The number of ``targets`` other than ``ignore_index``, at least 1, on their device (no synchronisation): the
+    ``num_items_in_batch`` that makes a cross-entropy the mean over the scored targets, and 0 with zero gradients
+    when every target is ignored (the mean is ``0/0 = NaN`` there), as the causal-LM loss
+    (:func:`~helm.models.modeling_common.causal_lm_loss`)."""
+    return (targets != ignore_index).sum().clamp_min(1)
+
+
+def answer_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start: torch.Tensor,
+                end: torch.Tensor) -> torch.Tensor:
+    """``transformers``' ``ForQuestionAnsweringLoss`` (positions clamped to ``[0, T]``, ``T`` ignored, the mean of
+    the start and end cross-entropies), each side normalised by its :func:`labelled_count`: the same loss whenever
+    a position of that side is scored, 0 for a side whose every position is ``T``, where ``transformers`` gives
+    NaN."""
+    ignored = start_logits.shape[1]
+    sides = []
+    for logits, positions in ((start_logits, start), (end_logits, end)):
+        positions = positions.reshape(-1).to(logits.device).clamp(0, ignored)
+        total = nn.functional.cross_entropy(logits, positions, ignore_index=ignored, reduction="sum")
+        sides.append(total / labelled_count(positions, ignored))
+    return (sides[0] + sides[1]) / 2
 
 
 class HelmTaskHead:
@@ -165,8 +202,9 @@ class SequenceClassificationHead(HelmTaskHead):
     rightmost one, so left and right padding both work; the last token when ``pad_token_id`` is None, which allows
     batches of one only, or with ``inputs_embeds``), as ``LlamaForSequenceClassification``. The head is ``score``
     (no bias, as Llama's); ``logits [B, num_labels]``; the loss follows ``config.problem_type`` (regression,
-    single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset. ``labels`` that loss
-    cannot use (shape, dtype, a class index outside ``[0, num_labels)``) are a ``ValueError`` naming them and the
+    single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset; a single-label loss
+    whose every label is -100 is 0 with zero gradients (Llama: NaN), as the causal-LM head's
+    (:func:`labelled_count`). ``labels`` that loss cannot use (shape, dtype, a class index outside ``[0, num_labels)``) are a ``ValueError`` naming them and the
     problem type (:func:`check_sequence_labels`)."""
 
     def __init__(self, config):
@@ -203,7 +241,10 @@ class SequenceClassificationHead(HelmTaskHead):
         loss = None
         if labels is not None:
             check_sequence_labels(self, labels, batch)
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+            # single-label: the mean over the labels other than -100, 0 when all are (see labelled_count)
+            count = ({"num_items_in_batch": labelled_count(labels, IGNORE_INDEX)}
+                     if problem_type(self.config, labels) == "single_label_classification" else {})
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config, **count)
         return SequenceClassifierOutputWithPast(loss=self.with_balance_loss(loss), logits=logits,
                                                 **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
                                                 hidden_states=outputs.hidden_states,
@@ -212,7 +253,8 @@ class SequenceClassificationHead(HelmTaskHead):
 
 class TokenClassificationHead(HelmTaskHead):
     """``…ForTokenClassification``: class scores of every token, ``logits [B, T, num_labels]``, cross-entropy over
-    labels other than -100, as ``LlamaForTokenClassification``. Dropout (``config.classifier_dropout``, else
+    labels other than -100, as ``LlamaForTokenClassification``, and 0 with zero gradients when every label is -100
+    (Llama: NaN), as the causal-LM head (:func:`labelled_count`). Dropout (``config.classifier_dropout``, else
     ``hidden_dropout``, else 0.1, as Llama) acts on the space part and the time coordinate is recomputed, so the
     head still reads a point. The head is ``score`` (with a bias, as Llama's). ``labels`` must be int64 ``[B, T]``
     with values in ``[0, num_labels)`` or -100, else a ``ValueError`` naming them (:func:`check_class_indices`)."""
@@ -246,7 +288,8 @@ class TokenClassificationHead(HelmTaskHead):
             check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]")
             check_not_meta(weights_device(self.get_input_embeddings()), labels=labels)
             check_class_indices(self.config, labels, "labels")
-            loss = self.loss_function(logits, labels, self.config)
+            loss = self.loss_function(logits, labels, self.config,
+                                      num_items_in_batch=labelled_count(labels, IGNORE_INDEX))
         return TokenClassifierOutput(loss=self.with_balance_loss(loss), logits=logits,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
@@ -254,9 +297,11 @@ class TokenClassificationHead(HelmTaskHead):
 class QuestionAnsweringHead(HelmTaskHead):
     """``…ForQuestionAnswering`` (extractive): start and end scores of every token, ``start_logits``,
     ``end_logits [B, T]``, and with ``start_positions`` / ``end_positions`` the mean of the two cross-entropies
-    (positions beyond the sequence ignored, negative ones clamped to 0), as ``LlamaForQuestionAnswering``. The head
-    is ``qa_outputs`` (two classes, with a bias, as Llama's). Positions of another shape or dtype, or only one of
-    the two, are a ``ValueError`` naming them (:func:`check_answer_positions`)."""
+    (a position equal to ``T``, an answer outside the window, ignored), as ``LlamaForQuestionAnswering``; a side
+    whose every position is ``T`` contributes 0 (Llama: NaN), as the causal-LM head (:func:`answer_loss`). The head
+    is ``qa_outputs`` (two classes, with a bias, as Llama's). Positions of another shape or dtype, outside
+    ``[0, T]`` (Llama clamps them without a word), or only one of the two, are a ``ValueError`` naming them
+    (:func:`check_answer_positions`)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -283,8 +328,8 @@ class QuestionAnsweringHead(HelmTaskHead):
             raise ValueError(f"{given} without {missing}: the loss needs both (pass both for a loss, neither for "
                              "logits only)")
         if start_positions is not None:
-            check_answer_positions(self, start_positions, end_positions, start_logits.shape[0])
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
+            check_answer_positions(self, start_positions, end_positions, *start_logits.shape)
+            loss = answer_loss(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(loss=self.with_balance_loss(loss), start_logits=start_logits,
                                             end_logits=end_logits, hidden_states=outputs.hidden_states,
                                             attentions=outputs.attentions)

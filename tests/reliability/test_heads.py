@@ -7,6 +7,9 @@ The table states, for each case, the head, the config's ``num_labels`` / ``probl
 message fragment (None: accepted, with a finite loss). Sequence classification checks the targets for the problem
 type its loss will use (``config.problem_type``, else transformers' inference from ``num_labels`` and the labels'
 dtype).
+
+Re-probe 9 (K052/K127/K202, K053/K128/K203, K054/K129/K204): every target ignored gave a NaN loss, now 0 as the
+causal-LM head's; answer positions outside ``[0, T]`` were clamped without a word, now a ValueError.
 """
 
 import functools
@@ -15,6 +18,7 @@ import math
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -62,6 +66,8 @@ TARGETS = [
      r"^labels must be an int64 tensor of class indices, got torch.float32"),
     ("seq label ignored", "sequence", 3, None, dict(labels=labels(1, -100)), None),
     ("seq labels [B, 1]", "sequence", 3, None, dict(labels=labels([1], [2])), None),
+    # re-probe 9 K052: every label -100 gave a NaN loss (0/0); now 0, as the causal-LM head
+    ("seq labels all ignored", "sequence", 3, None, dict(labels=labels(-100, -100)), None),
     # multi-label: BCE needs floating [B, num_labels] targets in [0, 1]
     ("multi uint8 (inferred)", "sequence", 3, None, dict(labels=labels([1, 0, 1], [0, 1, 1], dtype=torch.uint8)),
      r"^labels must be a floating-point tensor .*got torch.uint8 \(problem_type='multi_label_classification', "
@@ -91,6 +97,7 @@ TARGETS = [
     ("token label float", "token", 3, None, dict(labels=labels([0, 1, 2, 0], [0, 1, 2, 0], dtype=torch.float32)),
      r"^labels must be an int64 tensor of class indices, got torch.float32; convert it with labels.long\(\)$"),
     ("token labels ignored", "token", 3, None, dict(labels=labels([0, 1, 2, -100], [-100, 1, 2, 0])), None),
+    ("token labels all ignored", "token", 3, None, dict(labels=labels([-100] * T, [-100] * T)), None),
     # question answering: torch's batch-size and dtype errors of cross-entropy; a lone position gave no loss
     ("qa positions of another batch", "qa", 3, None, dict(start_positions=labels(1, 2, 0), end_positions=labels(3, 3, 1)),
      r"^start_positions must be \[B\] = \[2\] \(or \[B, 1\]\), got \(3,\)$"),
@@ -99,8 +106,17 @@ TARGETS = [
     ("qa start only", "qa", 3, None, dict(start_positions=labels(1, 2)),
      r"^start_positions without end_positions: the loss needs both"),
     ("qa end only", "qa", 3, None, dict(end_positions=labels(1, 2)), r"^end_positions without start_positions"),
-    ("qa positions [B, 1], one beyond T", "qa", 3, None,
-     dict(start_positions=labels([1], [9]), end_positions=labels([3], [3])), None),
+    # re-probe 9 K053 / K054: positions outside [0, T] were clamped without a word (9 to T, ignored: a NaN loss;
+    # -3 to 0, scored); T itself is transformers' "answer outside the window", ignored by the loss
+    ("qa start beyond T", "qa", 3, None, dict(start_positions=labels(1, 9), end_positions=labels(3, 3)),
+     r"^start_positions must lie in \[0, T\] \(T = sequence length = 4, which marks an answer outside the window, "
+     r"ignored by the loss\), got values in \[9, 9\]$"),
+    ("qa end negative", "qa", 3, None, dict(start_positions=labels(1, 2), end_positions=labels(-3, 3)),
+     r"^end_positions must lie in \[0, T\] \(T = sequence length = 4, .*got values in \[-3, -3\]$"),
+    ("qa positions [B, 1], one at T", "qa", 3, None,
+     dict(start_positions=labels([1], [T]), end_positions=labels([3], [T])), None),
+    ("qa every position at T", "qa", 3, None, dict(start_positions=labels(T, T), end_positions=labels(T, T)), None),
+    ("qa positions 0 and T", "qa", 3, None, dict(start_positions=labels(0, T), end_positions=labels(T, 0)), None),
 ]
 
 
@@ -132,3 +148,39 @@ def test_label_values_are_not_read_with_validate_inputs_off(family):
             model(ids(), labels=labels([0, 1, 2], [0, 1, 2]))
     finally:
         model.config.validate_inputs = True
+    qa = head(family, "qa", 3)
+    qa.config.validate_inputs = False
+    try:
+        with torch.no_grad():  # transformers' clamping: 9 becomes T (ignored), -3 becomes 0
+            assert math.isfinite(float(qa(ids(), start_positions=labels(9, -3), end_positions=labels(1, 2)).loss))
+    finally:
+        qa.config.validate_inputs = True
+
+
+# (case, head, targets whose every entry is ignored)
+ALL_IGNORED = [
+    ("token", "token", dict(labels=labels([-100] * T, [-100] * T))),
+    ("sequence", "sequence", dict(labels=labels(-100, -100))),
+    ("qa", "qa", dict(start_positions=labels(T, T), end_positions=labels(T, T))),
+    ("causal-lm", "causal-lm", dict(labels=labels([-100] * T, [-100] * T))),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case, task, targets", ALL_IGNORED, ids=[c[0] for c in ALL_IGNORED])
+def test_targets_all_ignored_give_a_zero_loss_as_the_causal_lm_head(family, case, task, targets):
+    """Re-probe 9 K052 / K053: every target ignored (-100; a position equal to T) gave ``0/0 = NaN`` (Llama: the
+    same), which poisons a training step. Each head now gives what the causal-LM head gives there: 0, with zero
+    gradients."""
+    if task == "causal-lm":
+        name, overrides = FAMILIES[family]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides)).eval()
+    else:
+        model = head(family, task, 3)
+        model.config.problem_type = None
+    model.zero_grad()
+    loss = model(ids(), **targets).loss
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(not bool(p.grad.any()) for p in model.parameters() if p.grad is not None)
