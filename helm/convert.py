@@ -36,6 +36,12 @@ _ALIAS = re.compile(r"(^|\.)(c|manifold(_in|_hidden|_out)?\.(k|c)|expert_manifol
 def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
     """``(state_dict, args)``: the tensors in fp64 (integers as they are) and the official argparse fields stored
     beside them under ``"args"`` (None when the file holds none)."""
+    source, shape = "the state dict given", "a dict of parameter names to tensors, bare or under 'state_dict' / 'model'"
+
+    def kind(value) -> str:
+        name = type(value).__name__
+        return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
     if isinstance(path_or_state_dict, Mapping):
         state = dict(path_or_state_dict)
     else:
@@ -49,13 +55,16 @@ def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
         except Exception as error:
             raise ValueError(f"cannot read the official checkpoint {path!r} as tensors ({type(error).__name__}: "
                              f"{error})") from None
+        source = f"the official checkpoint {path!r}"
+        if not isinstance(state, Mapping):  # torch.save of a list, a tensor, a number: no parameter names
+            raise ValueError(f"{source} holds {kind(state)}, not a state dict ({shape})")
     args = dict(state["args"]) if isinstance(state.get("args"), Mapping) else None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(state.get(key), Mapping):
             state = dict(state[key])
-    if not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError("the official checkpoint must be a state_dict of tensors (or a dict holding one under "
-                         "'state_dict' / 'model')")
+    if other := next(((k, v) for k, v in state.items() if not isinstance(v, torch.Tensor)), None):
+        raise ValueError(f"{source} is not a state dict of tensors: its entry {other[0]!r} is {kind(other[1])} "
+                         f"({shape})")
     # DistributedDataParallel and torch.compile prefixes
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v.detach().to(torch.float64) if v.is_floating_point() else v
             for k, v in state.items()}, args

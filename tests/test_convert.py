@@ -150,6 +150,21 @@ def test_a_folder_is_refused_as_a_folder_naming_the_file_inside(tmp_path):
         convert_official_checkpoint(tmp_path, model="helm_d")
 
 
+@pytest.mark.parametrize("saved, message", [
+    ([1, 2, 3], r"^the official checkpoint '.*l\.pt' holds a list, not a state dict \(a dict of parameter names to "
+                r"tensors, bare or under 'state_dict' / 'model'\)$"),
+    (torch.zeros(2), r"holds a Tensor, not a state dict"),
+    ({"w": torch.zeros(1), "step": 3}, r"^the official checkpoint '.*l\.pt' is not a state dict of tensors: its entry "
+                                       r"'step' is an int \(a dict of parameter names to tensors"),
+    ({"state_dict": {"w": [1.0]}}, r"its entry 'w' is a list"),
+], ids=["list", "tensor", "int-entry", "nested-list-entry"])
+def test_a_file_that_is_no_state_dict_says_what_it_holds(saved, message, tmp_path):
+    """Re-probe 9 K236: torch.save of a list was "AttributeError: 'list' object has no attribute 'get'"."""
+    torch.save(saved, tmp_path / "l.pt")
+    with pytest.raises(ValueError, match=message):
+        convert_official_checkpoint(tmp_path / "l.pt", model="helm_d")
+
+
 def test_cli_refuses_a_bad_checkpoint_with_exit_2(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_official.py"), "--checkpoint",
