@@ -26,8 +26,8 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
 from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_checkpoint, check_hub_model,
-                             check_tokenizer, check_vocabulary, check_writable, run_script, split_model_spec,
-                             write_json)
+                             check_suffix, check_tokenizer, check_vocabulary, check_writable, run_script,
+                             split_model_spec, write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", default="1", help="an integer or 'auto' (default 1)")
     add_loading_arguments(parser)
     parser.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction < 1)")
-    parser.add_argument("--output", metavar="JSON", help="write the merged results here")
+    parser.add_argument("--output", metavar="JSON", help="write the merged results here (a .json file)")
     parser.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the result file")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent stock lm_eval commands and exit")
     parser.add_argument("--no-progress", action="store_true",
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.output:  # a task may be a YAML file, an input like the model
         check_writable(args.output, "--output", models=[path],
                        inputs=[Path(task) for tasks, _ in groups for task in tasks if Path(task).is_file()])
+        check_suffix(args.output, "--output", ".json", "harness.py")  # after: an input named as --output is worse
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]
     print("equivalent stock lm-eval commands:\n  " + "\n  ".join(commands))

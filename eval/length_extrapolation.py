@@ -2,7 +2,8 @@
 """Perplexity at 1x, 2x, 4x, 8x the training length for a set of checkpoints (e.g. one per PE variant).
 
 Packed windows of factor x L tokens over the same tokens at every factor, so only the window length changes;
-a model that cannot run a length gets an empty cell and a note. Outputs: see eval/README.md.
+a model that cannot run a length gets an empty cell and a note (when no cell at all can be scored: exit 2, and
+nothing is written). Outputs: see eval/README.md.
 
     python eval/length_extrapolation.py --model hope=runs/tiny-hope --model learned=runs/tiny-learned \\
         --files data/validation.jsonl --train-length 256 --output-dir results/extrapolation
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, path in tqdm(models, desc="checkpoints", disable=args.no_progress):
         for scaling in args.rope_scaling:
             rows += extrapolation_rows(name, path, texts, args, scaling)
+    if not any(row["perplexity"] != "" for row in rows):  # a table of notes only: exit 2, not a result
+        raise EvalError(f"no length could be scored: every one of the {len(rows)} model x factor x scaling cells "
+                        f"failed (see the warnings above); nothing was written to {str(args.output_dir)!r}")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     csv_file, png_file, json_file = (args.output_dir / file for file in OUTPUT_FILES)
     with csv_file.open("w", newline="") as handle:

@@ -31,7 +31,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import EvalError, check_argument, check_distinct, check_writable, run_script  # noqa: E402
+from helm.evaluation import (EvalError, check_argument, check_distinct, check_suffix,  # noqa: E402
+                             check_writable, run_script)
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="pe_decay.png",
                         help="figure to write, its format taken from the suffix (.png, .pdf, .svg, ...; refused "
                              "before anything is computed if matplotlib cannot write it) (default: pe_decay.png)")
-    parser.add_argument("--csv", type=Path, help="also write the curves as CSV")
+    parser.add_argument("--csv", type=Path, help="also write the curves as CSV (a .csv file)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None):
     check_writable(args.output, "--output")
     if args.csv:
         check_writable(args.csv, "--csv")
+        check_suffix(args.csv, "--csv", ".csv", "pe_decay.py")
     curves = decay_curves(args)
     head = args.num_heads - 1 if args.alibi_head is None else args.alibi_head
     slope = alibi_slopes(args.num_heads)[head]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_window,
-                             check_writable, data_files, format_perplexity, load_checkpoint, load_texts, run_script,
-                             split_model_spec, text_perplexity, write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_suffix,
+                             check_window, check_writable, data_files, format_perplexity, load_checkpoint, load_texts,
+                             run_script, split_model_spec, text_perplexity, write_json)
 from helm.nn.validation import integer, optional
 
 
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     add_loading_arguments(parser)
     parser.add_argument("--label", help="task name in the result file (default: the text source)")
-    parser.add_argument("--output", metavar="JSON", help="write the result here (eval/compare.py reads it)")
+    parser.add_argument("--output", metavar="JSON",
+                        help="write the result here, a .json file (eval/compare.py reads it)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output:
         check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
                        models=[path, *([args.tokenizer] if args.tokenizer else [])])
+        check_suffix(args.output, "--output", ".json", "perplexity.py")  # after: an input named as --output is worse
     texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,

@@ -33,7 +33,8 @@ from .models.loading import looks_like_local_path
 logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
-           "check_hub_model", "check_tokenizer", "check_vocabulary", "check_window", "check_writable", "data_files",
+           "check_hub_model", "check_suffix", "check_tokenizer", "check_vocabulary", "check_window", "check_writable",
+           "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "packed_inputs", "perplexity",
            "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
            "token_stream", "with_rope_scaling", "write_json"]
@@ -89,6 +90,17 @@ def check_writable(path, name: str, *, folder: bool = False, files: Iterable[str
     except OSError as error:
         raise EvalError(f"{name} {str(path)!r} is not writable ({error}); choose another path") from None
     return path
+
+
+def check_suffix(path, name: str, suffix: str, writer: str) -> None:
+    """An :class:`EvalError` unless ``path`` ends in ``suffix`` (any case), the format ``writer`` writes there: a
+    result written under another format's name (CSV in ``x.json``, JSON in ``x.md``) misleads whoever reads it, and
+    ``eval/compare.py`` collects only the ``*.json`` files of a folder."""
+    actual = Path(os.fspath(path)).suffix
+    if actual.lower() != suffix:
+        ends = f"ends in {actual}" if actual else "has no suffix"
+        raise EvalError(f"{name} {os.fspath(path)!r} {ends}, but {writer} writes {suffix[1:].upper()} there: end it in "
+                        f"{suffix}")
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -332,6 +332,23 @@ CASES = [
     ("compare", ["{result}", "--output", "{tmp}/table.CSV"], 2, r"ends in \.CSV, but compare\.py writes a Markdown"),
     ("harness", ["--model", "{vocab100}", "--suite", "local", "--limit", "2"], 2,
      r"the tokenizer saved with --model .* has 320 tokens but the model has vocab_size=100"),
+    # re-probe 9 I016, I017: a result file whose suffix names another format than the one written there is refused
+    # before anything is computed (CSV went into pe.json, JSON into h.md)
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
+                  "2", "--output", "{tmp}/pe.png", "--csv", "{tmp}/pe.json"], 2,
+     r"^error: --csv '.*pe\.json' ends in \.json, but pe_decay\.py writes CSV there: end it in \.csv$"),
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--max-distance", "4", "--samples",
+                  "2", "--output", "{tmp}/pe.png", "--csv", "{tmp}/pe"], 2, r"--csv '.*pe' has no suffix, but"),
+    ("harness", ["--model", "{bare}", "--output", "{tmp}/h.md", "--dry-run"], 2,
+     r"^error: --output '.*h\.md' ends in \.md, but harness\.py writes JSON there: end it in \.json$"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--seq-len", "4", "--output", "{tmp}/r.csv"], 2,
+     r"^error: --output '.*r\.csv' ends in \.csv, but perplexity\.py writes JSON there: end it in \.json$"),
+    # re-probe 9 R905: every cell failing (here each window is past GPT-2's 8-row table) was exit 0 and a table of
+    # notes
+    ("length_extrapolation", ["--model", "{gpt2}", "--files", "{long}", "--train-length", "12", "--factors", "1", "2",
+                              "--output-dir", "{tmp}/o", "--no-progress"], 2,
+     r"^error: no length could be scored: every one of the 2 model x factor x scaling cells failed \(see the "
+     r"warnings above\); nothing was written to '.*/o'$"),
 ]
 
 
@@ -385,6 +402,21 @@ def test_compare_writes_its_table_to_a_markdown_or_text_output(name, paths, tmp_
     """The suffixes R036's refusal leaves: Markdown, text, or none (no other format is claimed)."""
     table = run_script(load_script("compare").main, [paths["result"], "--output", str(tmp_path / name)])
     assert (tmp_path / name).read_text(encoding="utf-8") == table and table.startswith("| Model |")
+
+
+def test_results_named_for_their_format_are_written(paths, tmp_path):
+    """The suffixes the re-probe 9 I016/I017 refusals leave, in any case: .csv for pe_decay's --csv, .json for the
+    JSON results of perplexity.py (and harness.py, checked in --dry-run)."""
+    run_script(load_script("pe_decay").main, ["--variants", "none", "--head-dim", "4", "--num-heads", "1",
+                                              "--max-distance", "4", "--samples", "2", "--output",
+                                              str(tmp_path / "pe.png"), "--csv", str(tmp_path / "pe.CSV"),
+                                              "--no-progress"])
+    assert (tmp_path / "pe.CSV").read_text().startswith("setting,variant,distance")
+    run_script(load_script("perplexity").main, ["--model", paths["model"], "--files", paths["text"], "--seq-len", "4",
+                                                "--output", str(tmp_path / "r.JSON"), "--no-progress"])
+    assert "results" in json.loads((tmp_path / "r.JSON").read_text())
+    assert run_script(load_script("harness").main, ["--model", paths["bare"], "--output", str(tmp_path / "h.json"),
+                                                    "--dry-run"]) is None
 
 
 def test_a_script_as_a_process_prints_one_line_and_exits_2(paths):
