@@ -14,7 +14,10 @@ beyond its depth) are dropped without a word. :func:`adapter_problem` names both
 ``PeftModel.load_adapter`` (which ``PeftModel.from_pretrained`` calls) is wrapped for HELM base models, and
 ``HelmPreTrainedModel.load_adapter`` (``transformers``' PEFT integration) checks first. The same check names a
 path that is no adapter folder (:func:`adapter_path_problem`: a missing folder, a file, a model folder), which PEFT
-and ``transformers`` would look up on the hub ("Repo id must be in the form ...").
+and ``transformers`` would look up on the hub ("Repo id must be in the form ..."), an adapter of a model of another
+width (a LoRA weight's saved shape that does not fit its module: ``transformers``' "You set
+``ignore_mismatched_sizes`` to False ...") and a damaged ``adapter_config.json`` or weights file (a bare
+``JSONDecodeError`` / ``SafetensorError`` naming no file).
 
 Both hooks are installed when PEFT's modules exist: at once if PEFT is already imported, else right after it is (helm
 does not import PEFT, an optional dependency that takes seconds to import).
@@ -76,8 +79,11 @@ def _base_model_type(base) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
-def _adapter_keys(folder: Path) -> list[str]:
-    """The keys of the adapter weights saved in ``folder`` (names only: no tensor is read)."""
+def _adapter_shapes(folder: Path) -> tuple[dict[str, list[int]], str | None]:
+    """The keys and shapes of the adapter weights saved in ``folder`` (from the safetensors header, or a memory-mapped
+    ``.bin``: no tensor is read), and why the file cannot be read (None when it can): PEFT's own error named neither
+    the file nor what is wrong with it (``SafetensorError: Error while deserializing header: invalid header
+    length``). ``({}, None)`` when the folder holds no weights file."""
     for name in ADAPTER_WEIGHTS:
         file = folder / name
         if not file.is_file():
@@ -87,13 +93,47 @@ def _adapter_keys(folder: Path) -> list[str]:
                 from safetensors import safe_open
 
                 with safe_open(file, framework="pt") as f:
-                    return list(f.keys())
+                    return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}, None
             import torch
 
-            return list(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-        except Exception:  # noqa: BLE001 - unreadable: PEFT's own load reports it
-            return []
-    return []
+            try:
+                weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file of torch's legacy format cannot be memory-mapped; PEFT reads it whole
+                weights = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(weights, dict):
+                raise TypeError(f"it holds a {type(weights).__name__}, not a dict of tensors")
+            return {key: list(getattr(value, "shape", ())) for key, value in weights.items()}, None
+        except Exception as error:  # noqa: BLE001 - any failure to read the file is a damaged file
+            return {}, (f"{str(file)!r} cannot be read ({type(error).__name__}: {error}): the file is truncated or "
+                        "corrupted; save the adapter again")
+    return {}, None
+
+
+# the LoRA weights whose saved shape fixes a size of the module they adapt: (axis of the saved weight, the module's
+# attribute, how this model's module is described): lora_A is [r, in_features], lora_B [out_features, r] (AdaLoRA
+# saves the same). Embeddings are left out: PEFT cannot adapt HELM's LorentzEmbedding.
+_LORA_SIZES = {"lora_A": (1, "in_features", "takes"), "lora_B": (0, "out_features", "gives")}
+
+
+def _shape_mismatch(model, shapes: dict[str, list[int]], prefix: str) -> str | None:
+    """The first saved weight in ``shapes`` (in key order) whose shape does not fit the module of ``model`` it
+    adapts (:data:`_LORA_SIZES`), as a sentence, or None; weights of other kinds, or of modules without integer
+    ``in_features`` / ``out_features``, are not compared."""
+    modules = dict(model.named_modules())
+    for key in sorted(shapes):
+        parts = key[len(_SAVED_PREFIX):].split(".") if key.startswith(_SAVED_PREFIX) else key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.startswith(prefix)), None)
+        size = _LORA_SIZES.get(parts[cut]) if cut else None
+        module = modules.get(".".join(parts[:cut])) if size else None
+        if module is None or len(shapes[key]) != 2:
+            continue
+        axis, attribute, verb = size
+        actual = getattr(module, attribute, None)
+        if isinstance(actual, int) and shapes[key][axis] != actual:
+            return (f"the adapter's {'.'.join(parts[:cut + 1])} holds {shapes[key]} ({attribute} "
+                    f"{shapes[key][axis]}), this model's {parts[cut - 1]} {verb} {actual}: it was trained on a model "
+                    "of another width; load it onto the model it was trained on")
+    return None
 
 
 def _tuner_prefix(peft_type) -> str | None:
@@ -154,21 +194,38 @@ def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = Fa
 
 def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = False) -> str | None:
     """Why the PEFT adapter ``adapter`` (``/subfolder``) cannot be loaded onto ``model`` (a HELM model: the one PEFT
-    adapts), or None: a path that is no adapter folder (:func:`adapter_path_problem`, given ``need_config``), or an
-    adapter saved in a local folder that does not belong to ``model``:
+    adapts), or None: a path that is no adapter folder (:func:`adapter_path_problem`, given ``need_config``), a
+    damaged adapter in a local folder, which PEFT reported without naming the file (a raw ``JSONDecodeError`` or
+    ``SafetensorError``), or one that does not belong to ``model``:
 
+    * its ``adapter_config.json`` is no JSON object (named with the line and column,
+      :func:`~helm.models.loading.json_file_problem`);
+    * its weights file cannot be read (truncated, corrupted: :func:`_adapter_shapes`);
     * its ``adapter_config.json`` names a base model (``base_model_name_or_path``) whose ``config.json``, found
       locally or in the hub cache, has another ``model_type`` than ``model``;
-    * its weights adapt modules ``model`` does not have (PEFT would load the others and drop these).
+    * its weights adapt modules ``model`` does not have (PEFT would load the others and drop these);
+    * a LoRA weight's saved shape does not fit the module it adapts (``lora_A`` ``[r, in_features]``, ``lora_B``
+      ``[out_features, r]``): an adapter of a model of another width, which ``transformers`` refused with "You set
+      ``ignore_mismatched_sizes`` to False ... look at the above report" (:func:`_shape_mismatch`, the first one).
 
-    A hub adapter not downloaded yet, or a base model that cannot be found, is not checked (nothing is downloaded
-    here); an unreadable adapter is left to PEFT, whose errors name it."""
+    Shapes come from the safetensors header (no tensor is read). A hub adapter not downloaded yet, or a base model
+    that cannot be found, is not checked (nothing is downloaded here)."""
+    from .loading import json_file_problem
+
     if problem := adapter_path_problem(adapter, subfolder=subfolder, need_config=need_config):
         return problem
     if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter):
         return None
     folder = Path(adapter).expanduser() / (subfolder or "")
-    config = _read_json(folder / ADAPTER_CONFIG) if folder.is_dir() else None
+    if not folder.is_dir():
+        return None
+    if (folder / ADAPTER_CONFIG).is_file() and (problem := json_file_problem(folder / ADAPTER_CONFIG,
+                                                                              holds="the adapter's settings")):
+        return f"{subfolder + '/' if subfolder else ''}{problem}; fix it or save the adapter again"
+    shapes, problem = _adapter_shapes(folder)
+    if problem:
+        return problem
+    config = _read_json(folder / ADAPTER_CONFIG)
     if not isinstance(config, dict):
         return None
     ours = getattr(model.config, "model_type", None)
@@ -183,7 +240,7 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
         return None
     modules = {name for name, _ in model.named_modules()}
     lacking = set()
-    for key in _adapter_keys(folder):
+    for key in shapes:
         parts = key[len(_SAVED_PREFIX):].split(".") if key.startswith(_SAVED_PREFIX) else key.split(".")
         cut = next((i for i, part in enumerate(parts) if part.startswith(prefix)), None)
         if cut and ".".join(parts[:cut]) not in modules:
@@ -195,11 +252,14 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
         return (f"the adapter holds weights for {len(shown)} module(s) this {type(model).__name__} does not have "
                 f"({listed}): PEFT would load the others and drop these without a word{trained}; load it onto the "
                 "model it was trained on")
-    return None
+    return _shape_mismatch(model, shapes, prefix)
 
 
 def check_adapter(name: str, model, adapter, *, subfolder: str = "", need_config: bool = False) -> None:
-    """``ValueError`` naming the call ``name`` and the adapter when :func:`adapter_problem` finds one."""
+    """``ValueError`` naming the call ``name`` and the adapter when :func:`adapter_problem` finds one.
+    ``need_config``: the loader reads the adapter's settings from the folder (no PEFT config was passed), so a
+    folder of adapter weights without ``adapter_config.json`` is refused; False, the default, lets such a folder
+    through, as it loads when a config is passed."""
     problem = adapter_problem(model, adapter, subfolder=subfolder, need_config=need_config)
     if problem is not None:
         raise ValueError(f"{name}({os.fspath(adapter)!r}): {problem}")

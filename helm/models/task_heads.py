@@ -204,8 +204,8 @@ class SequenceClassificationHead(HelmTaskHead):
     (no bias, as Llama's); ``logits [B, num_labels]``; the loss follows ``config.problem_type`` (regression,
     single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset; a single-label loss
     whose every label is -100 is 0 with zero gradients (Llama: NaN), as the causal-LM head's
-    (:func:`labelled_count`). ``labels`` that loss cannot use (shape, dtype, a class index outside ``[0, num_labels)``) are a ``ValueError`` naming them and the
-    problem type (:func:`check_sequence_labels`)."""
+    (:func:`labelled_count`). ``labels`` that loss cannot use (shape, dtype, a class index outside
+    ``[0, num_labels)``) are a ``ValueError`` naming them and the problem type (:func:`check_sequence_labels`)."""
 
     def __init__(self, config):
         super().__init__(config)

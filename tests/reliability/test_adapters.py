@@ -8,7 +8,11 @@ weights adapt. The table states, for each case, where the adapter was trained, w
 fragment (None: it loads, and gives the logits it was saved with).
 
 Probe 8 (P302, P326, P350): a path that is no adapter folder (missing, a file, a model folder) is named by the same
-check; PEFT and ``transformers`` looked it up on the hub ("Repo id must be in the form ...")."""
+check; PEFT and ``transformers`` looked it up on the hub ("Repo id must be in the form ...").
+
+Re-probe 9: an adapter of a model of another width (K072/K147/K222), a damaged ``adapter_config.json`` or weights
+file (K073/K148/K223, K074/K149/K224) and adapter weights without their config loaded with ``model.load_adapter``
+(K067/K142/K217) are named by the same check, before PEFT or ``transformers`` fail."""
 
 import json
 import re
@@ -52,6 +56,21 @@ ADAPTERS = [
     ("4-layer adapter onto 2 layers", ("helm_d", dict(num_hidden_layers=4), False), ("helm_d", {}), "PeftModel",
      r"the adapter holds weights for 4 module\(s\) this HelmDForCausalLM does not have \(model\.layers\.2\.self_attn"
      r"\.q_proj, model\.layers\.2\.self_attn\.v_proj, model\.layers\.3\.self_attn\.q_proj and 1 more\)"),
+    # re-probe 9 K072/K147/K222: transformers' "You set `ignore_mismatched_sizes` to `False` ... look at the above
+    # report", naming neither the adapter nor the module
+    ("helm_d adapter onto a wider helm_d", ("helm_d", {}, True), ("helm_d", dict(hidden_size=37, head_dim=19)),
+     "load_adapter", r"^HelmDForCausalLM\.load_adapter\('.*adapter'\): the adapter's model\.layers\.0\.self_attn"
+     r"\.q_proj\.lora_A holds \[4, 33\] \(in_features 33\), this model's q_proj takes 37: it was trained on a "
+     r"model of another width; load it onto the model it was trained on$"),
+    ("helm_d adapter onto helm_d of wider heads", ("helm_d", {}, False), ("helm_d", dict(head_dim=21)), "PeftModel",
+     r"^PeftModel\.from_pretrained\('.*adapter'\): the adapter's model\.layers\.0\.self_attn\.q_proj\.lora_B holds "
+     r"\[64, 4\] \(out_features 64\), this model's q_proj gives 40: it was trained on a model of another width"),
+    ("hmla adapter onto a wider hmla", ("helm_mice", {}, False), ("helm_mice", dict(hidden_size=37)), "PeftModel",
+     r"^PeftModel\.from_pretrained\('.*adapter'\): the adapter's model\.layers\.0\.self_attn\.q_proj\.lora_A holds "
+     r"\[4, 33\] \(in_features 33\), this model's q_proj takes 37"),
+    ("mha adapter onto a wider mha", ("helm_mice", MHA, True), ("helm_mice", dict(MHA, hidden_size=37)),
+     "load_adapter", r"^HelmMiCEForCausalLM\.load_adapter\('.*adapter'\): the adapter's model\.layers\.0\."
+     r"self_attn\.q_proj\.lora_A holds \[4, 33\] \(in_features 33\), this model's q_proj takes 37"),
     ("own base, saved", ("helm_d", {}, True), ("helm_d", {}), "PeftModel", None),
     ("own base, built from config", ("helm_mice", {}, False), ("helm_mice", {}), "PeftModel", None),
     ("own base, load_adapter", ("helm_mice", {}, True), ("helm_mice", {}), "load_adapter", None),
@@ -118,7 +137,7 @@ NOT_ADAPTER_PATHS = [
     ("no such folder", lambda root: root / "no-such-adapter", "no such folder$"),
     ("no such relative folder", lambda root: "./no/such/adapter", "no such folder$"),
     ("tilde path", lambda root: "~/no/such/adapter",
-     r"'~' is not expanded by transformers or PEFT \(it would be read as a hub id\); pass os\.path\.expanduser"
+     r"'~' is not expanded by transformers or PEFT \(it would be read as a hub id[^)]*\); pass os\.path\.expanduser"
      r"\(\.\.\.\) = '\S*no/such/adapter' \(there is no such folder either\)"),
     ("the adapter's weights file", lambda root: root / "adapter" / "adapter_model.safetensors",
      r"is a file, not an adapter folder \(the folder PeftModel\.save_pretrained writes\); use '\S*adapter'"),
@@ -155,9 +174,11 @@ def test_a_path_that_is_no_adapter_folder_is_named(folders, family, how, case, w
         assert sorted(name for name, _ in model.named_modules()) == modules, "PEFT injected layers before the refusal"
 
 
-@pytest.mark.parametrize("how", ["PeftModel.from_pretrained", "PeftModel.load_adapter"])
+@pytest.mark.parametrize("how", ADAPTER_LOADERS)
 def test_adapter_weights_without_their_config_are_named(folders, how):
-    """PEFT reads the adapter's settings from the folder when none are passed (a new adapter name)."""
+    """PEFT reads the adapter's settings from the folder when none are passed (a new adapter name; no
+    ``peft_config=`` for ``model.load_adapter``, re-probe 9 K067/K142/K217: PEFT's "adapter model file not found in
+    ..." before)."""
     with pytest.raises(ValueError, match=r"the folder has no adapter_config\.json: not a PEFT adapter folder; it holds "
                        r"adapter_model\.safetensors only; pass the adapter's settings \(a PEFT config\) with them"):
         _load_onto(_base("helm_d"), how, folders / "weights")
@@ -173,6 +194,50 @@ def test_adapter_weights_load_with_the_config_passed(folders, how):
     loaded = _load_onto(model, how, str(folders / "weights"), **{keyword: settings})
     peft_model = loaded if isinstance(loaded, peft.PeftModel) else model
     assert any("lora_A" in name for name, _ in peft_model.named_parameters())
+
+
+def _damage(root, name, damage):
+    """A copy of the fixture's adapter at ``root / name``, damaged by ``damage(folder)``."""
+    folder = root / name
+    if not folder.exists():
+        folder.mkdir()
+        for file in (root / "adapter").iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        damage(folder)
+    return folder
+
+
+def _cut(file, keep):
+    file.write_bytes(file.read_bytes()[:keep(file.stat().st_size)])
+
+
+WEIGHTS = "adapter_model.safetensors"
+DAMAGE = r"\): the file is truncated or corrupted; save the adapter again$"
+# (case, damage done to a copy of a saved adapter, message fragment after "load(path): "): re-probe 9 K073/K148/K223
+# (a bare JSONDecodeError) and K074/K149/K224 (a bare SafetensorError), naming neither the file nor the folder
+DAMAGED_ADAPTERS = [
+    ("adapter_config.json not JSON", lambda f: (f / "adapter_config.json").write_text("{nope"),
+     r"adapter_config\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 1, "
+     r"column 2\); fix it or save the adapter again$"),
+    ("adapter_config.json a list", lambda f: (f / "adapter_config.json").write_text("[]"),
+     r"adapter_config\.json holds a JSON list, not an object of the adapter's settings; fix it or save the adapter "
+     r"again$"),
+    ("weights cut to 100 bytes", lambda f: _cut(f / WEIGHTS, lambda size: 100),
+     rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: Error while deserializing header: invalid header length"
+     + DAMAGE),
+    ("weights short of their end", lambda f: _cut(f / WEIGHTS, lambda size: size - 10),
+     rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: .*" + DAMAGE),
+]
+
+
+@pytest.mark.parametrize("how", ADAPTER_LOADERS)
+@pytest.mark.parametrize("case, damage, match", DAMAGED_ADAPTERS, ids=[c[0] for c in DAMAGED_ADAPTERS])
+def test_a_damaged_adapter_names_its_file(folders, how, case, damage, match):
+    path = _damage(folders, "damaged-" + re.sub(r"\W+", "-", case), damage)
+    call = {"model.load_adapter": r"HelmDForCausalLM\.load_adapter"}.get(how, re.escape(how))
+    model = _base("helm_d")
+    with pytest.raises(ValueError, match=rf"^{call}\({re.escape(repr(str(path)))}\): {match}"):
+        _load_onto(model, how, str(path))
 
 
 @pytest.mark.parametrize("adapter", ["owner/adapter", "adapter"])
