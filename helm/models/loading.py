@@ -3,7 +3,8 @@
 ``transformers`` reads any path that is not an existing folder as a hub id, so a mistyped folder says "Repo id must
 be in the form 'repo_name' or 'namespace/repo_name'", a folder without ``config.json`` says "Unrecognized model ...
 should have a `model_type` key", a ``config.json`` with a byte-order mark "is not a valid JSON file", a damaged
-``tokenizer.json`` raises a bare ``JSONDecodeError``, and a PEFT adapter folder whose ``adapter_config.json`` names
+``tokenizer.json`` raises a bare ``JSONDecodeError`` (one that is a folder, ``{}`` or missing: "Couldn't instantiate
+the backend tokenizer", a bare ``KeyError``), and a PEFT adapter folder whose ``adapter_config.json`` names
 no base model says "AutoConfig.from_pretrained(None)". :func:`local_path_problem` names the actual problem. The
 zoo's own classes check before loading (:func:`check_local_folder`). :func:`install_auto_load_messages` wraps the
 Auto classes (``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM``, ... and ``AutoTokenizer``): a path that can
@@ -96,7 +97,8 @@ def json_file_problem(file: Path, *, holds: str | None = None) -> str | None:
 
 def unloadable_path_problem(where) -> str | None:
     """Why ``where`` can load nothing, whatever is asked of it, or None: None, not a path, an empty path, a ``~``
-    path that does not exist (transformers does not expand it), or a path that no hub id matches
+    path (transformers does not expand it: a str is read as a hub id, a ``PathLike`` as a folder literally named
+    ``~`` in the current directory, which is refused too), or a path that no hub id matches
     (:func:`looks_like_local_path`) and that does not exist."""
     if where is None:
         return f"got None; pass {_TARGET}"
@@ -106,14 +108,22 @@ def unloadable_path_problem(where) -> str | None:
     if not text.strip():
         return f"got an empty path; pass {_TARGET}"
     path = Path(text)
+    if text.startswith("~"):
+        found = "that folder exists" if path.expanduser().is_dir() else "there is no such folder either"
+        if path.exists():  # a folder literally named '~' in the current directory (an earlier unexpanded save)
+            found += f"; a folder {os.path.join('.', text)!r} exists in the current directory: pass that to mean it"
+        return tilde_problem(text, "it would be read as a hub id, or as a folder named '~' in the current "
+                                   "directory") + f" ({found})"
     if path.exists():
         return None
-    if text.startswith("~"):
-        expanded = path.expanduser()
-        found = "that folder exists" if expanded.is_dir() else "there is no such folder either"
-        return (f"'~' is not expanded by transformers or PEFT (it would be read as a hub id); pass "
-                f"os.path.expanduser(...) = {str(expanded)!r} ({found})")
     return "no such folder" if looks_like_local_path(where) else None
+
+
+def tilde_problem(text: str, consequence: str) -> str:
+    """The sentence for a path ``text`` that starts with ``~``: transformers and PEFT do not expand it
+    (``consequence`` says what becomes of it), and the path to pass instead."""
+    return (f"'~' is not expanded by transformers or PEFT ({consequence}); pass os.path.expanduser(...) = "
+            f"{os.path.expanduser(text)!r}")
 
 
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
@@ -139,9 +149,12 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         folder = path / subfolder if subfolder else path
         if not folder.is_dir():
             return None
+        if (folder / "tokenizer.json").is_dir():
+            return (f"{(folder / 'tokenizer.json').relative_to(path).as_posix()} is a folder, not the tokenizers file "
+                    "that tokenizer.save_pretrained writes; copy the tokenizer's files")
         if problem := tokenizer_files_problem(folder):
             return f"the folder {problem}"
-        return tokenizer_json_problem(folder, path)
+        return tokenizer_json_problem(folder, path) or missing_vocabulary_problem(folder)
     folder = path / subfolder if subfolder else path
     if subfolder and path.is_dir() and not folder.is_dir():
         return f"has no subfolder {subfolder!r} (subfolder=)"
@@ -170,16 +183,49 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
             "the model's config there (model.config.save_pretrained), or pass config=")
 
 
+# the keys of a tokenizers file (tokenizer.json) that transformers reads unconditionally: {} raised a bare
+# KeyError 'added_tokens'
+TOKENIZERS_FILE_KEYS = ("model", "added_tokens")
+
+
 def tokenizer_json_problem(folder: Path, path: Path) -> str | None:
     """Why one of the tokenizer's JSON files in ``folder`` (:data:`TOKENIZER_JSON_FILES`) cannot be read
-    (:func:`json_file_problem`), naming it relative to ``path`` (the path given to ``from_pretrained``); None when
-    all those present read as objects."""
+    (:func:`json_file_problem`), or a ``tokenizer.json`` that is a JSON object but not a tokenizers file (it lacks
+    one of :data:`TOKENIZERS_FILE_KEYS`), naming the file relative to ``path`` (the path given to
+    ``from_pretrained``); None when all those present read as objects."""
     for name in TOKENIZER_JSON_FILES:
         file = folder / name
         if file.is_file() and (problem := json_file_problem(file)):
             shown = file.relative_to(path).as_posix()
             return shown + problem[len(name):]
+    file = folder / "tokenizer.json"
+    if file.is_file():
+        keys = json.loads(file.read_text(encoding="utf-8"))
+        if missing := next((key for key in TOKENIZERS_FILE_KEYS if key not in keys), None):
+            return (f"{file.relative_to(path).as_posix()} is not a tokenizers file (no {missing!r} key; "
+                    "tokenizer.save_pretrained writes one); copy the tokenizer's files")
     return None
+
+
+def missing_vocabulary_problem(folder: Path) -> str | None:
+    """Why the tokenizer folder ``folder`` cannot build its tokenizer: its ``tokenizer_config.json`` names a fast
+    (``tokenizers``-backed) tokenizer class, but the folder has no ``tokenizer.json`` nor another vocabulary file
+    (:data:`VOCABULARY_FILES`, ``*.tiktoken``) to build it from (transformers: "Couldn't instantiate the backend
+    tokenizer from one of ..."); None otherwise, and for a class that needs no vocabulary file (ByT5's bytes)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    config = folder / "tokenizer_config.json"
+    if not config.is_file() or any((folder / name).exists() for name in VOCABULARY_FILES) \
+            or any(folder.glob("*.tiktoken")):
+        return None
+    name = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    cls = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, TokenizersBackend)):
+        return None
+    return (f"the folder {str(folder)!r} has no tokenizer.json (nor a vocabulary file: "
+            f"{', '.join(VOCABULARY_FILES[1:])}), which its tokenizer_config.json's {name} is built from: copy the "
+            "tokenizer's files")
 
 
 def adapter_folder_problem(folder: Path) -> str | None:

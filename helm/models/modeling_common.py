@@ -39,7 +39,8 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
-from .loading import WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, weights_identity
+from .loading import (WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, tilde_problem,
+                      weights_identity)
 from .peft_support import check_adapter, register_peft_support
 
 
@@ -344,13 +345,17 @@ class HelmPreTrainedModel(PreTrainedModel):
 
         A ``save_directory`` that is an existing file (or lies under one) is a ``NotADirectoryError`` naming it
         (``transformers`` would log an error and save nothing); one that cannot be created an ``OSError`` naming
-        it and the reason. An empty ``save_directory`` is a ``ValueError``, and so is a model whose weights are on the
-        meta device (:func:`unloaded_weights`; unless ``state_dict=`` gives the weights), refused before anything is
-        written."""
+        it and the reason. An empty ``save_directory`` is a ``ValueError``, and so are one starting with ``~``
+        (``transformers`` would create a folder named ``~`` in the current directory; the message gives the
+        expanded path) and a model whose weights are on the meta device (:func:`unloaded_weights`; unless
+        ``state_dict=`` gives the weights), refused before anything is written."""
         call = f"{type(self).__name__}.save_pretrained({str(save_directory)!r})"
         if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
             raise ValueError(f"{call}: save_directory is empty (or not a path); give a folder (it is created if "
                              "missing)")
+        if os.fspath(save_directory).startswith("~"):
+            raise ValueError(f"{call}: " + tilde_problem(os.fspath(save_directory), "the save would create a folder "
+                                                         "named '~' in the current directory") + "; nothing was written")
         if kwargs.get("state_dict") is None and (unloaded := unloaded_weights(self)):
             raise ValueError(f"{call}: the model's weights are on the meta device (shapes without values: "
                              f"{len(unloaded)} tensors, e.g. {unloaded[0]!r}; built with device='meta' or "
@@ -671,9 +676,11 @@ def can_return_tuple(forward):
 
 
 # generate's integer lengths and counts, with their least value (transformers compares them with ints, and a
-# string fails deep inside with "'<=' not supported")
+# string fails deep inside with "'<=' not supported"; prompt-lookup decoding with 0 for either of its sizes says
+# "Invalid max_matching_ngram_size or num_output_tokens", naming neither argument)
 GENERATION_INTEGERS = {"max_new_tokens": 1, "max_length": 1, "min_new_tokens": 0, "min_length": 0,
-                       "num_return_sequences": 1, "num_beams": 1}
+                       "num_return_sequences": 1, "num_beams": 1, "prompt_lookup_num_tokens": 1,
+                       "max_matching_ngram_size": 1}
 
 
 def check_generation_lengths(kwargs: dict) -> None:
@@ -812,8 +819,9 @@ class HelmGenerationMixin(GenerationMixin):
     """``transformers``' ``GenerationMixin`` with ``generate``'s arguments checked before ``transformers`` reads
     them (:func:`check_generation_arguments`), and the cache: ``past_key_values`` (or ``cache``) must be a
     ``transformers`` ``Cache`` or None; ``transformers`` would fail on a string with an ``AttributeError`` from
-    inside ``generate``. A cache must hold fewer tokens than ``input_ids`` and, where the ids it was written from
-    are known (:meth:`CacheOrigin.record`: CPU ids), the first of ``input_ids`` must be those ids. Assisted decoding
+    inside ``generate``. A cache must hold fewer tokens than the prompt (``input_ids`` or ``inputs_embeds``) and,
+    where the ids it was written from are known (:meth:`CacheOrigin.record`: CPU ids) and the prompt is on the CPU,
+    the prompt must begin with those ids, or with their embeddings (:meth:`_other_prompt_problem`). Assisted decoding
     (``prompt_lookup_num_tokens``, ``assistant_model``, ...) takes an empty cache only: ``transformers`` 5 feeds it
     the whole prompt again after the cached tokens (:func:`_assisted_decoding`). ``attention_mask`` must be
     ``[B, T]`` of the prompt (:func:`check_generation_mask`); a right-padded one is a ``UserWarning``
@@ -830,7 +838,8 @@ class HelmGenerationMixin(GenerationMixin):
                 raise ValueError(f"{name} must be a transformers Cache (DynamicCache, StaticCache, e.g. the one a "
                                  f"previous call returned) or None for a new DynamicCache, got "
                                  f"{type(value).__name__}")
-            if isinstance(value, Cache) and isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+            if isinstance(value, Cache) and isinstance(prompt, torch.Tensor) and prompt.dim() in (2, 3):
+                what = "input_ids" if prompt.dim() == 2 else "inputs_embeds"
                 cached = int(value.get_seq_length())  # once per generate call, not per step
                 assisted = _assisted_decoding(self, kwargs)
                 if cached and assisted:
@@ -839,19 +848,46 @@ class HelmGenerationMixin(GenerationMixin):
                                      "cached tokens (the cache would hold the prompt twice and the continuation be "
                                      "wrong; Llama's too): pass no cache (or a new one) for assisted decoding")
                 if cached >= prompt.shape[1]:
-                    raise ValueError(f"{name} already holds {cached} tokens but input_ids has {prompt.shape[1]}: "
-                                     "generate continues a cache from input_ids = the cached tokens plus at least "
+                    raise ValueError(f"{name} already holds {cached} tokens but {what} has {prompt.shape[1]}: "
+                                     f"generate continues a cache from {what} = the cached tokens plus at least "
                                      "one new one; pass the full sequence, or a new cache")
                 origin = getattr(value, CacheOrigin.attribute, None)
                 tokens = None if origin is None else origin.tokens
                 if cached and tokens is not None and tokens.shape == (prompt.shape[0], cached) \
-                        and prompt.device.type == "cpu" and not torch.equal(tokens, prompt[:, :cached].long()):
-                    row, column = (tokens != prompt[:, :cached].long()).nonzero()[0].tolist()
-                    raise ValueError(f"{name} holds the keys of other tokens than input_ids begins with: of its "
-                                     f"{cached} cached tokens, token {column} of row {row} was {int(tokens[row, column])}"
-                                     f", input_ids has {int(prompt[row, column])} there; pass the cache returned for "
-                                     "this prompt, or a new cache")
+                        and prompt.device.type == "cpu":
+                    if (problem := self._other_prompt_problem(tokens, prompt[:, :cached])) is not None:
+                        raise ValueError(f"{name} holds the keys of other tokens than {what} begins with: of its "
+                                         f"{cached} cached tokens, {problem}; pass the cache returned for this "
+                                         "prompt, or a new cache")
         return super().generate(*args, **kwargs)
+
+    def _other_prompt_problem(self, tokens: torch.Tensor, start: torch.Tensor) -> Optional[str]:
+        """Where ``start`` (the first ``t`` of ``generate``'s prompt on the CPU: ids ``[B, t]`` or embeddings
+        ``[B, t, 1+n]``) is not the ``tokens [B, t]`` a cache was filled from, as "token j of row i was ..., ... has
+        ... there"; None where it is. Embeddings are compared with this model's embedding of ``tokens`` (space
+        parts only: the model recomputes the time coordinate, :func:`lift_inputs_embeds`) in the embeddings'
+        dtype, to a tolerance of ``sqrt(eps)`` of that dtype (a prompt embedded by the same weights matches to
+        rounding); not where the embedding weights are off the CPU (the comparison would read the device)."""
+        if start.dim() == 2:
+            if torch.equal(tokens, start.long()):
+                return None
+            row, column = (tokens != start.long()).nonzero()[0].tolist()
+            return (f"token {column} of row {row} was {int(tokens[row, column])}, input_ids has "
+                    f"{int(start[row, column])} there")
+        embedding = self.get_input_embeddings()
+        weight = getattr(embedding, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or not start.is_floating_point():
+            return None
+        with torch.no_grad():
+            expected = embedding(tokens)[..., 1:]
+        given = start[..., 1:].detach().to(expected.dtype)
+        tolerance = torch.finfo(expected.dtype).eps ** 0.5
+        close = torch.isclose(given, expected, rtol=tolerance, atol=tolerance).all(-1)
+        if bool(close.all()):
+            return None
+        row, column = (~close).nonzero()[0].tolist()
+        return (f"token {column} of row {row} was {int(tokens[row, column])}, whose embedding inputs_embeds does not "
+                "hold there")
 
 
 # transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache`` (generate passes

@@ -8,6 +8,7 @@ one (one bool, switchable).
 
 import copy
 import os
+import pathlib
 import re
 import shutil
 import warnings
@@ -286,6 +287,29 @@ def test_generate_refuses_the_cache_of_another_prompt_and_continues_its_own(mode
                        model.generate(prompt, max_new_tokens=2))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_generate_refuses_the_cache_of_another_prompt_given_as_embeddings(models, family):
+    """probe 9 (K247): generate(inputs_embeds=..., past_key_values=a cache of other tokens) took the cache as the
+    prompt's first tokens (Llama does the same); the embeddings are compared with the model's embedding of the ids
+    the cache was filled from (space parts: the time coordinate is recomputed)."""
+    model = models[family]
+    prompt = ids(1, 4)
+    embeds = model.get_input_embeddings()(prompt)
+    other = model(prompt[:, :3] + 1, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"^past_key_values holds the keys of other tokens than inputs_embeds begins "
+                                         r"with: of its 3 cached tokens, token 0 of row 0 was \d+, whose embedding "
+                                         r"inputs_embeds does not hold there"):
+        model.generate(inputs_embeds=embeds, past_key_values=other, max_new_tokens=2, do_sample=False)
+    own = model(prompt[:, :3], use_cache=True).past_key_values
+    embeds[..., 0] = 0  # the time coordinate is not read
+    assert torch.equal(model.generate(inputs_embeds=embeds, past_key_values=own, max_new_tokens=2, do_sample=False),
+                       model.generate(inputs_embeds=embeds, max_new_tokens=2, do_sample=False))
+    whole = model(prompt[:, :3], use_cache=True).past_key_values  # generate extended own
+    with pytest.raises(ValueError, match=r"^past_key_values already holds 3 tokens but inputs_embeds has 3"):
+        model.generate(inputs_embeds=embeds[:, :3], past_key_values=whole, max_new_tokens=2, do_sample=False)
+
+
 def test_the_recorded_ids_follow_the_cache():
     """CacheOrigin.record: a forward appends its ids (a decode step one column, without copying the others), a
     crop (assisted decoding) keeps the prefix, a forward from the start replaces them, and ids it cannot see (on
@@ -493,6 +517,14 @@ BAD_GENERATE = [
     ("min_new_tokens > max_new_tokens", dict(max_new_tokens=3, min_new_tokens=10), r"^min_new_tokens=10 is more than max_new_tokens=3"),
     ("repetition_penalty 0", dict(max_new_tokens=2, repetition_penalty=0.0), r"^repetition_penalty must be a positive finite number"),
     ("bad_words_ids past the vocabulary", dict(max_new_tokens=2, bad_words_ids=[[99999]]), r"^bad_words_ids must be a list of token-id lists, each id in \[0, vocab_size=\d+\)"),
+    # probe 9 (K016): transformers' "Invalid max_matching_ngram_size or num_output_tokens" before
+    ("prompt_lookup_num_tokens 0", dict(max_new_tokens=2, prompt_lookup_num_tokens=0),
+     r"^prompt_lookup_num_tokens must be an int >= 1 \(or None for the default\), got 0"),
+    ("max_matching_ngram_size 0", dict(max_new_tokens=2, prompt_lookup_num_tokens=2, max_matching_ngram_size=0),
+     r"^max_matching_ngram_size must be an int >= 1 .*got 0"),
+    ("generation_config.prompt_lookup_num_tokens 0",
+     dict(generation_config=_generation_config(prompt_lookup_num_tokens=0)),
+     r"^generation_config\.prompt_lookup_num_tokens must be an int >= 1 .*got 0"),
 ]
 
 
@@ -890,6 +922,42 @@ BAD_SAVE_DIRECTORIES = [
     ("an existing file", "file.txt", r"save_pretrained\('.*file\.txt'\): the save directory is an existing file"),
     ("under an existing file", "file.txt/sub", r"the save directory lies under '.*file\.txt', an existing file"),
 ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", [str, pathlib.Path])
+def test_a_tilde_save_directory_is_refused_before_writing(models, tmp_path, monkeypatch, family, kind):
+    """probe 9 (K283, K252): save_pretrained('~/run') created a folder literally named '~' in the current directory
+    (transformers does not expand it; Llama does the same), which from_pretrained('~/run') then refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(ValueError, match=r"^\w+\.save_pretrained\('~/run'\): '~' is not expanded by transformers or "
+                                         r"PEFT \(the save would create a folder named '~' in the current directory\); "
+                                         rf"pass os\.path\.expanduser\(\.\.\.\) = "
+                                         rf"{re.escape(repr(str(tmp_path / 'home' / 'run')))}; nothing was written$"):
+        models[family].save_pretrained(kind("~/run"))
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("kind", [str, pathlib.Path])
+def test_a_tilde_path_is_refused_where_a_tilde_folder_exists(saved, tmp_path, monkeypatch, loader, kind):
+    """probe 9 (K252): with a folder literally named '~' in the current directory (an unexpanded save),
+    from_pretrained(Path('~/run')) loaded it; a '~' path is refused, naming that folder and how to mean it."""
+    import transformers
+
+    import helm.models as zoo
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shutil.copytree(saved / "helm_d", tmp_path / "~" / "run")
+    cls = getattr(zoo, loader, None) or getattr(transformers, loader)
+    with pytest.raises(OSError, match=rf"^{loader}\.from_pretrained\('~/run'\): '~' is not expanded by transformers "
+                                      r".*\(there is no such folder either; a folder '\./~/run' exists in the current "
+                                      r"directory: pass that to mean it\)$"):
+        cls.from_pretrained(kind("~/run"))
+    if loader in ("HelmDForCausalLM", "AutoModelForCausalLM", "AutoConfig"):
+        assert cls.from_pretrained("./~/run") is not None
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,5 +1,6 @@
 """Probe 8: ``from_pretrained`` of a PEFT adapter folder whose base model cannot be loaded (P303, P327, P351), and
-``AutoTokenizer.from_pretrained`` of a tokenizer whose JSON files are damaged (S010, S020, S030).
+``AutoTokenizer.from_pretrained`` of a tokenizer whose JSON files are damaged (S010, S020, S030); probe 9: a
+tokenizer folder whose tokenizer.json is a folder, not a tokenizers file, or missing (K230, K231, K232).
 
 ``transformers`` loads the base model an adapter folder's ``adapter_config.json`` names; for a base of null it said
 "AutoConfig.from_pretrained(None): got None", naming neither the folder nor the adapter. A damaged tokenizer file
@@ -118,3 +119,41 @@ def test_a_damaged_tokenizer_file_is_named(tokenizer, tmp_path, case, name, cont
                                          rf"{match}") as err:
         AutoTokenizer.from_pretrained(folder, **kwargs)
     assert isinstance(err.value.__cause__, json.JSONDecodeError)
+
+
+def _replace_tokenizer_json(folder, contents):
+    (folder / "tokenizer.json").unlink()
+    if contents is not None:
+        (folder / "tokenizer.json").write_bytes(contents)
+
+
+# probe 9: (case, damage of a saved tokenizer folder, exception, message fragment); transformers said "Couldn't
+# instantiate the backend tokenizer from one of ..." (K230, K232) or raised a bare KeyError 'added_tokens' (K231)
+DAMAGED_TOKENIZER_FOLDERS = [
+    ("tokenizer.json a folder", lambda folder: (folder / "tokenizer.json").unlink()
+     or (folder / "tokenizer.json").mkdir(), ValueError,
+     r"tokenizer\.json is a folder, not the tokenizers file that tokenizer\.save_pretrained writes; copy the "
+     r"tokenizer's files$"),
+    ("tokenizer.json {}", lambda folder: _replace_tokenizer_json(folder, b"{}"), OSError,
+     r"tokenizer\.json is not a tokenizers file \(no 'model' key; tokenizer\.save_pretrained writes one\)"),
+    ("tokenizer.json without added_tokens", lambda folder: _replace_tokenizer_json(
+        folder, b'{"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}'), OSError,
+     r"tokenizer\.json is not a tokenizers file \(no 'added_tokens' key"),
+    ("tokenizer.json deleted", lambda folder: _replace_tokenizer_json(folder, None), ValueError,
+     r"the folder '\S*' has no tokenizer\.json \(nor a vocabulary file: tokenizer\.model, vocab\.json, .*\), which "
+     r"its tokenizer_config\.json's \w+ is built from: copy the tokenizer's files$"),
+]
+
+
+@pytest.mark.parametrize("case, damage, exc, match", DAMAGED_TOKENIZER_FOLDERS,
+                         ids=[c[0] for c in DAMAGED_TOKENIZER_FOLDERS])
+def test_a_tokenizer_folder_without_a_usable_tokenizer_json_is_named(tokenizer, tmp_path, case, damage, exc, match):
+    """The message names tokenizer.json and what is wrong with it; transformers' error is kept as the cause (a
+    ``ValueError`` stays one, a ``KeyError`` becomes an ``OSError``, as for the other path messages)."""
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    damage(folder)
+    with pytest.raises(exc, match=rf"^AutoTokenizer\.from_pretrained\({re.escape(repr(str(folder)))}\): "
+                                  rf"{match}") as err:
+        AutoTokenizer.from_pretrained(folder)
+    assert err.value.__cause__ is not None
