@@ -241,10 +241,13 @@ class HelmPreTrainedModel(PreTrainedModel):
 
     def load_adapter(self, peft_model_id=None, *args, **kwargs):
         """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.check_adapter`: an adapter
-        saved for another model type, or holding weights for modules this model lacks, is a ``ValueError``."""
+        saved for another model type, or holding weights for modules this model lacks, is a ``ValueError``, and so
+        is a folder of adapter weights without ``adapter_config.json`` when no ``peft_config`` is passed (the
+        settings would be read from the folder)."""
         adapter_kwargs = kwargs.get("adapter_kwargs") or {}
+        peft_config = args[1] if len(args) > 1 else kwargs.get("peft_config")  # after adapter_name
         check_adapter(f"{type(self).__name__}.load_adapter", self, peft_model_id,
-                      subfolder=adapter_kwargs.get("subfolder") or "")
+                      subfolder=adapter_kwargs.get("subfolder") or "", need_config=peft_config is None)
         return super().load_adapter(peft_model_id, *args, **kwargs)
 
     def _allow_new_head(self, where, info: dict) -> dict:
