@@ -200,8 +200,8 @@ def not_a_checkpoint(folder: Path, output_dir: Path) -> str | None:
         where = (f"pass its newest checkpoint, --resume={newest}" if newest is not None else
                  "it holds no complete checkpoint to resume from")
         return f"--resume {name!r} is the checkpoints/ folder of a train.py run, not a checkpoint: {where}"
-    if (folder / "config.json").is_file():
-        run = folder.parent if is_run_folder(folder.parent) else None
+    run = folder.parent if is_run_folder(folder.parent) else None
+    if (folder / "config.json").is_file() or (run is not None and folder.name == "final"):
         what = ("the exported model (save_pretrained) of a train.py run" if run is not None and folder.name == "final"
                 else "a model folder written by save_pretrained")
         newest = _newest_complete(run / "checkpoints") if run is not None else None
