@@ -154,8 +154,9 @@ def test_a_folder_is_refused_as_a_folder_naming_the_file_inside(tmp_path):
     ([1, 2, 3], r"^the official checkpoint '.*l\.pt' holds a list, not a state dict \(a dict of parameter names to "
                 r"tensors, bare or under 'state_dict' / 'model'\)$"),
     (torch.zeros(2), r"holds a Tensor, not a state dict"),
-    ({"w": torch.zeros(1), "step": 3}, r"^the official checkpoint '.*l\.pt' is not a state dict of tensors: its entry "
-                                       r"'step' is an int \(a dict of parameter names to tensors"),
+    ({"w": torch.zeros(1), "step": 3},
+     r"^the official checkpoint '.*l\.pt' is not a state dict of tensors: its entry 'step' is an int \(a dict of "
+     r"parameter names to tensors"),
     ({"state_dict": {"w": [1.0]}}, r"its entry 'w' is a list"),
 ], ids=["list", "tensor", "int-entry", "nested-list-entry"])
 def test_a_file_that_is_no_state_dict_says_what_it_holds(saved, message, tmp_path):
