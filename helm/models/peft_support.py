@@ -146,6 +146,15 @@ def _tuner_prefix(peft_type) -> str | None:
                  if str(getattr(kind, "value", kind)) == str(peft_type)), None)
 
 
+def _peft_knows_types() -> bool:
+    """Whether PEFT's table of methods can be read (PEFT installed), so an unknown ``peft_type`` can be named."""
+    try:
+        from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
+    except ImportError:
+        return False
+    return bool(PEFT_TYPE_TO_PREFIX_MAPPING)
+
+
 def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = False) -> str | None:
     """Why ``adapter`` (with ``subfolder``) is no PEFT adapter folder, as a sentence that follows ``load(adapter)``,
     or None. PEFT and ``transformers`` read a path that does not exist as a hub id (their message: "Repo id must be
@@ -222,12 +231,17 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     if (folder / ADAPTER_CONFIG).is_file() and (problem := json_file_problem(folder / ADAPTER_CONFIG,
                                                                               holds="the adapter's settings")):
         return f"{subfolder + '/' if subfolder else ''}{problem}; fix it or save the adapter again"
+    if folders := [name for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS) if (folder / name).is_dir()]:
+        return (f"{folders[0]} is a folder, not the file PeftModel.save_pretrained writes; save the adapter again")
     shapes, problem = _adapter_shapes(folder)
     if problem:
         return problem
     config = _read_json(folder / ADAPTER_CONFIG)
     if not isinstance(config, dict):
         return None
+    if (kind := config.get("peft_type")) is not None and _tuner_prefix(kind) is None and _peft_knows_types():
+        return (f"{ADAPTER_CONFIG} has peft_type={kind!r}, which is no PEFT method this PEFT knows; fix it or save "
+                "the adapter again")
     ours = getattr(model.config, "model_type", None)
     base = config.get("base_model_name_or_path")
     theirs = _base_model_type(base)

@@ -227,7 +227,18 @@ DAMAGED_ADAPTERS = [
      + DAMAGE),
     ("weights short of their end", lambda f: _cut(f / WEIGHTS, lambda size: size - 10),
      rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: .*" + DAMAGE),
+    # re-probe 10 L017/L020: a KeyError from inside PEFT, and "OSError: No such device (os error 19)"
+    ("unknown peft_type", lambda f: _set_peft_type(f, "NOPE"),
+     r"adapter_config\.json has peft_type='NOPE', which is no PEFT method this PEFT knows; fix it or save the adapter "
+     r"again$"),
+    ("weights file a folder", lambda f: ((f / WEIGHTS).unlink(), (f / WEIGHTS).mkdir()),
+     rf"{WEIGHTS} is a folder, not the file PeftModel\.save_pretrained writes; save the adapter again$"),
 ]
+
+
+def _set_peft_type(folder, kind):
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**settings, "peft_type": kind}))
 
 
 @pytest.mark.parametrize("how", ADAPTER_LOADERS)
