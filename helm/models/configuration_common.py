@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import warnings
 
 from transformers import PreTrainedConfig
@@ -225,6 +226,18 @@ class RemoteCodeConfigMixin:
         check_local_path(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
                          json_file_ok=True)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``transformers``' writer, refusing a path that starts with ``~`` before writing anything (transformers
+        does not expand it: the save would create a folder named ``~`` in the current directory), as the models'
+        ``save_pretrained`` does."""
+        from .loading import tilde_problem
+
+        if isinstance(save_directory, (str, os.PathLike)) and os.fspath(save_directory).startswith("~"):
+            raise ValueError(f"{type(self).__name__}.save_pretrained({os.fspath(save_directory)!r}): "
+                             + tilde_problem(os.fspath(save_directory), "the save would create a folder named '~' "
+                                             "in the current directory") + "; nothing was written")
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):

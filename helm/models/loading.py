@@ -54,6 +54,26 @@ def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
     return f"{str(folder)!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken){hint}"
 
 
+# every file a tokenizer folder may hold that transformers reads when it is there
+TOKENIZER_FOLDER_FILES = TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_folder_entry_problem(where, subfolder: str = "") -> str | None:
+    """Why the local tokenizer folder ``where`` (``/subfolder``) cannot be read as it is: one of the files a tokenizer
+    reads (:data:`TOKENIZER_FOLDER_FILES`) is a folder. transformers skips a ``tokenizer_config.json`` that is a
+    folder and loads the tokenizer without its special tokens (eos, bos and pad None), without a word. None for
+    anything else (hub ids included)."""
+    if not isinstance(where, (str, os.PathLike)) or not os.fspath(where).strip():
+        return None
+    folder = Path(os.fspath(where)) / (subfolder or "")
+    if not folder.is_dir():
+        return None
+    # (a tokenizer.json that is a folder fails in transformers, and is named after it does: local_path_problem)
+    folders = [name for name in TOKENIZER_FOLDER_FILES if name != "tokenizer.json" and (folder / name).is_dir()]
+    return folders and (f"{folders[0]} is a folder, not the file tokenizer.save_pretrained writes (the tokenizer would "
+                        "load without what it holds); copy the tokenizer's files")
+
+
 _TARGET = "a folder written by save_pretrained or a hub model id ('owner/name')"
 
 
@@ -329,6 +349,9 @@ def _explained(original, **options):
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         if problem := unloadable_path_problem(pretrained_model_name_or_path):  # transformers would fail (slowly)
+            raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
+        if options.get("tokenizer") and (problem := tokenizer_folder_entry_problem(
+                pretrained_model_name_or_path, kwargs.get("subfolder") or "")):  # transformers would load without it
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
         try:
             return original(cls, pretrained_model_name_or_path, *args, **kwargs)

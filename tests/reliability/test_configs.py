@@ -7,6 +7,7 @@ smooth parametrisation instead of a zero-gradient clamp (last tests).
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -520,6 +521,20 @@ def test_a_config_of_another_model_type_is_named(tiny_config, saved, cls, sugges
     with pytest.raises(ValueError, match=rf"^{cls.__name__}: the config is of a {saved} model \(model_type='{saved}'\), "
                                          rf"not a {cls.model_type} one; load it with {suggested} or AutoConfig$"):
         cls.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
+@pytest.mark.parametrize("kind", [str, Path], ids=["str", "Path"])
+def test_a_config_saved_to_a_tilde_path_is_refused_before_writing(tiny_config, family, kind, tmp_path, monkeypatch):
+    """re-probe 10 L032/L066/L100: config.save_pretrained('~/cfg') made a folder named '~' in the current directory
+    (transformers does not expand it), as the models' save_pretrained did before it was refused."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^Helm\w+Config\.save_pretrained\('~/cfg'\): '~' is not expanded by "
+                                         r"transformers or PEFT \(the save would create a folder named '~' in the "
+                                         r"current directory\); pass os\.path\.expanduser\(\.\.\.\) = '\S+/cfg'; "
+                                         r"nothing was written$"):
+        tiny_config(family).save_pretrained(kind("~/cfg"))
+    assert not (tmp_path / "~").exists()
 
 
 # MiCE expert curvatures: log k is mapped smoothly into the runtime range (identity on the config range), so

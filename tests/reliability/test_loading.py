@@ -145,6 +145,20 @@ DAMAGED_TOKENIZER_FOLDERS = [
 ]
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json"])
+def test_a_tokenizer_file_that_is_a_folder_is_named_before_loading(tokenizer, tmp_path, name):
+    """re-probe 10 L108: with tokenizer_config.json a folder, transformers loaded the tokenizer without its special
+    tokens (eos, bos and pad None) and without a word."""
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).mkdir()
+    with pytest.raises(OSError, match=rf"^AutoTokenizer\.from_pretrained\({re.escape(repr(str(folder)))}\): "
+                                      rf"{re.escape(name)} is a folder, not the file tokenizer\.save_pretrained writes "
+                                      r"\(the tokenizer would load without what it holds\); copy the tokenizer's files$"):
+        AutoTokenizer.from_pretrained(folder)
+
+
 @pytest.mark.parametrize("case, damage, exc, match", DAMAGED_TOKENIZER_FOLDERS,
                          ids=[c[0] for c in DAMAGED_TOKENIZER_FOLDERS])
 def test_a_tokenizer_folder_without_a_usable_tokenizer_json_is_named(tokenizer, tmp_path, case, damage, exc, match):
