@@ -1276,6 +1276,18 @@ def test_resume_of_a_file_says_it_is_a_file_and_names_its_checkpoint_folder(tmp_
     assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
+def _interrupt(process: subprocess.Popen) -> str:
+    """Send SIGINT to a train.py ``process`` and return its one ``error:`` line, asserting exit 130 and no
+    traceback."""
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    out, err = out.decode(), err.decode()
+    assert process.returncode == 130, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    return line
+
+
 def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, run_data):
     """Re-probe 8 Q901: SIGINT (Ctrl-C) printed a KeyboardInterrupt traceback and exited 1. Now: one line naming
     the step and the newest complete checkpoint, exit 130, no half-written checkpoint, the lock released; the run
@@ -1290,12 +1302,7 @@ def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, 
                                env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for(tmp_path / "run" / "checkpoints" / "step-00000002", process)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    out, err = out.decode(), err.decode()
-    assert process.returncode == 130, out + err
-    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
-    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    line = _interrupt(process)
     found = list_checkpoints(tmp_path / "run" / "checkpoints")
     step, newest = found[-1]
     match = re.fullmatch(rf"error: interrupted after step (\d+); the newest checkpoint is {re.escape(str(newest))} "
@@ -1367,12 +1374,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, run_data):
             time.sleep(1)
             break
         time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    out, err = out.decode(), err.decode()
-    assert process.returncode == 130, out + err
-    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
-    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    line = _interrupt(process)
     assert line.startswith("error: interrupted "), line
     if line == "error: interrupted before training started; nothing was written":
         assert not any((tmp_path / "run").rglob("*")), "files were written"
