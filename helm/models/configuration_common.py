@@ -231,12 +231,10 @@ class RemoteCodeConfigMixin:
         """``transformers``' writer, refusing a path that starts with ``~`` before writing anything (transformers
         does not expand it: the save would create a folder named ``~`` in the current directory), as the models'
         ``save_pretrained`` does."""
-        from .loading import tilde_problem
+        from .loading import tilde_save_problem
 
-        if isinstance(save_directory, (str, os.PathLike)) and os.fspath(save_directory).startswith("~"):
-            raise ValueError(f"{type(self).__name__}.save_pretrained({os.fspath(save_directory)!r}): "
-                             + tilde_problem(os.fspath(save_directory), "the save would create a folder named '~' "
-                                             "in the current directory") + "; nothing was written")
+        if problem := tilde_save_problem(save_directory):
+            raise ValueError(f"{type(self).__name__}.save_pretrained({os.fspath(save_directory)!r}): {problem}")
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 

@@ -146,6 +146,16 @@ def tilde_problem(text: str, consequence: str) -> str:
             f"{os.path.expanduser(text)!r}")
 
 
+def tilde_save_problem(save_directory) -> str | None:
+    """Why ``save_pretrained(save_directory)`` must not write: a path starting with ``~`` (transformers does not
+    expand it, so the save would create a folder named ``~`` in the current directory); None otherwise. Checked by
+    the models' and the configs' ``save_pretrained`` before anything is written."""
+    if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).startswith("~"):
+        return None
+    return tilde_problem(os.fspath(save_directory), "the save would create a folder named '~' in the current "
+                         "directory") + "; nothing was written"
+
+
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
                        tokenizer: bool = False, need_model_type: bool = False) -> str | None:
     """Why ``where`` cannot be loaded as a local checkpoint, as a sentence that follows ``from_pretrained(where)``;

@@ -39,7 +39,7 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
-from .loading import (WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, tilde_problem,
+from .loading import (WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, tilde_save_problem,
                       weights_identity)
 from .peft_support import check_adapter, register_peft_support
 
@@ -356,9 +356,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
             raise ValueError(f"{call}: save_directory is empty (or not a path); give a folder (it is created if "
                              "missing)")
-        if os.fspath(save_directory).startswith("~"):
-            raise ValueError(f"{call}: " + tilde_problem(os.fspath(save_directory), "the save would create a folder "
-                                                         "named '~' in the current directory") + "; nothing was written")
+        if problem := tilde_save_problem(save_directory):
+            raise ValueError(f"{call}: {problem}")
         if kwargs.get("state_dict") is None and (unloaded := unloaded_weights(self)):
             raise ValueError(f"{call}: the model's weights are on the meta device (shapes without values: "
                              f"{len(unloaded)} tensors, e.g. {unloaded[0]!r}; built with device='meta' or "
