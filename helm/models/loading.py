@@ -20,6 +20,8 @@ import functools
 import json
 import os
 import re
+import threading
+import warnings
 from pathlib import Path
 
 from ..manifest import MANIFEST, STATE_FILE, manifest_problem, read_manifest, run_of
@@ -350,21 +352,52 @@ def _shown(where) -> str:
     return repr(os.fspath(where)) if isinstance(where, os.PathLike) else repr(where)
 
 
+def missing_tokenizer_config_note(where, tokenizer, subfolder: str = "") -> str | None:
+    """Why the tokenizer just loaded from the local folder ``where`` (``/subfolder``) lacks its special tokens: the
+    folder has a ``tokenizer.json`` but no ``tokenizer_config.json`` (where eos, bos and pad are kept), and the
+    tokenizer has no eos token. None otherwise (hub ids included)."""
+    if not isinstance(where, (str, os.PathLike)) or getattr(tokenizer, "eos_token", None) is not None:
+        return None
+    folder = Path(os.fspath(where)) / (subfolder or "")
+    if not (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").exists():
+        return None
+    return ("the folder has tokenizer.json but no tokenizer_config.json, so the tokenizer has no special tokens "
+            "(eos, bos and pad are None: generation will not stop at an end of text, padding fails); copy the "
+            "tokenizer's files, or pass eos_token=/pad_token=")
+
+
+# set while a tokenizer's from_pretrained wrapped by _explained runs: AutoTokenizer.from_pretrained calls the
+# tokenizer class's (also wrapped), and only the outer call checks and explains
+_TOKENIZER_LOAD = threading.local()
+
+
 def _explained(original, **options):
     """``original`` (a ``from_pretrained`` classmethod's function), re-raising its ``OSError`` / ``ValueError`` /
     ``TypeError`` / ``KeyError`` with :func:`local_path_problem` when that finds one (a ``ValueError`` as a
     ``ValueError``, the others as an ``OSError``; transformers reads ``base_model_name_or_path`` of an adapter's
-    config by key)."""
+    config by key). With ``tokenizer=True`` it also refuses a tokenizer file that is a folder before loading
+    (:func:`tokenizer_folder_entry_problem`) and warns when the loaded tokenizer lacks its special tokens
+    (:func:`missing_tokenizer_config_note`)."""
+    tokenizer = options.get("tokenizer", False)
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        if tokenizer and getattr(_TOKENIZER_LOAD, "active", False):
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
         if problem := unloadable_path_problem(pretrained_model_name_or_path):  # transformers would fail (slowly)
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
-        if options.get("tokenizer") and (problem := tokenizer_folder_entry_problem(
-                pretrained_model_name_or_path, kwargs.get("subfolder") or "")):  # transformers would load without it
+        subfolder = kwargs.get("subfolder") or ""
+        if tokenizer and (problem := tokenizer_folder_entry_problem(pretrained_model_name_or_path, subfolder)):
+            # transformers would load without it
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
+        outer = getattr(_TOKENIZER_LOAD, "active", False)
+        _TOKENIZER_LOAD.active = outer or tokenizer
         try:
-            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+            loaded = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+            if tokenizer and (note := missing_tokenizer_config_note(pretrained_model_name_or_path, loaded, subfolder)):
+                warnings.warn(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {note}",
+                              UserWarning, stacklevel=2)
+            return loaded
         except (OSError, ValueError, TypeError, KeyError) as error:
             problem = local_path_problem(
                 pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
@@ -374,19 +407,44 @@ def _explained(original, **options):
             kind = ValueError if isinstance(error, ValueError) else OSError
             raise kind(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}") \
                 from error
+        finally:
+            _TOKENIZER_LOAD.active = outer
 
     from_pretrained.__helm_explained__ = True
     return from_pretrained
 
 
+def refusing_tilde(save_pretrained):
+    """``save_pretrained`` (a method whose first argument is the folder to write) refusing a ``~`` path before
+    writing (:func:`tilde_save_problem`: transformers and PEFT would create a folder named ``~`` in the current
+    directory) with a ``ValueError`` naming the class; idempotent."""
+    if getattr(save_pretrained, "__helm_tilde__", False):
+        return save_pretrained
+
+    @functools.wraps(save_pretrained)
+    def checked(self, save_directory, *args, **kwargs):
+        if problem := tilde_save_problem(save_directory):
+            raise ValueError(f"{type(self).__name__}.save_pretrained({_shown(save_directory)}): {problem}")
+        return save_pretrained(self, save_directory, *args, **kwargs)
+
+    checked.__helm_tilde__ = True
+    return checked
+
+
 def install_auto_load_messages() -> None:
-    """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` (path checks only) and every Auto
-    model class's ``from_pretrained`` with :func:`_explained`; idempotent."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` and the tokenizer classes'
+    (``PreTrainedTokenizerBase``: path checks only) and every Auto model class's ``from_pretrained`` with
+    :func:`_explained`, and the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer
+    classes with :func:`refusing_tilde` (HELM's models and configs check first themselves); idempotent. These are
+    transformers' classes, so a Llama model or tokenizer gets the same messages."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    owners = [(AutoConfig, {"json_file_ok": True, "need_model_type": True}), (AutoTokenizer, {"tokenizer": True})]
+    owners = [(AutoConfig, {"json_file_ok": True, "need_model_type": True}), (AutoTokenizer, {"tokenizer": True}),
+              (PreTrainedTokenizerBase, {"tokenizer": True})]
     pending = [_BaseAutoModelClass]
     while pending:  # each Auto model class has its own copy of from_pretrained (transformers' auto_class_update)
         owner = pending.pop()
@@ -396,3 +454,5 @@ def install_auto_load_messages() -> None:
         method = owner.__dict__.get("from_pretrained")
         if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):
             owner.from_pretrained = classmethod(_explained(method.__func__, **options))
+    for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
+        owner.save_pretrained = refusing_tilde(owner.__dict__["save_pretrained"])

@@ -924,19 +924,43 @@ BAD_SAVE_DIRECTORIES = [
 ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def _peft_model(model):
+    import peft
+
+    return peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2))
+
+
+# (case id, what is saved, as a function of the model and the tokenizer); probe 9 K283/K252 (the model) and re-probe 10
+# L033/L034 (the generation config, a PEFT model: transformers' and PEFT's classes, so Llama did the same)
+TILDE_SAVERS = [
+    ("model", lambda model, tokenizer: model),
+    ("config", lambda model, tokenizer: model.config),
+    ("generation config", lambda model, tokenizer: model.generation_config),
+    ("tokenizer", lambda model, tokenizer: tokenizer),
+    ("PEFT model", lambda model, tokenizer: _peft_model(model)),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+@pytest.mark.parametrize("case, saver", TILDE_SAVERS, ids=[c[0] for c in TILDE_SAVERS])
 @pytest.mark.parametrize("kind", [str, pathlib.Path])
-def test_a_tilde_save_directory_is_refused_before_writing(models, tmp_path, monkeypatch, family, kind):
-    """probe 9 (K283, K252): save_pretrained('~/run') created a folder literally named '~' in the current directory
-    (transformers does not expand it; Llama does the same), which from_pretrained('~/run') then refused."""
+def test_a_tilde_save_directory_is_refused_before_writing(models, tokenizer, tmp_path, monkeypatch, family, case, saver,
+                                                          kind):
+    """save_pretrained('~/run') created a folder literally named '~' in the current directory (transformers and PEFT
+    do not expand it), which from_pretrained('~/run') then refused; the model's, its config's and generation
+    config's, the tokenizer's and a PEFT model's save refuse it before writing (Llama's too: the wrapped classes are
+    transformers' and PEFT's)."""
+    target = saver(models[family], tokenizer)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(ValueError, match=r"^\w+\.save_pretrained\('~/run'\): '~' is not expanded by transformers or "
                                          r"PEFT \(the save would create a folder named '~' in the current directory\); "
                                          rf"pass os\.path\.expanduser\(\.\.\.\) = "
                                          rf"{re.escape(repr(str(tmp_path / 'home' / 'run')))}; nothing was written$"):
-        models[family].save_pretrained(kind("~/run"))
+        target.save_pretrained(kind("~/run"))
     assert not any(tmp_path.iterdir())
+    target.save_pretrained(tmp_path / "run")  # a real path saves
+    assert any((tmp_path / "run").iterdir())
 
 
 @pytest.mark.parametrize("loader", LOADERS)

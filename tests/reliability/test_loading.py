@@ -10,10 +10,11 @@ and the message fragment after ``Class.from_pretrained(path): `` (None: it loads
 
 import json
 import re
+import warnings
 
 import peft
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import helm.models
 from tests.helpers import tiny_model
@@ -159,15 +160,52 @@ def test_a_tokenizer_file_that_is_a_folder_is_named_before_loading(tokenizer, tm
         AutoTokenizer.from_pretrained(folder)
 
 
+# the classes a tokenizer folder is loaded with and the name their messages begin with (PreTrainedTokenizerFast is
+# transformers' TokenizersBackend); re-probe 10 L109/L110: the tokenizer class itself said "Couldn't instantiate the
+# backend tokenizer" or raised a bare KeyError, only AutoTokenizer named the file
+TOKENIZER_LOADERS = [(AutoTokenizer, "AutoTokenizer"), (PreTrainedTokenizerFast, "TokenizersBackend")]
+
+
+@pytest.mark.parametrize("loader, shown", TOKENIZER_LOADERS, ids=[c[1] for c in TOKENIZER_LOADERS])
 @pytest.mark.parametrize("case, damage, exc, match", DAMAGED_TOKENIZER_FOLDERS,
                          ids=[c[0] for c in DAMAGED_TOKENIZER_FOLDERS])
-def test_a_tokenizer_folder_without_a_usable_tokenizer_json_is_named(tokenizer, tmp_path, case, damage, exc, match):
+def test_a_tokenizer_folder_without_a_usable_tokenizer_json_is_named(tokenizer, tmp_path, loader, shown, case, damage,
+                                                                     exc, match):
     """The message names tokenizer.json and what is wrong with it; transformers' error is kept as the cause (a
     ``ValueError`` stays one, a ``KeyError`` becomes an ``OSError``, as for the other path messages)."""
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(folder)
     damage(folder)
-    with pytest.raises(exc, match=rf"^AutoTokenizer\.from_pretrained\({re.escape(repr(str(folder)))}\): "
-                                  rf"{match}") as err:
-        AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(exc, match=rf"^{shown}\.from_pretrained\({re.escape(repr(str(folder)))}\): {match}") as err:
+        loader.from_pretrained(folder)
     assert err.value.__cause__ is not None
+    # transformers' own error, not the tokenizer class's explained one (AutoTokenizer calls the class: one message)
+    assert "from_pretrained(" not in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("loader, shown", TOKENIZER_LOADERS, ids=[c[1] for c in TOKENIZER_LOADERS])
+@pytest.mark.parametrize("given", [{}, {"eos_token": "<|endoftext|>"}], ids=["no eos given", "eos_token given"])
+def test_a_tokenizer_folder_without_tokenizer_config_warns(tokenizer, tmp_path, loader, shown, given):
+    """re-probe 10 L111: tokenizer.json without tokenizer_config.json loaded with eos, bos and pad None, without a
+    word (transformers keeps the special tokens in tokenizer_config.json); it warns, naming the file, unless the
+    eos token is passed."""
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    (folder / "tokenizer_config.json").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = loader.from_pretrained(folder, **given)
+    notes = [str(w.message) for w in caught if "tokenizer_config.json" in str(w.message)]
+    assert loaded.eos_token == given.get("eos_token")
+    if given:
+        assert notes == []
+    else:
+        assert notes == [f"{shown}.from_pretrained({str(folder)!r}): the folder has tokenizer.json but no "
+                         "tokenizer_config.json, so the tokenizer has no special tokens (eos, bos and pad are None: "
+                         "generation will not stop at an end of text, padding fails); copy the tokenizer's files, or "
+                         "pass eos_token=/pad_token="]
+    with warnings.catch_warnings(record=True) as caught:  # an intact folder is silent
+        warnings.simplefilter("always")
+        tokenizer.save_pretrained(tmp_path / "intact")
+        assert loader.from_pretrained(tmp_path / "intact").eos_token == "<|endoftext|>"
+    assert not [w for w in caught if "tokenizer_config.json" in str(w.message)]
