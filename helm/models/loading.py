@@ -414,6 +414,27 @@ def _explained(original, **options):
     return from_pretrained
 
 
+def checking_folder(from_pretrained, holds: str):
+    """``from_pretrained`` (a classmethod's function that reads a file ``holds`` names from a folder) refusing a path
+    that can load nothing (:func:`unloadable_path_problem`) or an existing file before transformers reads it as a hub
+    id ("Repo id must be in the form ..."); idempotent."""
+    if getattr(from_pretrained, "__helm_explained__", False):
+        return from_pretrained
+
+    @functools.wraps(from_pretrained)
+    def checked(cls, pretrained_model_name=None, *args, **kwargs):
+        problem = unloadable_path_problem(pretrained_model_name)
+        if problem is None and Path(os.fspath(pretrained_model_name)).is_file():
+            problem = (f"expects a folder (holding {holds}), not a file; use "
+                       f"{str(Path(os.fspath(pretrained_model_name)).parent)!r}")
+        if problem:
+            raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name)}): {problem}")
+        return from_pretrained(cls, pretrained_model_name, *args, **kwargs)
+
+    checked.__helm_explained__ = True
+    return checked
+
+
 def refusing_tilde(save_pretrained):
     """``save_pretrained`` (a method whose first argument is the folder to write) refusing a ``~`` path before
     writing (:func:`tilde_save_problem`: transformers and PEFT would create a folder named ``~`` in the current
@@ -434,7 +455,7 @@ def refusing_tilde(save_pretrained):
 def install_auto_load_messages() -> None:
     """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` and the tokenizer classes'
     (``PreTrainedTokenizerBase``: path checks only) and every Auto model class's ``from_pretrained`` with
-    :func:`_explained`, and the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer
+    :func:`_explained`, ``GenerationConfig.from_pretrained`` with :func:`checking_folder`, and the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer
     classes with :func:`refusing_tilde` (HELM's models and configs check first themselves); idempotent. These are
     transformers' classes, so a Llama model or tokenizer gets the same messages."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -454,5 +475,7 @@ def install_auto_load_messages() -> None:
         method = owner.__dict__.get("from_pretrained")
         if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):
             owner.from_pretrained = classmethod(_explained(method.__func__, **options))
+    GenerationConfig.from_pretrained = classmethod(checking_folder(
+        GenerationConfig.__dict__["from_pretrained"].__func__, "generation_config.json, or the file config_file_name= names"))
     for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
         owner.save_pretrained = refusing_tilde(owner.__dict__["save_pretrained"])

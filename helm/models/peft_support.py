@@ -322,8 +322,19 @@ def wrap_load_adapter(peft_model) -> None:
     cls.load_adapter, cls.from_pretrained = load_adapter, classmethod(from_pretrained)
 
 
+def check_config_path(peft_config) -> None:
+    """Make ``PeftConfigMixin.from_pretrained`` (of the module ``peft.config``; ``AutoPeftModel*`` and
+    ``LoraConfig.from_pretrained`` read an adapter's settings through it) refuse a path that can load nothing or a
+    file before PEFT reads it as a hub id (:func:`~helm.models.loading.checking_folder`); idempotent."""
+    from .loading import checking_folder
+
+    cls = peft_config.PeftConfigMixin
+    cls.from_pretrained = classmethod(checking_folder(cls.__dict__["from_pretrained"].__func__, ADAPTER_CONFIG))
+
+
 # module name -> what runs once it has executed
-_AFTER_IMPORT = {"peft.utils.constants": add_targets, "peft.peft_model": wrap_load_adapter}
+_AFTER_IMPORT = {"peft.utils.constants": add_targets, "peft.config": check_config_path,
+                 "peft.peft_model": wrap_load_adapter}
 
 
 class _RunAfterImport(importlib.abc.MetaPathFinder):
@@ -358,4 +369,4 @@ def register_peft_support() -> None:
 
 
 __all__ = ["ADAPTER_CONFIG", "DEFAULT_TARGETS", "adapter_path_problem", "adapter_problem", "add_targets",
-           "check_adapter", "register_peft_support", "wrap_load_adapter"]
+           "check_adapter", "check_config_path", "register_peft_support", "wrap_load_adapter"]

@@ -209,3 +209,45 @@ def test_a_tokenizer_folder_without_tokenizer_config_warns(tokenizer, tmp_path, 
         tokenizer.save_pretrained(tmp_path / "intact")
         assert loader.from_pretrained(tmp_path / "intact").eos_token == "<|endoftext|>"
     assert not [w for w in caught if "tokenizer_config.json" in str(w.message)]
+
+
+def _settings_loaders():
+    from transformers import GenerationConfig
+
+    return {"GenerationConfig": GenerationConfig.from_pretrained, "PeftConfig": peft.PeftConfig.from_pretrained,
+            "LoraConfig": peft.LoraConfig.from_pretrained}
+
+
+# (case, the path given (a function of the saved folder), message fragment); the settings file's name follows
+# "holding" for a file given. transformers and PEFT read each of these as a hub id: "Repo id must be in the form
+# 'repo_name' or 'namespace/repo_name'", or PEFT's "Can't find 'adapter_config.json' at '~/x'"
+SETTINGS_PATHS = [
+    ("missing folder", lambda saved: saved.parent / "gone", r"no such folder$"),
+    ("tilde path", lambda saved: "~/saved", r"'~' is not expanded by transformers or PEFT \(it would be read as a hub "
+                                            r"id, or as a folder named '~' in the current directory\); pass "
+                                            r"os\.path\.expanduser\(\.\.\.\) = '\S+/saved'"),
+    ("None", lambda saved: None, r"got None; pass a folder written by save_pretrained or a hub model id"),
+    ("a file", lambda saved: saved / "the_settings.json", r"expects a folder \(holding \S+.json.*\), not a file; use "
+                                                          r"'\S+saved'$"),
+    ("the folder", lambda saved: saved, None),
+]
+
+
+@pytest.mark.parametrize("loader", ["GenerationConfig", "PeftConfig", "LoraConfig"])
+@pytest.mark.parametrize("case, where, match", SETTINGS_PATHS, ids=[c[0] for c in SETTINGS_PATHS])
+def test_a_settings_path_that_can_load_nothing_is_named(tmp_path, monkeypatch, loader, case, where, match):
+    """A generation config's or an adapter's settings loaded from a path that is missing, starts with '~', is None
+    or is a file is named before the hub is asked; the folder loads."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    saved = tmp_path / "saved"
+    model = tiny_model("helm_d")
+    model.generation_config.save_pretrained(saved)
+    peft.get_peft_model(model, peft.LoraConfig(r=2)).save_pretrained(saved)
+    (saved / "the_settings.json").write_text("{}")
+    path = where(saved)
+    if match is None:
+        assert _settings_loaders()[loader](path) is not None
+        return
+    with pytest.raises(OSError, match=rf"^\w+\.from_pretrained\({re.escape(repr(str(path) if path else None))}\): "
+                                      rf"{match}"):
+        _settings_loaders()[loader](path)
