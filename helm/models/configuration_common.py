@@ -15,7 +15,6 @@ import difflib
 import functools
 import inspect
 import math
-import os
 import warnings
 
 from transformers import PreTrainedConfig
@@ -226,16 +225,6 @@ class RemoteCodeConfigMixin:
         check_local_path(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
                          json_file_ok=True)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """``transformers``' writer, refusing a path that starts with ``~`` before writing anything (transformers
-        does not expand it: the save would create a folder named ``~`` in the current directory), as the models'
-        ``save_pretrained`` does."""
-        from .loading import tilde_save_problem
-
-        if problem := tilde_save_problem(save_directory):
-            raise ValueError(f"{type(self).__name__}.save_pretrained({os.fspath(save_directory)!r}): {problem}")
-        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):

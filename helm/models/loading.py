@@ -150,12 +150,36 @@ def tilde_problem(text: str, consequence: str) -> str:
 
 def tilde_save_problem(save_directory) -> str | None:
     """Why ``save_pretrained(save_directory)`` must not write: a path starting with ``~`` (transformers does not
-    expand it, so the save would create a folder named ``~`` in the current directory); None otherwise. Checked by
-    the models' and the configs' ``save_pretrained`` before anything is written."""
+    expand it, so the save would create a folder named ``~`` in the current directory); None otherwise."""
     if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).startswith("~"):
         return None
     return tilde_problem(os.fspath(save_directory), "the save would create a folder named '~' in the current "
                          "directory") + "; nothing was written"
+
+
+def save_directory_problem(save_directory) -> tuple[type[Exception], str] | None:
+    """Why ``save_pretrained(save_directory)`` must not write, and the exception to raise: an empty path or not a
+    path (``ValueError``; transformers: "No such file or directory: ''"), one starting with ``~``
+    (:func:`tilde_save_problem`, ``ValueError``), an existing file or a path under one (``NotADirectoryError``;
+    transformers logs an error and saves nothing, or raises an ``AssertionError``); None otherwise. Checked by every
+    ``save_pretrained`` before anything is written (:func:`checking_save_directory`)."""
+    if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
+        return ValueError, "save_directory is empty (or not a path); give a folder (it is created if missing)"
+    if problem := tilde_save_problem(save_directory):
+        return ValueError, problem
+    path = Path(save_directory)
+    blocking = next((p for p in (path, *path.parents) if p.is_file()), None)
+    if blocking is not None:
+        what = "is an existing file" if blocking == path else f"lies under {str(blocking)!r}, an existing file"
+        return NotADirectoryError, f"the save directory {what}; give a folder (it is created if missing)"
+    return None
+
+
+def check_save_directory(owner, save_directory) -> None:
+    """Raise :func:`save_directory_problem`'s exception, beginning ``{type(owner).__name__}.save_pretrained(...)``."""
+    if found := save_directory_problem(save_directory):
+        kind, problem = found
+        raise kind(f"{type(owner).__name__}.save_pretrained({str(save_directory)!r}): {problem}")
 
 
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
@@ -435,20 +459,18 @@ def checking_folder(from_pretrained, holds: str):
     return checked
 
 
-def refusing_tilde(save_pretrained):
-    """``save_pretrained`` (a method whose first argument is the folder to write) refusing a ``~`` path before
-    writing (:func:`tilde_save_problem`: transformers and PEFT would create a folder named ``~`` in the current
-    directory) with a ``ValueError`` naming the class; idempotent."""
-    if getattr(save_pretrained, "__helm_tilde__", False):
+def checking_save_directory(save_pretrained):
+    """``save_pretrained`` (a method whose first argument is the folder to write) refusing a folder it must not write
+    (:func:`check_save_directory`: empty, ``~``, a file) before writing anything; idempotent."""
+    if getattr(save_pretrained, "__helm_checked__", False):
         return save_pretrained
 
     @functools.wraps(save_pretrained)
     def checked(self, save_directory, *args, **kwargs):
-        if problem := tilde_save_problem(save_directory):
-            raise ValueError(f"{type(self).__name__}.save_pretrained({_shown(save_directory)}): {problem}")
+        check_save_directory(self, save_directory)
         return save_pretrained(self, save_directory, *args, **kwargs)
 
-    checked.__helm_tilde__ = True
+    checked.__helm_checked__ = True
     return checked
 
 
@@ -456,7 +478,7 @@ def install_auto_load_messages() -> None:
     """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` and the tokenizer classes'
     (``PreTrainedTokenizerBase``: path checks only) and every Auto model class's ``from_pretrained`` with
     :func:`_explained`, ``GenerationConfig.from_pretrained`` with :func:`checking_folder`, and the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer
-    classes with :func:`refusing_tilde` (HELM's models and configs check first themselves); idempotent. These are
+    classes with :func:`checking_save_directory` (HELM's models check first themselves); idempotent. These are
     transformers' classes, so a Llama model or tokenizer gets the same messages."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
@@ -478,4 +500,4 @@ def install_auto_load_messages() -> None:
     GenerationConfig.from_pretrained = classmethod(checking_folder(
         GenerationConfig.__dict__["from_pretrained"].__func__, "generation_config.json, or the file config_file_name= names"))
     for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
-        owner.save_pretrained = refusing_tilde(owner.__dict__["save_pretrained"])
+        owner.save_pretrained = checking_save_directory(owner.__dict__["save_pretrained"])

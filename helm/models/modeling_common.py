@@ -39,7 +39,7 @@ from ..nn.positional.registry import build_positional_encoding, positional_encod
 from ..nn.residual import LorentzResidual
 from ..nn.validation import check_tensor
 from ..ops.attention import AttentionMask
-from .loading import (WEIGHT_FILE, WEIGHT_FILES, check_local_folder, device_map_problem, tilde_save_problem,
+from .loading import (WEIGHT_FILE, WEIGHT_FILES, check_local_folder, check_save_directory, device_map_problem,
                       weights_identity)
 from .peft_support import check_adapter, register_peft_support
 
@@ -353,11 +353,7 @@ class HelmPreTrainedModel(PreTrainedModel):
         expanded path) and a model whose weights are on the meta device (:func:`unloaded_weights`; unless
         ``state_dict=`` gives the weights), refused before anything is written."""
         call = f"{type(self).__name__}.save_pretrained({str(save_directory)!r})"
-        if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
-            raise ValueError(f"{call}: save_directory is empty (or not a path); give a folder (it is created if "
-                             "missing)")
-        if problem := tilde_save_problem(save_directory):
-            raise ValueError(f"{call}: {problem}")
+        check_save_directory(self, save_directory)
         if kwargs.get("state_dict") is None and (unloaded := unloaded_weights(self)):
             raise ValueError(f"{call}: the model's weights are on the meta device (shapes without values: "
                              f"{len(unloaded)} tensors, e.g. {unloaded[0]!r}; built with device='meta' or "
@@ -365,11 +361,6 @@ class HelmPreTrainedModel(PreTrainedModel):
                              "to save and nothing was written; load the weights (from_pretrained) or materialise "
                              "them (model.to_empty(device=...) and initialise) first")
         path = Path(save_directory)
-        blocking = next((p for p in (path, *path.parents) if p.is_file()), None)
-        if blocking is not None:
-            what = "is an existing file" if blocking == path else f"lies under {str(blocking)!r}, an existing file"
-            raise NotADirectoryError(f"{type(self).__name__}.save_pretrained({str(save_directory)!r}): the save "
-                                     f"directory {what}; give a folder (it is created if missing)")
         main = kwargs.get("is_main_process", True)
         if main:
             try:

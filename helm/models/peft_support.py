@@ -288,12 +288,13 @@ def _is_helm(model) -> bool:
 def wrap_load_adapter(peft_model) -> None:
     """Make ``PeftModel.from_pretrained`` and ``PeftModel.load_adapter`` (of the module ``peft.peft_model``) check an
     adapter loaded onto a HELM base model first (:func:`check_adapter`), before PEFT injects any layer into the
-    model; other models are untouched. ``PeftModel.save_pretrained`` refuses a ``~`` path for every model
-    (:func:`~helm.models.loading.refusing_tilde`: PEFT would create a folder named ``~``). Idempotent."""
-    from .loading import refusing_tilde
+    model; other models are untouched. ``PeftModel.save_pretrained`` refuses an empty, ``~`` or file path for every
+    model (:func:`~helm.models.loading.checking_save_directory`: PEFT would create a folder named ``~``).
+    Idempotent."""
+    from .loading import checking_save_directory
 
     cls = peft_model.PeftModel
-    cls.save_pretrained = refusing_tilde(cls.__dict__["save_pretrained"])
+    cls.save_pretrained = checking_save_directory(cls.__dict__["save_pretrained"])
     if getattr(cls.load_adapter, "_helm_checked", False):
         return
     load, build = cls.load_adapter, cls.from_pretrained.__func__

@@ -930,9 +930,10 @@ def _peft_model(model):
     return peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2))
 
 
-# (case id, what is saved, as a function of the model and the tokenizer); probe 9 K283/K252 (the model) and re-probe 10
-# L033/L034 (the generation config, a PEFT model: transformers' and PEFT's classes, so Llama did the same)
-TILDE_SAVERS = [
+# (case id, what is saved, as a function of the model and the tokenizer): every save_pretrained a user calls. probe 9
+# K283/K252 (the model) and re-probe 10 L033/L034 (the generation config, a PEFT model: transformers' and PEFT's
+# classes, so Llama did the same) for '~' paths
+SAVERS = [
     ("model", lambda model, tokenizer: model),
     ("config", lambda model, tokenizer: model.config),
     ("generation config", lambda model, tokenizer: model.generation_config),
@@ -942,7 +943,7 @@ TILDE_SAVERS = [
 
 
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])
-@pytest.mark.parametrize("case, saver", TILDE_SAVERS, ids=[c[0] for c in TILDE_SAVERS])
+@pytest.mark.parametrize("case, saver", SAVERS, ids=[c[0] for c in SAVERS])
 @pytest.mark.parametrize("kind", [str, pathlib.Path])
 def test_a_tilde_save_directory_is_refused_before_writing(models, tokenizer, tmp_path, monkeypatch, family, case, saver,
                                                           kind):
@@ -1004,13 +1005,16 @@ def test_a_model_on_the_meta_device_is_named_and_shape_inference_works(family):
     assert out.logits.shape == (B, T, V) and out.logits.device.type == "meta"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+@pytest.mark.parametrize("saver_case, saver", SAVERS, ids=[c[0] for c in SAVERS])
 @pytest.mark.parametrize("case,where,match", BAD_SAVE_DIRECTORIES, ids=[c[0] for c in BAD_SAVE_DIRECTORIES])
-def test_saving_onto_a_file_is_named(models, tmp_path, family, case, where, match):
+def test_saving_onto_a_file_is_named(models, tokenizer, tmp_path, family, saver_case, saver, case, where, match):
+    """Every save_pretrained names a file in the way; transformers logged an error and saved nothing (a tokenizer),
+    raised an ``AssertionError`` (configs) or "[Errno 20] Not a directory" (a path under a file)."""
     (tmp_path / "file.txt").write_text("keep me")
-    with pytest.raises(NotADirectoryError, match=match):
-        models[family].save_pretrained(tmp_path / where)
-    assert (tmp_path / "file.txt").read_text() == "keep me"
+    with pytest.raises(NotADirectoryError, match=rf"^\w+\.{match}; give a folder \(it is created if missing\)$"):
+        saver(models[family], tokenizer).save_pretrained(tmp_path / where)
+    assert (tmp_path / "file.txt").read_text() == "keep me" and sorted(tmp_path.iterdir()) == [tmp_path / "file.txt"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -1185,12 +1189,15 @@ def test_from_config_takes_dtype_names_and_auto(family):
     assert AutoModel.from_config(tiny_config(family), torch_dtype=torch.float64).dtype == torch.float64
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_an_empty_save_directory_is_named(models, family):
-    """P363: a raw "FileNotFoundError: [Errno 2] No such file or directory: ''" before."""
-    with pytest.raises(ValueError, match=r"^Helm\w+ForCausalLM\.save_pretrained\(''\): save_directory is empty \(or "
-                                         r"not a path\); give a folder"):
-        models[family].save_pretrained("")
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+@pytest.mark.parametrize("saver_case, saver", SAVERS, ids=[c[0] for c in SAVERS])
+def test_an_empty_save_directory_is_named(models, tokenizer, tmp_path, monkeypatch, family, saver_case, saver):
+    """P363: a raw "FileNotFoundError: [Errno 2] No such file or directory: ''" before (for every save_pretrained)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^\w+\.save_pretrained\(''\): save_directory is empty \(or not a path\); "
+                                         r"give a folder \(it is created if missing\)$"):
+        saver(models[family], tokenizer).save_pretrained("")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
