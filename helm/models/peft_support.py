@@ -326,11 +326,13 @@ def wrap_load_adapter(peft_model) -> None:
 def check_config_path(peft_config) -> None:
     """Make ``PeftConfigMixin.from_pretrained`` (of the module ``peft.config``; ``AutoPeftModel*`` and
     ``LoraConfig.from_pretrained`` read an adapter's settings through it) refuse a path that can load nothing or a
-    file before PEFT reads it as a hub id (:func:`~helm.models.loading.checking_folder`); idempotent."""
-    from .loading import checking_folder
+    file before PEFT reads it as a hub id (:func:`~helm.models.loading.checking_folder`), and its ``save_pretrained``
+    a folder it must not write (:func:`~helm.models.loading.checking_save_directory`); idempotent."""
+    from .loading import checking_folder, checking_save_directory
 
     cls = peft_config.PeftConfigMixin
     cls.from_pretrained = classmethod(checking_folder(cls.__dict__["from_pretrained"].__func__, ADAPTER_CONFIG))
+    cls.save_pretrained = checking_save_directory(cls.__dict__["save_pretrained"])
 
 
 # module name -> what runs once it has executed

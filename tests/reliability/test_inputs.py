@@ -920,7 +920,8 @@ def test_a_folder_without_config_json_loads_with_config(models, saved, tmp_path,
 # config.json/manifest.json before
 BAD_SAVE_DIRECTORIES = [
     ("an existing file", "file.txt", r"save_pretrained\('.*file\.txt'\): the save directory is an existing file"),
-    ("under an existing file", "file.txt/sub", r"the save directory lies under '.*file\.txt', an existing file"),
+    ("under an existing file", "file.txt/sub",
+     r"save_pretrained\('.*file\.txt/sub'\): the save directory lies under '.*file\.txt', an existing file"),
 ]
 
 
@@ -939,6 +940,7 @@ SAVERS = [
     ("generation config", lambda model, tokenizer: model.generation_config),
     ("tokenizer", lambda model, tokenizer: tokenizer),
     ("PEFT model", lambda model, tokenizer: _peft_model(model)),
+    ("PEFT config", lambda model, tokenizer: _peft_model(model).peft_config["default"]),
 ]
 
 
