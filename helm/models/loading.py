@@ -27,6 +27,9 @@ from pathlib import Path
 from ..manifest import MANIFEST, STATE_FILE, manifest_problem, read_manifest, run_of
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# the files of a save_pretrained folder that from_pretrained reads when they are there (a generation_config.json
+# that is a folder is skipped without a word: the model loads with default generation settings)
+CHECKPOINT_FILES = ("config.json", "generation_config.json", MANIFEST) + WEIGHT_FILES
 # weight files and their shard indexes (not the code, config or tokenizer files, which users edit)
 WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 # The files transformers builds a tokenizer from: a fast tokenizer's tokenizer.json, or a slow one's vocabulary
@@ -60,6 +63,14 @@ def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
 TOKENIZER_FOLDER_FILES = TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
+def folder_entry_problem(folder: Path, names, writer: str) -> str | None:
+    """``"<name> is a folder, not the file <writer> writes"`` for the first of ``names`` (files of ``folder`` that a
+    loader reads when they are there) that is a folder, or None. A loader skips such an entry, or says the file is
+    missing or "Is a directory"."""
+    name = next((name for name in names if (folder / name).is_dir()), None)
+    return name and f"{name} is a folder, not the file {writer} writes"
+
+
 def tokenizer_folder_entry_problem(where, subfolder: str = "") -> str | None:
     """Why the local tokenizer folder ``where`` (``/subfolder``) cannot be read as it is: one of the files a tokenizer
     reads (:data:`TOKENIZER_FOLDER_FILES`) is a folder. transformers skips a ``tokenizer_config.json`` that is a
@@ -71,9 +82,9 @@ def tokenizer_folder_entry_problem(where, subfolder: str = "") -> str | None:
     if not folder.is_dir():
         return None
     # (a tokenizer.json that is a folder fails in transformers, and is named after it does: local_path_problem)
-    folders = [name for name in TOKENIZER_FOLDER_FILES if name != "tokenizer.json" and (folder / name).is_dir()]
-    return folders and (f"{folders[0]} is a folder, not the file tokenizer.save_pretrained writes (the tokenizer would "
-                        "load without what it holds); copy the tokenizer's files")
+    problem = folder_entry_problem(folder, [name for name in TOKENIZER_FOLDER_FILES if name != "tokenizer.json"],
+                                   "tokenizer.save_pretrained")
+    return problem and f"{problem} (the tokenizer would load without what it holds); copy the tokenizer's files"
 
 
 _TARGET = "a folder written by save_pretrained or a hub model id ('owner/name')"
@@ -217,6 +228,8 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
     if not folder.is_dir():
         return None
     config = folder / "config.json"
+    if config.is_dir():
+        return f"{folder_entry_problem(folder, ['config.json'], 'save_pretrained')}; copy the checkpoint's files"
     if config.is_file():
         if problem := config_file_problem(config):
             return problem
@@ -362,6 +375,9 @@ def check_local_folder(name: str, where, *, config=None, subfolder: str = "", gg
     if not isinstance(where, (str, os.PathLike)):
         return
     path = Path(where) / subfolder if subfolder else Path(where)
+    if path.is_dir() and (problem := folder_entry_problem(path, CHECKPOINT_FILES, "save_pretrained")):
+        raise OSError(f"{name}.from_pretrained({_shown(where)}): {problem} (the model would load without it or fail "
+                      "on it); copy the checkpoint's files")
     if (path / MANIFEST).is_file():
         try:
             problem = manifest_problem(path, read_manifest(path), WEIGHT_FILE.match)
@@ -438,10 +454,11 @@ def _explained(original, **options):
     return from_pretrained
 
 
-def checking_folder(from_pretrained, holds: str):
-    """``from_pretrained`` (a classmethod's function that reads a file ``holds`` names from a folder) refusing a path
-    that can load nothing (:func:`unloadable_path_problem`) or an existing file before transformers reads it as a hub
-    id ("Repo id must be in the form ..."); idempotent."""
+def checking_folder(from_pretrained, file: str, holds: str):
+    """``from_pretrained`` (a classmethod's function that reads the file ``file`` from a folder, described by
+    ``holds``) refusing a path that can load nothing (:func:`unloadable_path_problem`) or an existing file before
+    transformers reads it as a hub id ("Repo id must be in the form ..."), and a folder whose ``file`` is a folder;
+    idempotent."""
     if getattr(from_pretrained, "__helm_explained__", False):
         return from_pretrained
 
@@ -451,6 +468,9 @@ def checking_folder(from_pretrained, holds: str):
         if problem is None and Path(os.fspath(pretrained_model_name)).is_file():
             problem = (f"expects a folder (holding {holds}), not a file; use "
                        f"{str(Path(os.fspath(pretrained_model_name)).parent)!r}")
+        elif problem is None and (problem := folder_entry_problem(Path(os.fspath(pretrained_model_name)) / (
+                kwargs.get("subfolder") or ""), [kwargs.get("config_file_name") or file], "save_pretrained")):
+            problem += "; copy the files save_pretrained wrote"
         if problem:
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name)}): {problem}")
         return from_pretrained(cls, pretrained_model_name, *args, **kwargs)
@@ -498,6 +518,7 @@ def install_auto_load_messages() -> None:
         if isinstance(method, classmethod) and not getattr(method.__func__, "__helm_explained__", False):
             owner.from_pretrained = classmethod(_explained(method.__func__, **options))
     GenerationConfig.from_pretrained = classmethod(checking_folder(
-        GenerationConfig.__dict__["from_pretrained"].__func__, "generation_config.json, or the file config_file_name= names"))
+        GenerationConfig.__dict__["from_pretrained"].__func__, "generation_config.json",
+        "generation_config.json, or the file config_file_name= names"))
     for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
         owner.save_pretrained = checking_save_directory(owner.__dict__["save_pretrained"])

@@ -170,7 +170,7 @@ def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = Fa
 
     A str that may be a hub id, an empty one and a non-path (None: ``peft_config=`` and ``adapter_state_dict=``
     were passed) are left to the loader."""
-    from .loading import unloadable_path_problem
+    from .loading import folder_entry_problem, unloadable_path_problem
 
     if not isinstance(adapter, (str, os.PathLike)) or not os.fspath(adapter).strip():
         return None
@@ -186,6 +186,8 @@ def adapter_path_problem(adapter, *, subfolder: str = "", need_config: bool = Fa
         return f"has no subfolder {subfolder!r} (subfolder=)"
     if (folder / ADAPTER_CONFIG).is_file():
         return None
+    if problem := folder_entry_problem(folder, [ADAPTER_CONFIG], "PeftModel.save_pretrained"):
+        return f"{problem}; save the adapter again"
     weights = [name for name in ADAPTER_WEIGHTS if (folder / name).is_file()]
     if weights and not need_config:
         return None
@@ -219,7 +221,7 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
 
     Shapes come from the safetensors header (no tensor is read). A hub adapter not downloaded yet, or a base model
     that cannot be found, is not checked (nothing is downloaded here)."""
-    from .loading import json_file_problem
+    from .loading import folder_entry_problem, json_file_problem
 
     if problem := adapter_path_problem(adapter, subfolder=subfolder, need_config=need_config):
         return problem
@@ -231,8 +233,8 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     if (folder / ADAPTER_CONFIG).is_file() and (problem := json_file_problem(folder / ADAPTER_CONFIG,
                                                                               holds="the adapter's settings")):
         return f"{subfolder + '/' if subfolder else ''}{problem}; fix it or save the adapter again"
-    if folders := [name for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS) if (folder / name).is_dir()]:
-        return (f"{folders[0]} is a folder, not the file PeftModel.save_pretrained writes; save the adapter again")
+    if problem := folder_entry_problem(folder, (ADAPTER_CONFIG, *ADAPTER_WEIGHTS), "PeftModel.save_pretrained"):
+        return f"{problem}; save the adapter again"
     shapes, problem = _adapter_shapes(folder)
     if problem:
         return problem
@@ -331,7 +333,8 @@ def check_config_path(peft_config) -> None:
     from .loading import checking_folder, checking_save_directory
 
     cls = peft_config.PeftConfigMixin
-    cls.from_pretrained = classmethod(checking_folder(cls.__dict__["from_pretrained"].__func__, ADAPTER_CONFIG))
+    cls.from_pretrained = classmethod(checking_folder(cls.__dict__["from_pretrained"].__func__, ADAPTER_CONFIG,
+                                                      ADAPTER_CONFIG))
     cls.save_pretrained = checking_save_directory(cls.__dict__["save_pretrained"])
 
 

@@ -251,3 +251,48 @@ def test_a_settings_path_that_can_load_nothing_is_named(tmp_path, monkeypatch, l
     with pytest.raises(OSError, match=rf"^\w+\.from_pretrained\({re.escape(repr(str(path) if path else None))}\): "
                                       rf"{match}"):
         _settings_loaders()[loader](path)
+
+
+# (file of a save_pretrained folder made a folder, the loaders that read it, message fragment after the file name);
+# transformers loaded the model with default generation settings (generation_config.json) or without its weights'
+# check (manifest.json), or said "no config.json" / "model.safetensors is missing"
+CHECKPOINT_ENTRIES = [
+    ("config.json", ["AutoModelForCausalLM", "HelmDForCausalLM", "AutoConfig"],
+     r"is a folder, not the file save_pretrained writes; copy the checkpoint's files$"),
+    ("model.safetensors", ["AutoModelForCausalLM", "HelmDForCausalLM"],
+     r"is a folder, not the file save_pretrained writes \(the model would load without it or fail on it\)"),
+    ("generation_config.json", ["AutoModelForCausalLM", "HelmDForCausalLM", "GenerationConfig"],
+     r"is a folder, not the file save_pretrained writes"),
+    ("manifest.json", ["AutoModelForCausalLM", "HelmDForCausalLM"],
+     r"is a folder, not the file save_pretrained writes \(the model would load without it or fail on it\)"),
+]
+
+
+@pytest.mark.parametrize("name, loaders, match", CHECKPOINT_ENTRIES, ids=[c[0] for c in CHECKPOINT_ENTRIES])
+def test_a_checkpoint_file_that_is_a_folder_is_named(tmp_path, name, loaders, match):
+    import transformers
+
+    folder = tmp_path / "model"
+    tiny_model("helm_d").save_pretrained(folder)
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    for loader in loaders:
+        cls = getattr(helm.models, loader, None) or getattr(transformers, loader)
+        with pytest.raises((OSError, ValueError), match=rf"^\w+\.from_pretrained\({re.escape(repr(str(folder)))}\): "
+                                                        rf"{re.escape(name)} {match}"):
+            cls.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("how", ["PeftModel.from_pretrained", "load_adapter", "PeftConfig.from_pretrained"])
+def test_an_adapter_config_that_is_a_folder_is_named(tmp_path, how):
+    """adapter_config.json a folder: "the folder has no adapter_config.json" (our own message) before."""
+    peft.get_peft_model(tiny_model("helm_d"), peft.LoraConfig(r=2)).save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_config.json").unlink()
+    (tmp_path / "adapter" / "adapter_config.json").mkdir()
+    base = tiny_model("helm_d")
+    load = {"PeftModel.from_pretrained": lambda path: peft.PeftModel.from_pretrained(base, path),
+            "load_adapter": base.load_adapter, "PeftConfig.from_pretrained": peft.PeftConfig.from_pretrained}[how]
+    with pytest.raises((OSError, ValueError), match=r"adapter_config\.json is a folder, not the file "
+                                                    r"(PeftModel\.)?save_pretrained writes; (save the adapter again|"
+                                                    r"copy the files save_pretrained wrote)$"):
+        load(tmp_path / "adapter")
