@@ -212,8 +212,10 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
             return config_file_problem(path)
         folder = "a tokenizer folder" if tokenizer else "the checkpoint folder (with config.json)"
         return f"expects {folder}, not a file; use {str(path.parent)!r}"
+    folder = path / subfolder if subfolder else path
+    if subfolder and path.is_dir() and not folder.is_dir():
+        return f"has no subfolder {subfolder!r} (subfolder=)"
     if tokenizer:
-        folder = path / subfolder if subfolder else path
         if not folder.is_dir():
             return None
         if (folder / "tokenizer.json").is_dir():
@@ -222,9 +224,6 @@ def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, 
         if problem := tokenizer_files_problem(folder):
             return f"the folder {problem}"
         return tokenizer_json_problem(folder, path) or missing_vocabulary_problem(folder)
-    folder = path / subfolder if subfolder else path
-    if subfolder and path.is_dir() and not folder.is_dir():
-        return f"has no subfolder {subfolder!r} (subfolder=)"
     if not folder.is_dir():
         return None
     config = folder / "config.json"
@@ -454,24 +453,35 @@ def _explained(original, **options):
     return from_pretrained
 
 
+def settings_path_problem(where, file: str, holds: str, subfolder: str = "") -> str | None:
+    """Why ``where`` (with ``subfolder``) cannot be the folder a settings file ``file`` is read from (``holds``
+    describes it), as a sentence that follows ``from_pretrained(where)``: it can load nothing
+    (:func:`unloadable_path_problem`), it is an existing file, it lacks ``subfolder``, or its ``file`` is a folder;
+    None otherwise (a hub id included)."""
+    if problem := unloadable_path_problem(where):
+        return problem
+    path = Path(os.fspath(where))
+    folder = path / subfolder
+    if path.is_file():
+        return f"expects a folder (holding {holds}), not a file; use {str(path.parent)!r}"
+    if subfolder and path.is_dir() and not folder.is_dir():
+        return f"has no subfolder {subfolder!r} (subfolder=)"
+    problem = folder_entry_problem(folder, [file], "save_pretrained")
+    return problem and f"{problem}; copy the files save_pretrained wrote"
+
+
 def checking_folder(from_pretrained, file: str, holds: str):
     """``from_pretrained`` (a classmethod's function that reads the file ``file`` from a folder, described by
-    ``holds``) refusing a path that can load nothing (:func:`unloadable_path_problem`) or an existing file before
-    transformers reads it as a hub id ("Repo id must be in the form ..."), and a folder whose ``file`` is a folder;
-    idempotent."""
+    ``holds``; ``config_file_name=`` may name another) refusing what :func:`settings_path_problem` finds before
+    transformers or PEFT read the path as a hub id ("Repo id must be in the form ...", "Can't find
+    'adapter_config.json'"); idempotent."""
     if getattr(from_pretrained, "__helm_explained__", False):
         return from_pretrained
 
     @functools.wraps(from_pretrained)
     def checked(cls, pretrained_model_name=None, *args, **kwargs):
-        problem = unloadable_path_problem(pretrained_model_name)
-        if problem is None and Path(os.fspath(pretrained_model_name)).is_file():
-            problem = (f"expects a folder (holding {holds}), not a file; use "
-                       f"{str(Path(os.fspath(pretrained_model_name)).parent)!r}")
-        elif problem is None and (problem := folder_entry_problem(Path(os.fspath(pretrained_model_name)) / (
-                kwargs.get("subfolder") or ""), [kwargs.get("config_file_name") or file], "save_pretrained")):
-            problem += "; copy the files save_pretrained wrote"
-        if problem:
+        if problem := settings_path_problem(pretrained_model_name, kwargs.get("config_file_name") or file, holds,
+                                            kwargs.get("subfolder") or ""):
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name)}): {problem}")
         return from_pretrained(cls, pretrained_model_name, *args, **kwargs)
 

@@ -296,3 +296,17 @@ def test_an_adapter_config_that_is_a_folder_is_named(tmp_path, how):
                                                     r"(PeftModel\.)?save_pretrained writes; (save the adapter again|"
                                                     r"copy the files save_pretrained wrote)$"):
         load(tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("loader", ["AutoTokenizer", "PreTrainedTokenizerFast", "GenerationConfig", "PeftConfig"])
+@pytest.mark.parametrize("subfolder", ["nope", "saved/tokenizer.json"], ids=["missing", "a file"])
+def test_a_missing_subfolder_is_named(tokenizer, tmp_path, loader, subfolder):
+    """subfolder= that the folder lacks: tokenizers said "Couldn't instantiate the backend tokenizer", PEFT "Can't
+    find 'adapter_config.json' at <the folder>" (no word of the subfolder)."""
+    import transformers
+
+    tokenizer.save_pretrained(tmp_path / "saved")
+    cls = getattr(peft, loader, None) or getattr(transformers, loader)
+    with pytest.raises((OSError, ValueError), match=rf"^\w+\.from_pretrained\({re.escape(repr(str(tmp_path)))}\): has "
+                                                    rf"no subfolder {re.escape(repr(subfolder))} \(subfolder=\)$"):
+        cls.from_pretrained(tmp_path, subfolder=subfolder)
