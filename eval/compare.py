@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from helm.evaluation import MODEL_SPEC_HELP, EvalError, check_writable, run_script, split_model_spec
+from helm.evaluation import MODEL_SPEC_HELP, EvalError, check_writable, run_script, split_model_spec, user_path
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 ACCURACY_METRICS = ("acc", "acc_norm", "exact_match")
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--raw", action="store_true", help="show accuracies as stored (0-1), not in percent")
     parser.add_argument("--stderr", action="store_true", help="append ± standard error where known")
     parser.add_argument("--digits", type=int, default=1, help="decimals for percentages (default 1)")
-    parser.add_argument("--output", type=Path, metavar="MD",
+    parser.add_argument("--output", type=user_path, metavar="MD",
                         help="also write the table to this file (.md, .markdown or .txt; another suffix is refused)")
     return parser
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
     MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_window, check_writable, data_files,
-    load_checkpoint, load_texts, model_names, run_script, token_stream, write_json)
+    load_checkpoint, load_texts, model_names, run_script, token_stream, user_path, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 from helm.nn.validation import integer, optional  # noqa: E402
 
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
     add_loading_arguments(parser)
-    parser.add_argument("--output-dir", type=Path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
+    parser.add_argument("--output-dir", type=user_path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 

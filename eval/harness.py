@@ -27,7 +27,7 @@ from lm_eval.utils import make_table
 
 from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_checkpoint, check_hub_model,
                              check_suffix, check_tokenizer, check_vocabulary, check_writable, run_script,
-                             split_model_spec, write_json)
+                             split_model_spec, user_path, write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", default="1", help="an integer or 'auto' (default 1)")
     add_loading_arguments(parser)
     parser.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction < 1)")
-    parser.add_argument("--output", metavar="JSON", help="write the merged results here (a .json file)")
+    parser.add_argument("--output", type=user_path, metavar="JSON", help="write the merged results here (a .json file)")
     parser.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the result file")
     parser.add_argument("--dry-run", action="store_true", help="print the equivalent stock lm_eval commands and exit")
     parser.add_argument("--no-progress", action="store_true",

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from helm.evaluation import (MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments,  # noqa: E402
                              check_argument, check_window, check_writable, data_files, format_perplexity,
                              load_checkpoint, load_texts, model_names, perplexity, rows_nll, run_script,
-                             sliding_windows, token_stream, with_rope_scaling, write_json)
+                             sliding_windows, token_stream, user_path, with_rope_scaling, write_json)
 from helm.nn.validation import integer, optional  # noqa: E402
 
 OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="RoPE scalings applied at evaluation to rotary models, each its own line (default none)")
     parser.add_argument("--batch-size", type=int, default=1)
     add_loading_arguments(parser)
-    parser.add_argument("--output-dir", type=Path, default=Path("length_extrapolation"),
+    parser.add_argument("--output-dir", type=user_path, default=Path("length_extrapolation"),
                         help="where the CSV, PNG and JSON go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (EvalError, check_argument, check_distinct, check_suffix,  # noqa: E402
-                             check_writable, run_script)
+                             check_writable, run_script, user_path)
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
@@ -170,10 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alibi-head", type=int, help="ALiBi head to show (default: the last, gentlest slope)")
     parser.add_argument("--rope3d-chunk-size", type=int, default=512, help="rope3d chunk size (default 512)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="pe_decay.png",
+    parser.add_argument("--output", type=user_path, default="pe_decay.png",
                         help="figure to write, its format taken from the suffix (.png, .pdf, .svg, ...; refused "
                              "before anything is computed if matplotlib cannot write it) (default: pe_decay.png)")
-    parser.add_argument("--csv", type=Path, help="also write the curves as CSV (a .csv file)")
+    parser.add_argument("--csv", type=user_path, help="also write the curves as CSV (a .csv file)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_suffix,
                              check_window, check_writable, data_files, format_perplexity, load_checkpoint, load_texts,
-                             run_script, split_model_spec, text_perplexity, write_json)
+                             run_script, split_model_spec, text_perplexity, user_path, write_json)
 from helm.nn.validation import integer, optional
 
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8)
     add_loading_arguments(parser)
     parser.add_argument("--label", help="task name in the result file (default: the text source)")
-    parser.add_argument("--output", metavar="JSON",
+    parser.add_argument("--output", type=user_path, metavar="JSON",
                         help="write the result here, a .json file (eval/compare.py reads it)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser

@@ -55,6 +55,13 @@ def run_script(main: Callable, argv: Optional[list[str]] = None):
         raise SystemExit(2) from None
 
 
+def user_path(text: str) -> Path:
+    """An ``argparse`` ``type`` for a path option: ``text`` with a leading ``~`` expanded. The shell expands an unquoted
+    ``~`` only; a quoted one (``--output '~/r.json'``) would otherwise create a folder named ``~`` in the current
+    directory."""
+    return Path(text).expanduser()
+
+
 def check_writable(path, name: str, *, folder: bool = False, files: Iterable[str] = (),
                    inputs: Iterable = (), models: Iterable = ()) -> Path:
     """``path`` as a ``Path`` once it is known that a result can be written there (``folder``: into it), else an

@@ -18,13 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helm import data  # noqa: E402
+from helm.evaluation import user_path  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     sources = ", ".join(f"{name} ({source.description})" for name, source in data.SOURCES.items())
     parser = argparse.ArgumentParser(description="Build the offline corpus (train/validation JSONL) and train its "
                                      "tokenizer.", epilog=f"Available sources: {sources}.")
-    parser.add_argument("--out", type=Path, default=Path("data/default"), help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=user_path, default=Path("data/default"),
+                        help="output folder (default: %(default)s)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default: %(default)s)")
     parser.add_argument("--sources", nargs="+", default=list(data.DEFAULT_SOURCES), metavar="NAME",
                         help="corpus sources to include (default: %(default)s)")

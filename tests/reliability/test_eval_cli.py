@@ -565,3 +565,59 @@ def test_curvature_lorentz_distance_only_between_points_of_the_hyperboloid(paths
     assert exit_info.value.code == 2
     assert re.search(r"error: --distance lorentz: .* --model 'llama' \(model_type 'llama'\)", capsys.readouterr().err)
     assert not list((tmp_path / "refused").glob("curvature*"))
+
+
+# (script, its arguments before the output option, the output option, the file or folder given under '~')
+TILDE_OUTPUTS = [
+    ("compare", ["{result}"], "--output", "table.md"),
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1"], "--output", "decay.png"),
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--csv"], None, "curves.csv"),
+    ("perplexity", ["--model", "{tiny}", "--files", "{text}", "--seq-len", "4", "--max-windows", "1",
+                    "--no-progress"], "--output", "ppl.json"),
+]
+
+
+@pytest.mark.parametrize("script, before, option, name", TILDE_OUTPUTS, ids=[f"{c[0]} {c[3]}" for c in TILDE_OUTPUTS])
+def test_a_quoted_tilde_output_is_written_under_home(paths, tiny_checkpoint, tmp_path, monkeypatch, script, before,
+                                                     option, name):
+    """--output '~/x' (quoted, so the shell leaves the '~') created a folder named '~' in the current directory; the
+    scripts expand it (helm.evaluation.user_path), as train.py's output_dir."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    argv = [arg.format(tiny=tiny_checkpoint, **paths) for arg in before] + ([option] if option else []) + [f"~/{name}"]
+    run_script(load_script(script).main, argv)
+    assert (home / name).is_file() and not (cwd / "~").exists()
+
+
+@pytest.mark.parametrize("script, option", [("curvature", "--output-dir"), ("harness", "--output"),
+                                            ("length_extrapolation", "--output-dir")])
+def test_the_other_output_options_expand_a_tilde(tmp_path, monkeypatch, script, option):
+    """The options of the slower scripts, parsed: the same type as the scripts run above."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = load_script(script).build_parser()
+    action = next(action for action in parser._actions if option in action.option_strings)
+    assert action.type("~/out") == tmp_path / "out"
+
+
+@pytest.mark.parametrize("script, option", [("convert_official", "--output"), ("build_data", "--out")])
+def test_the_scripts_output_folders_expand_a_tilde(tmp_path, monkeypatch, capsys, script, option):
+    """scripts/: the output folder of convert_official.py (run on the official fixture) and build_data.py."""
+    import importlib.util
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location(f"{script}_script", REPO / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if script == "build_data":  # building downloads a corpus: the parsed option is checked instead
+        built = []
+        monkeypatch.setattr(module.data, "build_default_data", lambda out, **kwargs: built.append(out) or out)
+        assert module.main([option, "~/data", "--quiet"]) == 0
+        assert built == [tmp_path / "home" / "data"]
+        return
+    code = module.main(["--checkpoint", str(REPO / "tests" / "fixtures" / "official" / "helm_d_tiny.pt"),
+                        option, "~/converted"])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "home" / "converted" / "config.json").is_file() and not (tmp_path / "~").exists()
