@@ -504,17 +504,40 @@ def checking_save_directory(save_pretrained):
     return checked
 
 
+def checking_repo_id(push_to_hub):
+    """``push_to_hub`` (a method whose first argument is a hub repository id) refusing a local path before anything is
+    written or uploaded (:func:`looks_like_local_path`: the hub's "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'" says nothing of the folder the user meant); idempotent."""
+    if getattr(push_to_hub, "__helm_checked__", False):
+        return push_to_hub
+
+    @functools.wraps(push_to_hub)
+    def checked(self, repo_id, *args, **kwargs):
+        if isinstance(repo_id, (str, os.PathLike)) and looks_like_local_path(repo_id):
+            raise ValueError(f"{type(self).__name__}.push_to_hub({_shown(repo_id)}): push_to_hub uploads to a hub "
+                             "repository ('name' or 'owner/name'), and this is a local path; to write a folder use "
+                             f"save_pretrained({_shown(os.path.expanduser(os.fspath(repo_id)))})")
+        return push_to_hub(self, repo_id, *args, **kwargs)
+
+    checked.__helm_checked__ = True
+    return checked
+
+
 def install_auto_load_messages() -> None:
-    """Wrap ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained`` and the tokenizer classes'
-    (``PreTrainedTokenizerBase``: path checks only) and every Auto model class's ``from_pretrained`` with
-    :func:`_explained`, ``GenerationConfig.from_pretrained`` with :func:`checking_folder`, and the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer
-    classes with :func:`checking_save_directory` (HELM's models check first themselves); idempotent. These are
-    transformers' classes, so a Llama model or tokenizer gets the same messages."""
+    """Wrap, idempotently, transformers' classes (so a Llama model or tokenizer gets the same messages):
+
+    * ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained``, the tokenizer classes' (path checks only)
+      and every Auto model class's with :func:`_explained`; ``GenerationConfig.from_pretrained`` with
+      :func:`checking_folder`;
+    * the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer classes with
+      :func:`checking_save_directory` (HELM's models check first themselves);
+    * every ``push_to_hub`` with :func:`checking_repo_id`."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    from transformers.utils import PushToHubMixin
 
     owners = [(AutoConfig, {"json_file_ok": True, "need_model_type": True}), (AutoTokenizer, {"tokenizer": True}),
               (PreTrainedTokenizerBase, {"tokenizer": True})]
@@ -530,5 +553,7 @@ def install_auto_load_messages() -> None:
     GenerationConfig.from_pretrained = classmethod(checking_folder(
         GenerationConfig.__dict__["from_pretrained"].__func__, "generation_config.json",
         "generation_config.json, or the file config_file_name= names"))
+    for owner in (PushToHubMixin, PretrainedConfig, PreTrainedTokenizerBase):  # each holds a copy of the method
+        owner.push_to_hub = checking_repo_id(owner.__dict__["push_to_hub"])
     for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
         owner.save_pretrained = checking_save_directory(owner.__dict__["save_pretrained"])

@@ -1191,6 +1191,38 @@ def test_from_config_takes_dtype_names_and_auto(family):
     assert AutoModel.from_config(tiny_config(family), torch_dtype=torch.float64).dtype == torch.float64
 
 
+class _HubReached(Exception):
+    pass
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+@pytest.mark.parametrize("saver_case, saver", SAVERS, ids=[c[0] for c in SAVERS])
+@pytest.mark.parametrize("repo_id", ["~/x", "/abs/x", "./x", "a/b/c", "owner/name"])
+def test_push_to_hub_of_a_local_path_is_refused(models, tokenizer, tmp_path, monkeypatch, family, saver_case, saver,
+                                                 repo_id):
+    """push_to_hub('~/x') (meant as a folder) reached the hub's id check: "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'". A local path is named, with the save_pretrained call to use; a hub id goes on to the
+    hub (here a stand-in that stops there)."""
+    class Hub:
+        def __getattr__(self, name):
+            raise _HubReached(name)
+
+    monkeypatch.setattr("transformers.utils.hub.hf_api", lambda: Hub())
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", lambda *args, **kwargs: Hub().create_repo)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    target = saver(models[family], tokenizer)
+    if repo_id == "owner/name":
+        with pytest.raises(_HubReached):
+            target.push_to_hub(repo_id)
+        return
+    with pytest.raises(ValueError, match=rf"^\w+\.push_to_hub\({re.escape(repr(repo_id))}\): push_to_hub uploads to a "
+                                         r"hub repository \('name' or 'owner/name'\), and this is a local path; to "
+                                         r"write a folder use save_pretrained\('[^~]+'\)$"):
+        target.push_to_hub(repo_id)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])
 @pytest.mark.parametrize("saver_case, saver", SAVERS, ids=[c[0] for c in SAVERS])
 def test_an_empty_save_directory_is_named(models, tokenizer, tmp_path, monkeypatch, family, saver_case, saver):
