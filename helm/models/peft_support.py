@@ -136,6 +136,31 @@ def _shape_mismatch(model, shapes: dict[str, list[int]], prefix: str) -> str | N
     return None
 
 
+def _lora_settings_problem(config: dict, shapes: dict[str, list[int]]) -> str | None:
+    """Why a LoRA adapter's settings (``adapter_config.json`` read as ``config``) do not fit, or cannot build, the
+    weights saved beside them (``shapes``): ``r`` not a positive integer or ``lora_alpha`` not a number (PEFT: a
+    ``TypeError`` such as "'<=' not supported between instances of 'str' and 'int'"), or an ``r`` other than the
+    rank of the saved ``lora_A`` weights (transformers: "look at the above report"; a ``rank_pattern`` of per-module
+    ranks is not compared). None otherwise, and for other PEFT methods."""
+    if config.get("peft_type") != "LORA":
+        return None
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        return f"{ADAPTER_CONFIG} has r={json.dumps(rank)}, not a positive integer (the LoRA rank); fix it or save the " \
+               "adapter again"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        return f"{ADAPTER_CONFIG} has lora_alpha={json.dumps(alpha)}, not a number; fix it or save the adapter again"
+    if config.get("rank_pattern"):
+        return None
+    for key in sorted(shapes):
+        parts = key.split(".")
+        if "lora_A" in parts and len(shapes[key]) == 2 and shapes[key][0] != rank:
+            return (f"{ADAPTER_CONFIG} has r={rank}, but the saved {'.'.join(parts[:parts.index('lora_A') + 1])} "
+                    f"holds {shapes[key]} (rank {shapes[key][0]}): these settings are not the ones the weights were "
+                    "saved with; fix r or save the adapter again")
+    return None
+
+
 def _tuner_prefix(peft_type) -> str | None:
     """The prefix of the parameters a PEFT method adds to a module (``lora_`` for LoRA), from PEFT's own table."""
     try:
@@ -244,6 +269,8 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     if (kind := config.get("peft_type")) is not None and _tuner_prefix(kind) is None and _peft_knows_types():
         return (f"{ADAPTER_CONFIG} has peft_type={kind!r}, which is no PEFT method this PEFT knows; fix it or save "
                 "the adapter again")
+    if problem := _lora_settings_problem(config, shapes):
+        return problem
     ours = getattr(model.config, "model_type", None)
     base = config.get("base_model_name_or_path")
     theirs = _base_model_type(base)

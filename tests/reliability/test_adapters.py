@@ -228,17 +228,29 @@ DAMAGED_ADAPTERS = [
     ("weights short of their end", lambda f: _cut(f / WEIGHTS, lambda size: size - 10),
      rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: .*" + DAMAGE),
     # re-probe 10 L017/L020: a KeyError from inside PEFT, and "OSError: No such device (os error 19)"
-    ("unknown peft_type", lambda f: _set_peft_type(f, "NOPE"),
+    ("unknown peft_type", lambda f: _set_setting(f, "peft_type", "NOPE"),
      r"adapter_config\.json has peft_type='NOPE', which is no PEFT method this PEFT knows; fix it or save the adapter "
      r"again$"),
     ("weights file a folder", lambda f: ((f / WEIGHTS).unlink(), (f / WEIGHTS).mkdir()),
      rf"{WEIGHTS} is a folder, not the file PeftModel\.save_pretrained writes; save the adapter again$"),
+    # settings that cannot build the saved weights: PEFT's TypeError ("'<=' not supported between instances of 'str'
+    # and 'int'") or transformers' "look at the above report"
+    ("r a string", lambda f: _set_setting(f, "r", "4"),
+     r'adapter_config\.json has r="4", not a positive integer \(the LoRA rank\); fix it or save the adapter again$'),
+    ("r 0", lambda f: _set_setting(f, "r", 0), r"adapter_config\.json has r=0, not a positive integer"),
+    ("r true", lambda f: _set_setting(f, "r", True), r"adapter_config\.json has r=true, not a positive integer"),
+    ("lora_alpha a string", lambda f: _set_setting(f, "lora_alpha", "x"),
+     r'adapter_config\.json has lora_alpha="x", not a number; fix it or save the adapter again$'),
+    ("r other than the weights' rank", lambda f: _set_setting(f, "r", 8),
+     r"adapter_config\.json has r=8, but the saved base_model\.model\.model\.layers\.0\.self_attn\.\w+\.lora_A holds "
+     r"\[4, 33\] \(rank 4\): these settings are not the ones the weights were saved with; fix r or save the adapter "
+     r"again$"),
 ]
 
 
-def _set_peft_type(folder, kind):
+def _set_setting(folder, key, value):
     settings = json.loads((folder / "adapter_config.json").read_text())
-    (folder / "adapter_config.json").write_text(json.dumps({**settings, "peft_type": kind}))
+    (folder / "adapter_config.json").write_text(json.dumps({**settings, key: value}))
 
 
 @pytest.mark.parametrize("how", ADAPTER_LOADERS)
