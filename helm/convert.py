@@ -45,7 +45,7 @@ def _read(path_or_state_dict) -> tuple[dict, Optional[dict]]:
     if isinstance(path_or_state_dict, Mapping):
         state = dict(path_or_state_dict)
     else:
-        path = os.fspath(path_or_state_dict)
+        path = os.path.expanduser(os.fspath(path_or_state_dict))
         if os.path.isdir(path):
             raise IsADirectoryError(_folder_message(path))
         if not os.path.isfile(path):

@@ -35,7 +35,7 @@ def parse_setting(text: str) -> tuple[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, type=Path, help="the official torch.save file")
+    parser.add_argument("--checkpoint", required=True, type=user_path, help="the official torch.save file")
     parser.add_argument("--output", required=True, type=user_path, help="folder to save_pretrained into")
     parser.add_argument("--model", choices=MODELS, help="official model kind (default: detected from the keys)")
     parser.add_argument("--tokenizer", help="tokenizer folder or hub name to save alongside (the official models "

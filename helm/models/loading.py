@@ -27,6 +27,9 @@ from pathlib import Path
 from ..manifest import MANIFEST, STATE_FILE, manifest_problem, read_manifest, run_of
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# the files of a PEFT adapter folder (PeftModel.save_pretrained)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # the files of a save_pretrained folder that from_pretrained reads when they are there (a generation_config.json
 # that is a folder is skipped without a word: the model loads with default generation settings)
 CHECKPOINT_FILES = ("config.json", "generation_config.json", MANIFEST) + WEIGHT_FILES
@@ -61,6 +64,10 @@ def tokenizer_files_problem(folder: str | os.PathLike) -> str | None:
 
 # every file a tokenizer folder may hold that transformers reads when it is there
 TOKENIZER_FOLDER_FILES = TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+# the files some save_pretrained writes (a model's, a tokenizer's, an adapter's, a processor's; README.md: PEFT's model
+# card); one of them that is a folder in the save directory is refused before writing (save_directory_problem)
+SAVED_FILES = CHECKPOINT_FILES + TOKENIZER_FOLDER_FILES + (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, "README.md",
+                                                           "preprocessor_config.json", "processor_config.json")
 
 
 def folder_entry_problem(folder: Path, names, writer: str) -> str | None:
@@ -172,7 +179,9 @@ def save_directory_problem(save_directory) -> tuple[type[Exception], str] | None
     """Why ``save_pretrained(save_directory)`` must not write, and the exception to raise: an empty path or not a
     path (``ValueError``; transformers: "No such file or directory: ''"), one starting with ``~``
     (:func:`tilde_save_problem`, ``ValueError``), an existing file or a path under one (``NotADirectoryError``;
-    transformers logs an error and saves nothing, or raises an ``AssertionError``); None otherwise. Checked by every
+    transformers logs an error and saves nothing, or raises an ``AssertionError``), a folder there in place of a file
+    the save writes (:data:`SAVED_FILES`; ``IsADirectoryError``: the writers' "Is a directory (os error 21)" named
+    no file); None otherwise. Checked by every
     ``save_pretrained`` before anything is written (:func:`checking_save_directory`)."""
     if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
         return ValueError, "save_directory is empty (or not a path); give a folder (it is created if missing)"
@@ -183,6 +192,9 @@ def save_directory_problem(save_directory) -> tuple[type[Exception], str] | None
     if blocking is not None:
         what = "is an existing file" if blocking == path else f"lies under {str(blocking)!r}, an existing file"
         return NotADirectoryError, f"the save directory {what}; give a folder (it is created if missing)"
+    if path.is_dir() and (problem := folder_entry_problem(path, SAVED_FILES, "save_pretrained")):
+        return IsADirectoryError, (f"in the save directory, {problem} there; move it away or save elsewhere "
+                                   "(nothing was written)")
     return None
 
 
@@ -392,17 +404,21 @@ def _shown(where) -> str:
 
 
 def missing_tokenizer_config_note(where, tokenizer, subfolder: str = "") -> str | None:
-    """Why the tokenizer just loaded from the local folder ``where`` (``/subfolder``) lacks its special tokens: the
-    folder has a ``tokenizer.json`` but no ``tokenizer_config.json`` (where eos, bos and pad are kept), and the
-    tokenizer has no eos token. None otherwise (hub ids included)."""
-    if not isinstance(where, (str, os.PathLike)) or getattr(tokenizer, "eos_token", None) is not None:
+    """Why the tokenizer just loaded from the local folder ``where`` (``/subfolder``) lacks special tokens: the
+    folder has a ``tokenizer.json`` but no ``tokenizer_config.json`` (where eos, bos and pad are kept), and some of
+    them are None (those passed as keywords are set). None otherwise (hub ids included)."""
+    if not isinstance(where, (str, os.PathLike)):
         return None
     folder = Path(os.fspath(where)) / (subfolder or "")
     if not (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").exists():
         return None
-    return ("the folder has tokenizer.json but no tokenizer_config.json, so the tokenizer has no special tokens "
-            "(eos, bos and pad are None: generation will not stop at an end of text, padding fails); copy the "
-            "tokenizer's files, or pass eos_token=/pad_token=")
+    missing = [name for name in ("eos", "bos", "pad") if getattr(tokenizer, f"{name}_token", None) is None]
+    if not missing:
+        return None
+    return (f"the folder has tokenizer.json but no tokenizer_config.json, so the tokenizer has no "
+            f"{', '.join(missing)} token ({' and '.join(missing)} None: without eos generation will not stop at an "
+            "end of text, without pad padding fails); copy the tokenizer's files, or pass "
+            f"{', '.join(name + '_token=' for name in missing)}")
 
 
 # set while a tokenizer's from_pretrained wrapped by _explained runs: AutoTokenizer.from_pretrained calls the
@@ -414,9 +430,10 @@ def _explained(original, **options):
     """``original`` (a ``from_pretrained`` classmethod's function), re-raising its ``OSError`` / ``ValueError`` /
     ``TypeError`` / ``KeyError`` with :func:`local_path_problem` when that finds one (a ``ValueError`` as a
     ``ValueError``, the others as an ``OSError``; transformers reads ``base_model_name_or_path`` of an adapter's
-    config by key). With ``tokenizer=True`` it also refuses a tokenizer file that is a folder before loading
-    (:func:`tokenizer_folder_entry_problem`) and warns when the loaded tokenizer lacks its special tokens
-    (:func:`missing_tokenizer_config_note`)."""
+    config by key, and a tokenizer_config.json holding a list with ``.get``). With ``tokenizer=True`` it also refuses,
+    before loading, a tokenizer file that is a folder (:func:`tokenizer_folder_entry_problem`) and a file given in
+    place of the folder (the tokenizer classes load a lone tokenizer.json without its special tokens), and warns
+    when the loaded tokenizer lacks its special tokens (:func:`missing_tokenizer_config_note`)."""
     tokenizer = options.get("tokenizer", False)
 
     @functools.wraps(original)
@@ -426,8 +443,10 @@ def _explained(original, **options):
         if problem := unloadable_path_problem(pretrained_model_name_or_path):  # transformers would fail (slowly)
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
         subfolder = kwargs.get("subfolder") or ""
-        if tokenizer and (problem := tokenizer_folder_entry_problem(pretrained_model_name_or_path, subfolder)):
-            # transformers would load without it
+        if tokenizer and (problem := tokenizer_folder_entry_problem(pretrained_model_name_or_path, subfolder) or (
+                Path(os.fspath(pretrained_model_name_or_path)).is_file() and local_path_problem(
+                    pretrained_model_name_or_path, tokenizer=True))):
+            # transformers would load without it (a tokenizer.json file alone: without its special tokens)
             raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {problem}")
         outer = getattr(_TOKENIZER_LOAD, "active", False)
         _TOKENIZER_LOAD.active = outer or tokenizer
@@ -437,7 +456,7 @@ def _explained(original, **options):
                 warnings.warn(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name_or_path)}): {note}",
                               UserWarning, stacklevel=2)
             return loaded
-        except (OSError, ValueError, TypeError, KeyError) as error:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             problem = local_path_problem(
                 pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
                 need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None, **options)
@@ -456,8 +475,8 @@ def _explained(original, **options):
 def settings_path_problem(where, file: str, holds: str, subfolder: str = "") -> str | None:
     """Why ``where`` (with ``subfolder``) cannot be the folder a settings file ``file`` is read from (``holds``
     describes it), as a sentence that follows ``from_pretrained(where)``: it can load nothing
-    (:func:`unloadable_path_problem`), it is an existing file, it lacks ``subfolder``, or its ``file`` is a folder;
-    None otherwise (a hub id included)."""
+    (:func:`unloadable_path_problem`), it is an existing file, it lacks ``subfolder``, or its ``file`` is a folder or
+    not a JSON object (:func:`json_file_problem`); None otherwise (a hub id included)."""
     if problem := unloadable_path_problem(where):
         return problem
     path = Path(os.fspath(where))
@@ -466,8 +485,10 @@ def settings_path_problem(where, file: str, holds: str, subfolder: str = "") -> 
         return f"expects a folder (holding {holds}), not a file; use {str(path.parent)!r}"
     if subfolder and path.is_dir() and not folder.is_dir():
         return f"has no subfolder {subfolder!r} (subfolder=)"
-    problem = folder_entry_problem(folder, [file], "save_pretrained")
-    return problem and f"{problem}; copy the files save_pretrained wrote"
+    if problem := folder_entry_problem(folder, [file], "save_pretrained"):
+        return f"{problem}; copy the files save_pretrained wrote"
+    problem = (folder / file).is_file() and json_file_problem(folder / file, holds=holds)
+    return problem and f"{problem}; fix it or save it again"
 
 
 def checking_folder(from_pretrained, file: str, holds: str):
@@ -523,20 +544,42 @@ def checking_repo_id(push_to_hub):
     return checked
 
 
+def checking_tokenizer_file(init):
+    """A fast tokenizer's ``__init__`` refusing ``tokenizer_file=`` starting with ``~`` (transformers does not expand
+    it and says "Couldn't instantiate the backend tokenizer from one of ...", naming no file); idempotent."""
+    if getattr(init, "__helm_checked__", False):
+        return init
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        file = kwargs.get("tokenizer_file")
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith("~"):
+            raise ValueError(f"{type(self).__name__}(tokenizer_file={_shown(file)}): "
+                             + tilde_problem(os.fspath(file), "the file would not be found"))
+        return init(self, *args, **kwargs)
+
+    checked.__helm_checked__ = True
+    return checked
+
+
 def install_auto_load_messages() -> None:
     """Wrap, idempotently, transformers' classes (so a Llama model or tokenizer gets the same messages):
 
     * ``AutoConfig.from_pretrained``, ``AutoTokenizer.from_pretrained``, the tokenizer classes' (path checks only)
       and every Auto model class's with :func:`_explained`; ``GenerationConfig.from_pretrained`` with
       :func:`checking_folder`;
-    * the ``save_pretrained`` of models, configs, ``GenerationConfig`` and the tokenizer classes with
-      :func:`checking_save_directory` (HELM's models check first themselves);
+    * the ``save_pretrained`` of models, configs, ``GenerationConfig``, the tokenizer classes and the processors
+      with :func:`checking_save_directory` (HELM's models check first themselves); the fast tokenizers' constructor
+      with :func:`checking_tokenizer_file`;
     * every ``push_to_hub`` with :func:`checking_repo_id`."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
     from transformers.models.auto import modeling_auto  # noqa: F401 (defines the Auto model classes)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    from transformers.feature_extraction_utils import FeatureExtractionMixin
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.processing_utils import ProcessorMixin
     from transformers.utils import PushToHubMixin
 
     owners = [(AutoConfig, {"json_file_ok": True, "need_model_type": True}), (AutoTokenizer, {"tokenizer": True}),
@@ -555,5 +598,7 @@ def install_auto_load_messages() -> None:
         "generation_config.json, or the file config_file_name= names"))
     for owner in (PushToHubMixin, PretrainedConfig, PreTrainedTokenizerBase):  # each holds a copy of the method
         owner.push_to_hub = checking_repo_id(owner.__dict__["push_to_hub"])
-    for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend):
+    for owner in (PreTrainedModel, PretrainedConfig, GenerationConfig, PreTrainedTokenizerBase, TokenizersBackend,
+                  ImageProcessingMixin, FeatureExtractionMixin, ProcessorMixin):
         owner.save_pretrained = checking_save_directory(owner.__dict__["save_pretrained"])
+    TokenizersBackend.__init__ = checking_tokenizer_file(TokenizersBackend.__dict__["__init__"])

@@ -243,11 +243,23 @@ class HelmPreTrainedModel(PreTrainedModel):
         """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.check_adapter`: an adapter
         saved for another model type, or holding weights for modules this model lacks, is a ``ValueError``, and so
         is a folder of adapter weights without ``adapter_config.json`` when no ``peft_config`` is passed (the
-        settings would be read from the folder)."""
+        settings would be read from the folder).
+
+        As ``from_pretrained`` does, ``subfolder=`` is taken (transformers' own takes it in ``adapter_kwargs`` only and
+        fails on it with a ``TypeError`` from an internal class), and a local adapter saved with
+        ``safe_serialization=False`` (``adapter_model.bin`` only) loads (transformers looks for
+        ``adapter_model.safetensors`` unless ``use_safetensors=False`` is passed)."""
+        if "subfolder" in kwargs:
+            kwargs["adapter_kwargs"] = {**(kwargs.get("adapter_kwargs") or {}), "subfolder": kwargs.pop("subfolder")}
         adapter_kwargs = kwargs.get("adapter_kwargs") or {}
         peft_config = args[1] if len(args) > 1 else kwargs.get("peft_config")  # after adapter_name
-        check_adapter(f"{type(self).__name__}.load_adapter", self, peft_model_id,
-                      subfolder=adapter_kwargs.get("subfolder") or "", need_config=peft_config is None)
+        subfolder = adapter_kwargs.get("subfolder") or ""
+        check_adapter(f"{type(self).__name__}.load_adapter", self, peft_model_id, subfolder=subfolder,
+                      need_config=peft_config is None)
+        if isinstance(peft_model_id, (str, os.PathLike)) and "use_safetensors" not in kwargs:
+            folder = Path(peft_model_id) / subfolder
+            if (folder / "adapter_model.bin").is_file() and not (folder / "adapter_model.safetensors").exists():
+                kwargs["use_safetensors"] = False
         return super().load_adapter(peft_model_id, *args, **kwargs)
 
     def _allow_new_head(self, where, info: dict) -> dict:

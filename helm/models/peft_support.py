@@ -34,9 +34,9 @@ import os
 import sys
 from pathlib import Path
 
+from .loading import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
 DEFAULT_TARGETS = {"helm_d": ["q_proj", "v_proj"], "helm_mice": ["q_proj", "v_proj", "kv_b_proj"]}
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # the prefix PEFT gives the keys of an adapter's saved weights (prompt-learning methods: "base_model." only)
 _SAVED_PREFIX = "base_model.model."
 
@@ -77,6 +77,25 @@ def _base_model_type(base) -> str | None:
     config = _read_json(file) if file is not None and file.is_file() else None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     return model_type if isinstance(model_type, str) else None
+
+
+def _class_model_type(name) -> str | None:
+    """The ``model_type`` of the model class named ``name`` (an adapter's ``auto_mapping.base_model_class``, which
+    PEFT records when the adapter has no ``task_type``): a HELM class, or one of transformers' Auto mappings; None
+    where unknown. Nothing is imported by name (PEFT's ``import_allowlist`` guards that)."""
+    import helm.models as zoo
+    from transformers.models.auto import modeling_auto
+
+    cls = getattr(zoo, name, None) if isinstance(name, str) else None
+    if isinstance(cls, type) and isinstance(getattr(getattr(cls, "config_class", None), "model_type", None), str):
+        return cls.config_class.model_type
+    for table_name, table in vars(modeling_auto).items():
+        if table_name.startswith("MODEL_") and table_name.endswith("_MAPPING_NAMES") and isinstance(table, dict):
+            found = next((model_type for model_type, names in table.items()
+                          if name == names or (isinstance(names, tuple) and name in names)), None)
+            if found is not None:
+                return found
+    return None
 
 
 def _adapter_shapes(folder: Path) -> tuple[dict[str, list[int]], str | None]:
@@ -266,6 +285,9 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     config = _read_json(folder / ADAPTER_CONFIG)
     if not isinstance(config, dict):
         return None
+    if "peft_type" in config and not isinstance(config["peft_type"], str):
+        return (f"{ADAPTER_CONFIG} has peft_type={json.dumps(config['peft_type'])}, not the name of a PEFT method "
+                "(e.g. \"LORA\"); fix it or save the adapter again")
     if (kind := config.get("peft_type")) is not None and _tuner_prefix(kind) is None and _peft_knows_types():
         return (f"{ADAPTER_CONFIG} has peft_type={kind!r}, which is no PEFT method this PEFT knows; fix it or save "
                 "the adapter again")
@@ -274,6 +296,9 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     ours = getattr(model.config, "model_type", None)
     base = config.get("base_model_name_or_path")
     theirs = _base_model_type(base)
+    if theirs is None and isinstance(mapping := config.get("auto_mapping"), dict):
+        theirs = _class_model_type(mapping.get("base_model_class"))
+        base = mapping.get("base_model_class") if theirs is not None else base
     if theirs is not None and ours is not None and theirs != ours:
         return (f"the adapter was trained on {base!r}, a {theirs} model, and this model is a {ours} model: PEFT would "
                 f"apply its weights to this model's modules of the same names and shapes; load it onto a {theirs} "

@@ -38,7 +38,7 @@ def preset_path(name_or_path: str) -> Path:
         raise TypeError(f"load_config: the preset argument name_or_path must be a preset name or the path of a JSON "
                         f"config file (str or os.PathLike), got {name_or_path!r}; the presets are "
                         f"{available_presets()}")
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if path.suffix == ".json" and path.is_file():
         return path
     candidate = PRESET_DIR / f"{name_or_path}.json"

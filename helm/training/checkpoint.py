@@ -83,15 +83,17 @@ def unloadable_files(checkpoint: Path):
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the checkpoint folders under ``root``, oldest first (``.tmp-`` folders excluded)."""
-    root = Path(root)
+    """``(step, path)`` of the checkpoint folders under ``root`` (``~`` expanded), oldest first (``.tmp-`` folders
+    excluded)."""
+    root = Path(root).expanduser()
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
     return sorted(found)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """The manifest of a complete, intact checkpoint; :class:`CheckpointError` saying what is wrong otherwise."""
-    path = Path(path)
+    """The manifest of a complete, intact checkpoint at ``path`` (``~`` expanded); :class:`CheckpointError` saying what
+    is wrong otherwise."""
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     advice = "delete it and resume from an earlier checkpoint with --resume PATH, or start over"

@@ -50,9 +50,7 @@ ADAPTERS = [
     ("helm_d adapter onto helm_mice, load_adapter", ("helm_d", {}, True), ("helm_mice", MHA), "load_adapter",
      r"^HelmMiCEForCausalLM\.load_adapter\('.*adapter'\): the adapter was trained on '.*base', a helm_d model"),
     ("helm_d adapter, base unknown, onto hmla", ("helm_d", {}, False), ("helm_mice", {}), "PeftModel",
-     r"the adapter holds weights for 2 module\(s\) this HelmMiCEForCausalLM does not have "
-     r"\(model\.layers\.0\.self_attn\.v_proj, model\.layers\.1\.self_attn\.v_proj\): PEFT would load the others and "
-     r"drop these without a word"),
+     r"the adapter was trained on 'HelmDForCausalLM', a helm_d model, and this model is a helm_mice model"),
     ("4-layer adapter onto 2 layers", ("helm_d", dict(num_hidden_layers=4), False), ("helm_d", {}), "PeftModel",
      r"the adapter holds weights for 4 module\(s\) this HelmDForCausalLM does not have \(model\.layers\.2\.self_attn"
      r"\.q_proj, model\.layers\.2\.self_attn\.v_proj, model\.layers\.3\.self_attn\.q_proj and 1 more\)"),
@@ -71,6 +69,14 @@ ADAPTERS = [
     ("mha adapter onto a wider mha", ("helm_mice", MHA, True), ("helm_mice", dict(MHA, hidden_size=37)),
      "load_adapter", r"^HelmMiCEForCausalLM\.load_adapter\('.*adapter'\): the adapter's model\.layers\.0\."
      r"self_attn\.q_proj\.lora_A holds \[4, 33\] \(in_features 33\), this model's q_proj takes 37"),
+    # re-probe 11 M166-M168: with no saved base (a model built from a config), the class PEFT records in
+    # auto_mapping names the model type; the same names and shapes loaded without a word
+    ("helm_d adapter, base unknown, onto mha", ("helm_d", {}, False), ("helm_mice", MHA), "load_adapter",
+     r"^HelmMiCEForCausalLM\.load_adapter\('.*adapter'\): the adapter was trained on 'HelmDForCausalLM', a helm_d "
+     r"model, and this model is a helm_mice model"),
+    ("mha adapter, base unknown, onto helm_d", ("helm_mice", MHA, False), ("helm_d", {}), "PeftModel",
+     r"^PeftModel\.from_pretrained\('.*adapter'\): the adapter was trained on 'HelmMiCEForCausalLM', a helm_mice "
+     r"model, and this model is a helm_d model"),
     ("own base, saved", ("helm_d", {}, True), ("helm_d", {}), "PeftModel", None),
     ("own base, built from config", ("helm_mice", {}, False), ("helm_mice", {}), "PeftModel", None),
     ("own base, load_adapter", ("helm_mice", {}, True), ("helm_mice", {}), "load_adapter", None),
@@ -228,6 +234,9 @@ DAMAGED_ADAPTERS = [
     ("weights short of their end", lambda f: _cut(f / WEIGHTS, lambda size: size - 10),
      rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: .*" + DAMAGE),
     # re-probe 10 L017/L020: a KeyError from inside PEFT, and "OSError: No such device (os error 19)"
+    ("peft_type null", lambda f: _set_setting(f, "peft_type", None),  # re-probe 11 M035: a bare KeyError: None
+     r'adapter_config\.json has peft_type=null, not the name of a PEFT method \(e\.g\. "LORA"\); fix it or save the '
+     r"adapter again$"),
     ("unknown peft_type", lambda f: _set_setting(f, "peft_type", "NOPE"),
      r"adapter_config\.json has peft_type='NOPE', which is no PEFT method this PEFT knows; fix it or save the adapter "
      r"again$"),
@@ -267,3 +276,43 @@ def test_a_damaged_adapter_names_its_file(folders, how, case, damage, match):
 def test_hub_ids_are_left_to_peft(adapter):
     """A str that may be a hub id and is not a local path is PEFT's (nothing is looked up here)."""
     assert adapter_path_problem(adapter) is None
+
+
+@pytest.mark.parametrize("subfolder, match", [("nope", r"has no subfolder 'nope' \(subfolder=\)$"), ("sub", None)],
+                         ids=["missing", "present"])
+def test_load_adapter_takes_a_subfolder(folders, tmp_path, subfolder, match):
+    """re-probe 11 M045: model.load_adapter(path, subfolder=...) raised transformers' TypeError "LoadStateDictConfig
+    .__init__() got an unexpected keyword argument 'subfolder'" (Llama too); it is taken as from_pretrained takes it."""
+    (tmp_path / "sub").mkdir()
+    for file in (folders / "adapter").iterdir():
+        (tmp_path / "sub" / file.name).write_bytes(file.read_bytes())
+    model = _base("helm_d")
+    if match is None:
+        model.load_adapter(str(tmp_path), subfolder=subfolder)
+        assert any("lora_A" in name for name, _ in model.named_parameters())
+        return
+    with pytest.raises(ValueError, match=rf"^HelmDForCausalLM\.load_adapter\('\S+'\): {match}"):
+        model.load_adapter(str(tmp_path), subfolder=subfolder)
+
+
+@torch.no_grad()
+def test_an_adapter_saved_without_safetensors_loads_with_load_adapter(tmp_path):
+    """re-probe 11 M051: an adapter saved with safe_serialization=False (adapter_model.bin) failed in
+    model.load_adapter with "No such file or directory: adapter_model.safetensors" (Llama too); it loads as
+    PeftModel.from_pretrained loads it, with the same outputs."""
+    trained = peft.get_peft_model(_base("helm_d"), peft.LoraConfig(r=4, init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "adapter", safe_serialization=False)
+    assert sorted(p.name for p in (tmp_path / "adapter").glob("adapter_model.*")) == ["adapter_model.bin"]
+    model = _base("helm_d")
+    model.load_adapter(str(tmp_path / "adapter"))
+    torch.testing.assert_close(model(IDS).logits, trained(IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_auto_peft_names_a_damaged_adapter_config(folders, tmp_path):
+    """re-probe 11 M049: AutoPeftModelForCausalLM with a non-JSON adapter_config.json raised a bare JSONDecodeError
+    naming no file (PEFT's config loader; Llama too)."""
+    path = _damage(folders, "damaged-for-auto-peft", lambda f: (f / "adapter_config.json").write_text("{nope"))
+    with pytest.raises(OSError, match=rf"^PeftConfig\.from_pretrained\({re.escape(repr(str(path)))}\): "
+                                      r"adapter_config\.json is not valid JSON \(Expecting property name enclosed in "
+                                      r"double quotes at line 1, column 2\); fix it or save it again$"):
+        peft.AutoPeftModelForCausalLM.from_pretrained(str(path))

@@ -1191,6 +1191,28 @@ def test_from_config_takes_dtype_names_and_auto(family):
     assert AutoModel.from_config(tiny_config(family), torch_dtype=torch.float64).dtype == torch.float64
 
 
+# (saver case of SAVERS, a file that save_pretrained writes); saving over a folder of that name gave "Is a directory
+# (os error 21)" naming no file (safetensors, tokenizers), or the hub's "Repo id must be in the form ..." (PEFT's
+# README.md) (re-probe 11 M026, M031, M032, M204)
+SAVED_FILE_FOLDERS = [("model", "model.safetensors"), ("config", "config.json"),
+                      ("generation config", "generation_config.json"), ("tokenizer", "tokenizer.json"),
+                      ("PEFT model", "adapter_model.safetensors"), ("PEFT model", "README.md"),
+                      ("PEFT config", "adapter_config.json")]
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+@pytest.mark.parametrize("saver_case, name", SAVED_FILE_FOLDERS, ids=[f"{c[0]} {c[1]}" for c in SAVED_FILE_FOLDERS])
+def test_saving_over_a_folder_named_as_a_saved_file_is_refused(models, tokenizer, tmp_path, family, saver_case, name):
+    saver = dict(SAVERS)[saver_case]
+    (tmp_path / name / "kept.txt").parent.mkdir()
+    (tmp_path / name / "kept.txt").write_text("keep me")
+    with pytest.raises(IsADirectoryError, match=rf"^\w+\.save_pretrained\('\S+'\): in the save directory, "
+                                                rf"{re.escape(name)} is a folder, not the file save_pretrained writes "
+                                                r"there; move it away or save elsewhere \(nothing was written\)$"):
+        saver(models[family], tokenizer).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([name, "kept.txt"])
+
+
 class _HubReached(Exception):
     pass
 

@@ -11,6 +11,7 @@ and the message fragment after ``Class.from_pretrained(path): `` (None: it loads
 import json
 import re
 import warnings
+from pathlib import Path
 
 import peft
 import pytest
@@ -184,11 +185,14 @@ def test_a_tokenizer_folder_without_a_usable_tokenizer_json_is_named(tokenizer, 
 
 
 @pytest.mark.parametrize("loader, shown", TOKENIZER_LOADERS, ids=[c[1] for c in TOKENIZER_LOADERS])
-@pytest.mark.parametrize("given", [{}, {"eos_token": "<|endoftext|>"}], ids=["no eos given", "eos_token given"])
-def test_a_tokenizer_folder_without_tokenizer_config_warns(tokenizer, tmp_path, loader, shown, given):
+@pytest.mark.parametrize("given, missing", [({}, ["eos", "bos", "pad"]), ({"eos_token": "<|endoftext|>"}, ["bos", "pad"]),
+                                            ({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+                                              "pad_token": "<|pad|>"}, [])],
+                         ids=["none given", "eos given (re-probe 11 M227)", "all given"])
+def test_a_tokenizer_folder_without_tokenizer_config_warns(tokenizer, tmp_path, loader, shown, given, missing):
     """re-probe 10 L111: tokenizer.json without tokenizer_config.json loaded with eos, bos and pad None, without a
-    word (transformers keeps the special tokens in tokenizer_config.json); it warns, naming the file, unless the
-    eos token is passed."""
+    word (transformers keeps the special tokens in tokenizer_config.json); it warns, naming the file and the tokens
+    still None (those passed as keywords are set)."""
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(folder)
     (folder / "tokenizer_config.json").unlink()
@@ -196,14 +200,15 @@ def test_a_tokenizer_folder_without_tokenizer_config_warns(tokenizer, tmp_path, 
         warnings.simplefilter("always")
         loaded = loader.from_pretrained(folder, **given)
     notes = [str(w.message) for w in caught if "tokenizer_config.json" in str(w.message)]
-    assert loaded.eos_token == given.get("eos_token")
-    if given:
+    assert [name for name in ("eos", "bos", "pad") if getattr(loaded, f"{name}_token") is None] == missing
+    if not missing:
         assert notes == []
     else:
         assert notes == [f"{shown}.from_pretrained({str(folder)!r}): the folder has tokenizer.json but no "
-                         "tokenizer_config.json, so the tokenizer has no special tokens (eos, bos and pad are None: "
-                         "generation will not stop at an end of text, padding fails); copy the tokenizer's files, or "
-                         "pass eos_token=/pad_token="]
+                         f"tokenizer_config.json, so the tokenizer has no {', '.join(missing)} token "
+                         f"({' and '.join(missing)} None: without eos generation will not stop at an end of text, "
+                         "without pad padding fails); copy the tokenizer's files, or pass "
+                         f"{', '.join(name + '_token=' for name in missing)}"]
     with warnings.catch_warnings(record=True) as caught:  # an intact folder is silent
         warnings.simplefilter("always")
         tokenizer.save_pretrained(tmp_path / "intact")
@@ -310,3 +315,68 @@ def test_a_missing_subfolder_is_named(tokenizer, tmp_path, loader, subfolder):
     with pytest.raises((OSError, ValueError), match=rf"^\w+\.from_pretrained\({re.escape(repr(str(tmp_path)))}\): has "
                                                     rf"no subfolder {re.escape(repr(subfolder))} \(subfolder=\)$"):
         cls.from_pretrained(tmp_path, subfolder=subfolder)
+
+
+def test_a_tokenizer_file_given_for_the_folder_is_refused(tokenizer, tmp_path):
+    """re-probe 11 M203: PreTrainedTokenizerFast.from_pretrained(<the tokenizer.json file>) loaded it alone, without
+    its special tokens (eos, bos and pad None), and without a word; AutoTokenizer refused it."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    file = tmp_path / "tokenizer" / "tokenizer.json"
+    for loader, shown in TOKENIZER_LOADERS:
+        with pytest.raises(OSError, match=rf"^{shown}\.from_pretrained\({re.escape(repr(str(file)))}\): expects a "
+                                          rf"tokenizer folder, not a file; use {re.escape(repr(str(file.parent)))}$"):
+            loader.from_pretrained(file)
+
+
+def test_a_tokenizer_config_holding_a_list_is_named(tokenizer, tmp_path):
+    """re-probe 11 M234: a bare "AttributeError: 'list' object has no attribute 'get'" (AutoTokenizer; the class:
+    "TypeError: pop expected at most 1 argument, got 2"), kept as the cause."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text("[]")
+    for loader, shown in TOKENIZER_LOADERS:
+        with pytest.raises(OSError, match=rf"^{shown}\.from_pretrained\('\S+'\): tokenizer_config\.json holds a JSON "
+                                          r"list, not an object$") as err:
+            loader.from_pretrained(tmp_path / "tokenizer")
+        assert isinstance(err.value.__cause__, (AttributeError, TypeError))
+
+
+def test_a_tilde_tokenizer_file_is_named(tmp_path, monkeypatch):
+    """re-probe 11 M187: PreTrainedTokenizerFast(tokenizer_file='~/...') said "Couldn't instantiate the backend
+    tokenizer from one of ...", naming neither the file nor the '~'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError, match=r"^TokenizersBackend\(tokenizer_file='~/tk/tokenizer\.json'\): '~' is not "
+                                         r"expanded by transformers or PEFT \(the file would not be found\); pass "
+                                         rf"os\.path\.expanduser\(\.\.\.\) = "
+                                         rf"{re.escape(repr(str(tmp_path / 'tk' / 'tokenizer.json')))}$"):
+        PreTrainedTokenizerFast(tokenizer_file="~/tk/tokenizer.json")
+
+
+def test_a_processor_saved_to_a_tilde_path_is_refused(tmp_path, monkeypatch):
+    """re-probe 11 M189: an image processor's save_pretrained('~/ip') made a folder named '~' (transformers' class)."""
+    from transformers.image_processing_base import ImageProcessingMixin
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^ImageProcessingMixin\.save_pretrained\('~/ip'\): '~' is not expanded"):
+        ImageProcessingMixin().save_pretrained("~/ip")
+    assert not any(tmp_path.iterdir())
+
+
+def test_helpers_expand_a_tilde_path(tmp_path, monkeypatch):
+    """re-probe 11 M269-M272, O015: list_checkpoints('~/run/checkpoints') returned [] for a folder that held
+    checkpoints; verify_checkpoint, load_config and convert_official_checkpoint said a '~' path "does not exist"."""
+    import shutil
+
+    from helm import convert_official_checkpoint, load_config
+    from helm.training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    assert list_checkpoints("~/run/checkpoints") == [(2, tmp_path / "run" / "checkpoints" / "step-00000002")]
+    with pytest.raises(CheckpointError) as err:  # found, and refused for what it lacks
+        verify_checkpoint("~/run/checkpoints/step-00000002")
+    assert "does not exist" not in str(err.value)
+    load_config("helm-d-115m").save_pretrained(tmp_path / "cfg")
+    assert load_config("~/cfg/config.json").hidden_size == load_config("helm-d-115m").hidden_size
+    shutil.copy(Path(__file__).parents[1] / "fixtures" / "official" / "helm_d_tiny.pt", tmp_path / "off.pt")
+    assert convert_official_checkpoint("~/off.pt") is not None
