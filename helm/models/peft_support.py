@@ -83,11 +83,16 @@ def _class_model_type(name) -> str | None:
     """The ``model_type`` of the model class named ``name`` (an adapter's ``auto_mapping.base_model_class``, which
     PEFT records when the adapter has no ``task_type``): a HELM class, or one of transformers' Auto mappings; None
     where unknown. Nothing is imported by name (PEFT's ``import_allowlist`` guards that)."""
-    import helm.models as zoo
     from transformers.models.auto import modeling_auto
 
-    cls = getattr(zoo, name, None) if isinstance(name, str) else None
-    if isinstance(cls, type) and isinstance(getattr(getattr(cls, "config_class", None), "model_type", None), str):
+    from .modeling_common import HelmPreTrainedModel
+
+    pending, helm_classes = [HelmPreTrainedModel], []
+    while pending:  # the HELM classes defined so far (relative imports only: the remote-code bundle has no helm)
+        helm_classes.append(pending.pop())
+        pending.extend(helm_classes[-1].__subclasses__())
+    cls = next((cls for cls in helm_classes if cls.__name__ == name), None)
+    if cls is not None and isinstance(getattr(getattr(cls, "config_class", None), "model_type", None), str):
         return cls.config_class.model_type
     for table_name, table in vars(modeling_auto).items():
         if table_name.startswith("MODEL_") and table_name.endswith("_MAPPING_NAMES") and isinstance(table, dict):
