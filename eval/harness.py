@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise EvalError(f"--limit must be a positive count or fraction, got {args.limit:g}")
     if args.batch_size != "auto" and not (args.batch_size.isdigit() and int(args.batch_size) >= 1):
         raise EvalError(f"--batch-size must be an integer >= 1 or 'auto', got {args.batch_size!r}")
-    groups = [(args.tasks.split(","), args.num_fewshot)] if args.tasks else runs(SUITES[args.suite])
+    if args.tasks is not None and not any(task.strip() for task in args.tasks.split(",")):
+        raise EvalError(f"--tasks {args.tasks!r} names no task; give comma-separated lm-eval tasks, or leave it out to "
+                        f"run --suite (default {build_parser().get_default('suite')!r})")
+    groups = [([task.strip() for task in args.tasks.split(",") if task.strip()], args.num_fewshot)] if args.tasks \
+        else runs(SUITES[args.suite])
     if args.output:  # a task may be a YAML file, an input like the model
         check_writable(args.output, "--output", models=[path],
                        inputs=[Path(task) for tasks, _ in groups for task in tasks if Path(task).is_file()])

@@ -389,6 +389,10 @@ def check_local_folder(name: str, where, *, config=None, subfolder: str = "", gg
     if path.is_dir() and (problem := folder_entry_problem(path, CHECKPOINT_FILES, "save_pretrained")):
         raise OSError(f"{name}.from_pretrained({_shown(where)}): {problem} (the model would load without it or fail "
                       "on it); copy the checkpoint's files")
+    if (path / "generation_config.json").is_file() and (problem := json_file_problem(
+            path / "generation_config.json", holds="generation settings")):  # transformers skips it without a word
+        raise OSError(f"{name}.from_pretrained({_shown(where)}): {problem} (the model would load with default "
+                      "generation settings); fix it, or delete it to load those")
     if (path / MANIFEST).is_file():
         try:
             problem = manifest_problem(path, read_manifest(path), WEIGHT_FILE.match)

@@ -319,9 +319,12 @@ class HelmPreTrainedModel(PreTrainedModel):
     def post_init(self):
         """``transformers``' post-init, then every attention layer bound to this model's config
         (:meth:`~helm.nn.attention.LorentzAttentionBase.bind_config`): ``config.attn_impl`` (or
-        ``config._attn_implementation``) assigned after the model is built reaches the layers at their next call."""
+        ``config._attn_implementation``) assigned after the model is built reaches the layers at their next call. The
+        fields the layers read when they are built are recorded (:func:`built_config_fields`): :meth:`save_pretrained`
+        warns about those changed since."""
         super().post_init()
         self._bind_attention_to_config()
+        self._config_as_built = built_config_fields(self.config)
 
     def _bind_attention_to_config(self) -> None:
         for module in self.modules():
@@ -366,6 +369,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         ``state_dict=`` gives the weights), refused before anything is written."""
         call = f"{type(self).__name__}.save_pretrained({str(save_directory)!r})"
         check_save_directory(self, save_directory)
+        if note := changed_config_note(getattr(self, "_config_as_built", None), self.config):
+            warnings.warn(f"{call}: {note}", UserWarning, stacklevel=2)
         if kwargs.get("state_dict") is None and (unloaded := unloaded_weights(self)):
             raise ValueError(f"{call}: the model's weights are on the meta device (shapes without values: "
                              f"{len(unloaded)} tensors, e.g. {unloaded[0]!r}; built with device='meta' or "
@@ -419,6 +424,41 @@ def _mentions_weights(err: BaseException, files: list) -> bool:
 
 # the dtypes a HELM model is built and run in (helm.precision); transformers also reads their names
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# config fields a HELM model reads at each call, or that describe no layer: a change after the model is built is
+# followed (or changes nothing built); any other field is read by the layers when they are built
+RUNTIME_CONFIG_FIELDS = frozenset({
+    "attn_impl", "validate_inputs", "fused_lm_loss", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict", "pad_token_id", "bos_token_id", "eos_token_id", "architectures", "dtype", "torch_dtype",
+    "transformers_version", "problem_type", "id2label", "label2id", "initializer_range", "auto_map",
+    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class"})
+
+
+def built_config_fields(config) -> dict:
+    """The fields of ``config`` that a model's layers read when they are built (not :data:`RUNTIME_CONFIG_FIELDS`,
+    not transformers' private ``_`` fields), as ``config.to_dict()`` gives them."""
+    return {key: value for key, value in config.to_dict().items()
+            if not key.startswith("_") and key not in RUNTIME_CONFIG_FIELDS}
+
+
+def changed_config_note(built: Optional[dict], config) -> Optional[str]:
+    """Why saving ``config`` would describe another model than the one built from ``built``
+    (:func:`built_config_fields` when it was built): the fields changed since, with both values; None when none did.
+    The layers read them when they were built, so the model does not follow the change, while the saved
+    ``config.json`` would build a model that does (transformers' models, Llama's too, save the new value silently)."""
+    if built is None:
+        return None
+    now = built_config_fields(config)
+    changed = sorted(key for key in built.keys() | now.keys() if built.get(key) != now.get(key))
+    if not changed:
+        return None
+    shown = ", ".join(f"{key} ({built.get(key)!r} -> {now.get(key)!r})" for key in changed[:4]) + \
+        (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    return (f"config field(s) changed after the model was built: {shown}. The layers read them when they were built "
+            "and do not follow the change, but config.json is saved with the new values, so the saved model would "
+            "reload as a different model; set them back before saving, or build a new model from the changed config "
+            "(from_config) and load these weights into it")
 
 
 def check_dtype_arguments(call: str, kwargs: dict) -> None:

@@ -287,6 +287,9 @@ def adapter_problem(model, adapter, *, subfolder: str = "", need_config: bool = 
     shapes, problem = _adapter_shapes(folder)
     if problem:
         return problem
+    if (folder / ADAPTER_CONFIG).is_file() and not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        return (f"the adapter folder has {ADAPTER_CONFIG} but no weights ({' or '.join(ADAPTER_WEIGHTS)}, which "
+                "PeftModel.save_pretrained writes beside it); copy the adapter's files")
     config = _read_json(folder / ADAPTER_CONFIG)
     if not isinstance(config, dict):
         return None

@@ -234,6 +234,10 @@ DAMAGED_ADAPTERS = [
     ("weights short of their end", lambda f: _cut(f / WEIGHTS, lambda size: size - 10),
      rf"'\S*/{WEIGHTS}' cannot be read \(SafetensorError: .*" + DAMAGE),
     # re-probe 10 L017/L020: a KeyError from inside PEFT, and "OSError: No such device (os error 19)"
+    # re-probe 12 S2181: PeftModel.from_pretrained gave the hub's "Repo id must be in the form ..."
+    ("no weights file", lambda f: (f / WEIGHTS).unlink(),
+     r"the adapter folder has adapter_config\.json but no weights \(adapter_model\.safetensors or adapter_model\.bin, "
+     r"which PeftModel\.save_pretrained writes beside it\); copy the adapter's files$"),
     ("peft_type null", lambda f: _set_setting(f, "peft_type", None),  # re-probe 11 M035: a bare KeyError: None
      r'adapter_config\.json has peft_type=null, not the name of a PEFT method \(e\.g\. "LORA"\); fix it or save the '
      r"adapter again$"),

@@ -153,6 +153,10 @@ CASES = [
      "--tasks: no lm-eval task, group or tag 'no_such_task_xyz'"),
     ("harness", ["--model", "{bare}", "--tasks", "helm_local,hellaswg"], 2,
      r"no lm-eval task, group or tag 'hellaswg' \(did you mean 'hellaswag'\?\)$"),
+    # re-probe 12 U2057: an empty --tasks ran the default suite
+    ("harness", ["--model", "{bare}", "--tasks", ""], 2, r"--tasks '' names no task; give comma-separated lm-eval "
+     r"tasks, or leave it out to run --suite \(default 'local'\)$"),
+    ("harness", ["--model", "{bare}", "--tasks", " , "], 2, r"--tasks ' , ' names no task"),
     ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], 2, "--head-dim"),
     ("pe_decay", ["--curvature", "1", "--output", "{tmp}/a.png"], 2, "--curvature must be a negative finite number"),
     ("compare", ["{tmp}/missing.json"], 2, "result file or folder not found"),

@@ -1213,6 +1213,38 @@ def test_saving_over_a_folder_named_as_a_saved_file_is_refused(models, tokenizer
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([name, "kept.txt"])
 
 
+# (field, value set after the model is built, whether save_pretrained warns); re-probe 12 S2185-S2188: curvature,
+# positional or rms_norm_eps set on a built model's config changed nothing in the model, but the saved config.json
+# had the new value and reloaded as another model, without a word (Llama the same)
+CHANGED_FIELDS = [("curvature", -2.0, True), ("positional", "none", True), ("rms_norm_eps", 1e-3, True),
+                  ("attn_impl", "eager", False), ("use_cache", False, False), ("validate_inputs", False, False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("field, value, warns", CHANGED_FIELDS, ids=[c[0] for c in CHANGED_FIELDS])
+def test_a_config_field_changed_after_the_model_is_built_warns_at_save(tmp_path, family, field, value, warns):
+    model = tiny_model(family)
+    before = getattr(model.config, field)
+    setattr(model.config, field, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "saved")
+    notes = [str(w.message) for w in caught if "changed after the model was built" in str(w.message)]
+    if not warns:  # read at each call: the model follows the change
+        assert notes == []
+        return
+    assert notes == [f"{type(model).__name__}.save_pretrained({str(tmp_path / 'saved')!r}): config field(s) changed "
+                     f"after the model was built: {field} ({before!r} -> {value!r}). The layers read them when they "
+                     "were built and do not follow the change, but config.json is saved with the new values, so the "
+                     "saved model would reload as a different model; set them back before saving, or build a new "
+                     "model from the changed config (from_config) and load these weights into it"]
+    setattr(model.config, field, before)  # set back: saved without a note
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "again")
+    assert not [w for w in caught if "changed after the model was built" in str(w.message)]
+
+
 class _HubReached(Exception):
     pass
 

@@ -380,3 +380,20 @@ def test_helpers_expand_a_tilde_path(tmp_path, monkeypatch):
     assert load_config("~/cfg/config.json").hidden_size == load_config("helm-d-115m").hidden_size
     shutil.copy(Path(__file__).parents[1] / "fixtures" / "official" / "helm_d_tiny.pt", tmp_path / "off.pt")
     assert convert_official_checkpoint("~/off.pt") is not None
+
+
+@pytest.mark.parametrize("loader", ["AutoModelForCausalLM", "HelmDForCausalLM"])
+def test_a_generation_config_that_is_not_json_is_named(tmp_path, loader):
+    """re-probe 12 S2168: a damaged generation_config.json was skipped without a word (the model loaded with default
+    generation settings)."""
+    import transformers
+
+    folder = tmp_path / "model"
+    tiny_model("helm_d").save_pretrained(folder)
+    (folder / "generation_config.json").write_text("{nope")
+    cls = getattr(helm.models, loader, None) or getattr(transformers, loader)
+    with pytest.raises(OSError, match=rf"^\w+\.from_pretrained\({re.escape(repr(str(folder)))}\): "
+                                      r"generation_config\.json is not valid JSON \(Expecting property name enclosed in "
+                                      r"double quotes at line 1, column 2\) \(the model would load with default "
+                                      r"generation settings\); fix it, or delete it to load those$"):
+        cls.from_pretrained(folder)
