@@ -304,6 +304,8 @@ class HelmPreTrainedModel(PreTrainedModel):
         if head is not None:
             head.resize(size, mean_resizing=mean_resizing)
         self.config.vocab_size = size
+        if getattr(self, "_config_as_built", None) is not None:  # the layers now hold this size (no save warning)
+            self._config_as_built["vocab_size"] = size
         return embeddings
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:

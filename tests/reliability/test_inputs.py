@@ -1245,6 +1245,23 @@ def test_a_config_field_changed_after_the_model_is_built_warns_at_save(tmp_path,
     assert not [w for w in caught if "changed after the model was built" in str(w.message)]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("resize", [{"new_num_tokens": 520}, {"pad_to_multiple_of": 96}], ids=["new size", "padded"])
+@torch.no_grad()
+def test_resized_embeddings_save_without_a_changed_field_note(tmp_path, family, resize):
+    """re-probe 13 S2190-S2192, T3102: after resize_token_embeddings, save_pretrained warned that vocab_size had
+    changed after the model was built, although the layers follow it and the model reloads equal."""
+    model = tiny_model(family).eval()
+    model.resize_token_embeddings(**resize)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "saved")
+    assert not [w for w in caught if "changed after the model was built" in str(w.message)]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert reloaded.config.vocab_size == model.config.vocab_size != V
+    assert torch.equal(reloaded(ids()).logits, model(ids()).logits)
+
+
 class _HubReached(Exception):
     pass
 
