@@ -17,6 +17,7 @@ weights) is transformers' error unchanged."""
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -181,8 +182,8 @@ def save_directory_problem(save_directory) -> tuple[type[Exception], str] | None
     (:func:`tilde_save_problem`, ``ValueError``), an existing file or a path under one (``NotADirectoryError``;
     transformers logs an error and saves nothing, or raises an ``AssertionError``), a folder there in place of a file
     the save writes (:data:`SAVED_FILES`; ``IsADirectoryError``: the writers' "Is a directory (os error 21)" named
-    no file); None otherwise. Checked by every
-    ``save_pretrained`` before anything is written (:func:`checking_save_directory`)."""
+    no file); None otherwise. Checked by every ``save_pretrained`` before anything is written
+    (:func:`checking_save_directory`)."""
     if not isinstance(save_directory, (str, os.PathLike)) or not os.fspath(save_directory).strip():
         return ValueError, "save_directory is empty (or not a path); give a folder (it is created if missing)"
     if problem := tilde_save_problem(save_directory):
@@ -196,13 +197,6 @@ def save_directory_problem(save_directory) -> tuple[type[Exception], str] | None
         return IsADirectoryError, (f"in the save directory, {problem} there; move it away or save elsewhere "
                                    "(nothing was written)")
     return None
-
-
-def check_save_directory(owner, save_directory) -> None:
-    """Raise :func:`save_directory_problem`'s exception, beginning ``{type(owner).__name__}.save_pretrained(...)``."""
-    if found := save_directory_problem(save_directory):
-        kind, problem = found
-        raise kind(f"{type(owner).__name__}.save_pretrained({str(save_directory)!r}): {problem}")
 
 
 def local_path_problem(where, *, subfolder: str = "", need_config: bool = True, json_file_ok: bool = False,
@@ -462,7 +456,7 @@ def _explained(original, **options):
             return loaded
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             problem = local_path_problem(
-                pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
+                pretrained_model_name_or_path, subfolder=subfolder,
                 need_config=kwargs.get("config") is None and kwargs.get("gguf_file") is None, **options)
             if problem is None:
                 raise
@@ -495,75 +489,86 @@ def settings_path_problem(where, file: str, holds: str, subfolder: str = "") -> 
     return problem and f"{problem}; fix it or save it again"
 
 
+def _refusing(method, refusal):
+    """``method`` (a function taking its owner, an instance or a class, first) raising the exception
+    ``refusal(owner, value, kwargs)`` returns, if any, before it runs: ``value`` is the argument after the owner
+    (given by position or by its name). The arguments are passed on unchanged. A method wrapped once is returned as
+    it is (the installs are idempotent)."""
+    if getattr(method, "__helm_checked__", False):
+        return method
+    name = list(inspect.signature(method).parameters)[1]
+
+    @functools.wraps(method)
+    def checked(owner, *args, **kwargs):
+        if (error := refusal(owner, args[0] if args else kwargs.get(name), kwargs)) is not None:
+            raise error
+        return method(owner, *args, **kwargs)
+
+    checked.__helm_checked__ = True
+    return checked
+
+
 def checking_folder(from_pretrained, file: str, holds: str):
     """``from_pretrained`` (a classmethod's function that reads the file ``file`` from a folder, described by
     ``holds``; ``config_file_name=`` may name another) refusing what :func:`settings_path_problem` finds before
     transformers or PEFT read the path as a hub id ("Repo id must be in the form ...", "Can't find
-    'adapter_config.json'"); idempotent."""
-    if getattr(from_pretrained, "__helm_explained__", False):
-        return from_pretrained
-
-    @functools.wraps(from_pretrained)
-    def checked(cls, pretrained_model_name=None, *args, **kwargs):
-        if problem := settings_path_problem(pretrained_model_name, kwargs.get("config_file_name") or file, holds,
+    'adapter_config.json'")."""
+    def refusal(cls, where, kwargs):
+        if problem := settings_path_problem(where, kwargs.get("config_file_name") or file, holds,
                                             kwargs.get("subfolder") or ""):
-            raise OSError(f"{cls.__name__}.from_pretrained({_shown(pretrained_model_name)}): {problem}")
-        return from_pretrained(cls, pretrained_model_name, *args, **kwargs)
+            return OSError(f"{cls.__name__}.from_pretrained({_shown(where)}): {problem}")
+        return None
 
-    checked.__helm_explained__ = True
-    return checked
+    return _refusing(from_pretrained, refusal)
+
+
+def _save_directory_refusal(self, save_directory, kwargs=None):
+    """:func:`save_directory_problem`'s exception for ``self.save_pretrained(save_directory)``, or None."""
+    if found := save_directory_problem(save_directory):
+        kind, problem = found
+        return kind(f"{type(self).__name__}.save_pretrained({str(save_directory)!r}): {problem}")
+    return None
+
+
+def check_save_directory(owner, save_directory) -> None:
+    """Raise :func:`save_directory_problem`'s exception, beginning ``{type(owner).__name__}.save_pretrained(...)``."""
+    if (error := _save_directory_refusal(owner, save_directory)) is not None:
+        raise error
 
 
 def checking_save_directory(save_pretrained):
     """``save_pretrained`` (a method whose first argument is the folder to write) refusing a folder it must not write
-    (:func:`check_save_directory`: empty, ``~``, a file) before writing anything; idempotent."""
-    if getattr(save_pretrained, "__helm_checked__", False):
-        return save_pretrained
+    (:func:`save_directory_problem`: empty, ``~``, a file, a folder where it writes a file) before writing anything."""
+    return _refusing(save_pretrained, _save_directory_refusal)
 
-    @functools.wraps(save_pretrained)
-    def checked(self, save_directory, *args, **kwargs):
-        check_save_directory(self, save_directory)
-        return save_pretrained(self, save_directory, *args, **kwargs)
 
-    checked.__helm_checked__ = True
-    return checked
+def _repo_id_refusal(self, repo_id, kwargs):
+    if isinstance(repo_id, (str, os.PathLike)) and looks_like_local_path(repo_id):
+        return ValueError(f"{type(self).__name__}.push_to_hub({_shown(repo_id)}): push_to_hub uploads to a hub "
+                          "repository ('name' or 'owner/name'), and this is a local path; to write a folder use "
+                          f"save_pretrained({_shown(os.path.expanduser(os.fspath(repo_id)))})")
+    return None
 
 
 def checking_repo_id(push_to_hub):
     """``push_to_hub`` (a method whose first argument is a hub repository id) refusing a local path before anything is
     written or uploaded (:func:`looks_like_local_path`: the hub's "Repo id must be in the form 'repo_name' or
-    'namespace/repo_name'" says nothing of the folder the user meant); idempotent."""
-    if getattr(push_to_hub, "__helm_checked__", False):
-        return push_to_hub
+    'namespace/repo_name'" says nothing of the folder the user meant)."""
+    return _refusing(push_to_hub, _repo_id_refusal)
 
-    @functools.wraps(push_to_hub)
-    def checked(self, repo_id, *args, **kwargs):
-        if isinstance(repo_id, (str, os.PathLike)) and looks_like_local_path(repo_id):
-            raise ValueError(f"{type(self).__name__}.push_to_hub({_shown(repo_id)}): push_to_hub uploads to a hub "
-                             "repository ('name' or 'owner/name'), and this is a local path; to write a folder use "
-                             f"save_pretrained({_shown(os.path.expanduser(os.fspath(repo_id)))})")
-        return push_to_hub(self, repo_id, *args, **kwargs)
 
-    checked.__helm_checked__ = True
-    return checked
+def _tokenizer_file_refusal(self, first, kwargs):
+    file = kwargs.get("tokenizer_file")
+    if isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith("~"):
+        return ValueError(f"{type(self).__name__}(tokenizer_file={_shown(file)}): "
+                          + tilde_problem(os.fspath(file), "the file would not be found"))
+    return None
 
 
 def checking_tokenizer_file(init):
     """A fast tokenizer's ``__init__`` refusing ``tokenizer_file=`` starting with ``~`` (transformers does not expand
-    it and says "Couldn't instantiate the backend tokenizer from one of ...", naming no file); idempotent."""
-    if getattr(init, "__helm_checked__", False):
-        return init
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        file = kwargs.get("tokenizer_file")
-        if isinstance(file, (str, os.PathLike)) and os.fspath(file).startswith("~"):
-            raise ValueError(f"{type(self).__name__}(tokenizer_file={_shown(file)}): "
-                             + tilde_problem(os.fspath(file), "the file would not be found"))
-        return init(self, *args, **kwargs)
-
-    checked.__helm_checked__ = True
-    return checked
+    it and says "Couldn't instantiate the backend tokenizer from one of ...", naming no file)."""
+    return _refusing(init, _tokenizer_file_refusal)
 
 
 def install_auto_load_messages() -> None:
