@@ -397,3 +397,17 @@ def test_a_generation_config_that_is_not_json_is_named(tmp_path, loader):
                                       r"double quotes at line 1, column 2\) \(the model would load with default "
                                       r"generation settings\); fix it, or delete it to load those$"):
         cls.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("loader, keyword", [("GenerationConfig", "pretrained_model_name"),
+                                             ("PeftConfig", "pretrained_model_name_or_path")])
+def test_a_settings_folder_given_by_keyword_is_checked_and_loads(tmp_path, loader, keyword):
+    """The path checks find the folder under the loader's own parameter name: PeftConfig.from_pretrained(
+    pretrained_model_name_or_path=...) was refused as 'got None' by a check that looked for GenerationConfig's."""
+    model = tiny_model("helm_d")
+    model.generation_config.save_pretrained(tmp_path / "saved")
+    peft.get_peft_model(model, peft.LoraConfig(r=2)).save_pretrained(tmp_path / "saved")
+    load = _settings_loaders()[loader]
+    assert load(**{keyword: tmp_path / "saved"}) is not None
+    with pytest.raises(OSError, match=r"^\w+\.from_pretrained\('~/saved'\): '~' is not expanded"):
+        load(**{keyword: "~/saved"})
