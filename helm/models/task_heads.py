@@ -20,16 +20,11 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 
 from ..manifold.math import lift
 from ..nn.head import LorentzLMHead
-from ..nn.validation import check_tensor
-from .modeling_common import (CACHE_FIELD, FORWARD_KWARGS, can_return_tuple, check_flags, check_forward_kwargs,
-                              check_not_meta, resolve_cache, weights_device)
-
-# what a head passes on to its base model's forward besides the arguments it names
-BASE_KWARGS = FORWARD_KWARGS | frozenset({"segment_ids", "output_hidden_states", "output_attentions"})
+from .modeling_common import CACHE_FIELD, resolve_cache
 # the target transformers' cross-entropy (fixed_cross_entropy) leaves out of the classification losses
 IGNORE_INDEX = -100
 
@@ -48,105 +43,10 @@ def problem_type(config, labels: torch.Tensor) -> str:
     return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
 
 
-def check_class_indices(config, labels: torch.Tensor, name: str, why: str = "") -> None:
-    """``ValueError`` naming ``name`` unless ``labels`` is an int64 tensor (cross-entropy's targets) whose values
-    lie in ``[0, num_labels)`` or equal -100 (ignored). The values with ``config.validate_inputs``, as
-    :func:`~helm.models.modeling_common.check_token_ids` reads token ids: one device read, skipped while compiling
-    and on the meta device."""
-    if labels.dtype != torch.int64:
-        raise ValueError(f"{name} must be an int64 tensor of class indices, got {labels.dtype}{why}; convert it with "
-                         f"{name}.long()")
-    if not config.validate_inputs or torch.compiler.is_compiling() or labels.device.type == "meta":
-        return
-    count = config.num_labels
-    outside = (labels < 0) | (labels >= count)
-    outside &= labels != IGNORE_INDEX
-    if bool(outside.any()):
-        bad = labels[outside]
-        raise ValueError(f"{name} must lie in [0, num_labels={count}) or equal {IGNORE_INDEX} (ignored); got values "
-                         f"in [{int(bad.min())}, {int(bad.max())}]{why}")
-
-
-def check_sequence_labels(model, labels: torch.Tensor, batch: int) -> None:
-    """``labels`` of a sequence-classification loss, for the problem type that loss will use
-    (:func:`problem_type`), refused with a ``ValueError`` naming ``labels``, the expected shape and that problem
-    type where torch would fail deep in the loss (an ``IndexError`` of cross-entropy, a dtype error of BCE) or,
-    worse, broadcast silently (MSE):
-
-    - ``single_label_classification``: int64 ``[B]`` (or ``[B, 1]``), values in ``[0, num_labels)`` or -100
-      (:func:`check_class_indices`);
-    - ``multi_label_classification``: floating ``[B, num_labels]``, values in ``[0, 1]`` (the values with
-      ``config.validate_inputs``, one device read);
-    - ``regression``: ``[B]`` or ``[B, 1]`` for ``num_labels=1``, else ``[B, num_labels]``; any real dtype (MSE
-      promotes it).
-    """
-    if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"labels must be a tensor, got {type(labels).__name__}")
-    check_not_meta(weights_device(model.get_input_embeddings()), labels=labels)
-    config = model.config
-    kind = problem_type(config, labels)
-    count = config.num_labels
-    if config.problem_type is not None:
-        inferred = ""
-    elif count == 1:
-        inferred = ", inferred from num_labels=1; set config.problem_type to choose"
-    else:
-        inferred = (f", inferred from num_labels={count} and the labels' dtype {labels.dtype}: int64 / int32 labels "
-                    "mean single-label, others multi-label; set config.problem_type to choose")
-    why = f" (problem_type={kind!r}{inferred})"
-    if kind == "single_label_classification" or (kind == "regression" and count == 1):
-        expected, alternative, described, note = (batch,), (batch, 1), "[B]", " (or [B, 1])"
-    else:
-        expected, alternative, described, note = (batch, count), None, "[B, num_labels]", ""
-    try:
-        check_tensor(labels, "labels", expected, described, alternative=alternative, note=note)
-    except ValueError as err:
-        raise ValueError(f"{err}{why}") from None
-    if kind == "single_label_classification":
-        check_class_indices(config, labels, "labels", why)
-    elif kind == "multi_label_classification":
-        if not labels.dtype.is_floating_point:
-            raise ValueError(f"labels must be a floating-point tensor of per-class targets in [0, 1], got "
-                             f"{labels.dtype}{why}; convert it with labels.float()")
-        if config.validate_inputs and not torch.compiler.is_compiling() and labels.device.type != "meta":
-            outside = (labels < 0) | (labels > 1) | labels.isnan()
-            if bool(outside.any()):
-                bad = labels[outside]
-                raise ValueError(f"labels must lie in [0, 1] (per-class target probabilities of binary "
-                                 f"cross-entropy); got values in [{float(bad.min())}, {float(bad.max())}]{why}")
-
-
 def class_head(config, out_features: int, *, bias: bool) -> LorentzLMHead:
     """Scores of ``out_features`` classes from a point ``[..., 1+n]`` (``config.lm_head_mode``)."""
     return LorentzLMHead(config.hidden_size, out_features, k=config.k, mode=config.lm_head_mode, bias=bias,
                          init_std=config.initializer_range)
-
-
-def check_answer_positions(model, start: torch.Tensor, end: torch.Tensor, batch: int, length: int) -> None:
-    """``start_positions`` and ``end_positions`` of the question-answering loss over ``length`` tokens: int64
-    ``[B]`` (or ``[B, 1]``), else a ``ValueError`` naming them (torch's message named neither: a batch-size mismatch
-    of cross-entropy, or its dtype error). Their values must lie in ``[0, T]`` with ``T = length``: ``T`` marks an
-    answer outside the window, which the loss ignores (``transformers``' ``ignored_index``); a value outside, which
-    ``LlamaForQuestionAnswering`` clamps without a word (9 to ``T``, ignored; -3 to 0, scored), is a ``ValueError``.
-    The values with ``config.validate_inputs``, as :func:`check_class_indices`: one device read for both, skipped
-    while compiling and on the meta device."""
-    for name, positions in (("start_positions", start), ("end_positions", end)):
-        check_tensor(positions, name, (batch,), "[B]", alternative=(batch, 1), note=" (or [B, 1])")
-        if positions.dtype != torch.int64:
-            raise ValueError(f"{name} must be an int64 tensor of token positions, got {positions.dtype}; convert it "
-                             f"with {name}.long()")
-    check_not_meta(weights_device(model.get_input_embeddings()), start_positions=start, end_positions=end)
-    if not model.config.validate_inputs or torch.compiler.is_compiling() or start.device.type == "meta":
-        return
-    outside = [(positions < 0) | (positions > length) for positions in (start, end)]
-    if not bool(outside[0].any() | outside[1].any().to(outside[0].device)):
-        return
-    for name, positions, mask in zip(("start_positions", "end_positions"), (start, end), outside):
-        if bool(mask.any()):
-            bad = positions[mask]
-            raise ValueError(f"{name} must lie in [0, T] (T = sequence length = {length}, which marks an answer "
-                             f"outside the window, ignored by the loss), got values in [{int(bad.min())}, "
-                             f"{int(bad.max())}]")
 
 
 def labelled_count(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -184,9 +84,7 @@ class HelmTaskHead:
 
     def base_forward(self, input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds, use_cache,
                      kwargs):
-        """The base model's outputs; keywords neither the head nor its base model takes are a ``TypeError`` naming
-        them (:func:`~helm.models.modeling_common.check_forward_kwargs`)."""
-        check_forward_kwargs(self, kwargs, BASE_KWARGS)
+        """The base model's outputs."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=resolve_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
                           use_cache=use_cache, **kwargs)
@@ -204,8 +102,7 @@ class SequenceClassificationHead(HelmTaskHead):
     (no bias, as Llama's); ``logits [B, num_labels]``; the loss follows ``config.problem_type`` (regression,
     single- or multi-label), inferred from ``num_labels`` and the labels' dtype when unset; a single-label loss
     whose every label is -100 is 0 with zero gradients (Llama: NaN), as the causal-LM head's
-    (:func:`labelled_count`). ``labels`` that loss cannot use (shape, dtype, a class index outside
-    ``[0, num_labels)``) are a ``ValueError`` naming them and the problem type (:func:`check_sequence_labels`)."""
+    (:func:`labelled_count`)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -240,7 +137,6 @@ class SequenceClassificationHead(HelmTaskHead):
         logits = self.score(hidden_states[torch.arange(batch, device=hidden_states.device), last])
         loss = None
         if labels is not None:
-            check_sequence_labels(self, labels, batch)
             # single-label: the mean over the labels other than -100, 0 when all are (see labelled_count)
             count = ({"num_items_in_batch": labelled_count(labels, IGNORE_INDEX)}
                      if problem_type(self.config, labels) == "single_label_classification" else {})
@@ -256,8 +152,7 @@ class TokenClassificationHead(HelmTaskHead):
     labels other than -100, as ``LlamaForTokenClassification``, and 0 with zero gradients when every label is -100
     (Llama: NaN), as the causal-LM head (:func:`labelled_count`). Dropout (``config.classifier_dropout``, else
     ``hidden_dropout``, else 0.1, as Llama) acts on the space part and the time coordinate is recomputed, so the
-    head still reads a point. The head is ``score`` (with a bias, as Llama's). ``labels`` must be int64 ``[B, T]``
-    with values in ``[0, num_labels)`` or -100, else a ``ValueError`` naming them (:func:`check_class_indices`)."""
+    head still reads a point. The head is ``score`` (with a bias, as Llama's)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -283,11 +178,6 @@ class TokenClassificationHead(HelmTaskHead):
         logits = self.score(points)
         loss = None
         if labels is not None:
-            # checked here: the loss flattens both, so a wrong T was torch's "Expected input batch_size (4) to match
-            # target batch_size (3)" and a class index >= num_labels an IndexError
-            check_tensor(labels, "labels", tuple(logits.shape[:2]), "[B, T]")
-            check_not_meta(weights_device(self.get_input_embeddings()), labels=labels)
-            check_class_indices(self.config, labels, "labels")
             loss = self.loss_function(logits, labels, self.config,
                                       num_items_in_batch=labelled_count(labels, IGNORE_INDEX))
         return TokenClassifierOutput(loss=self.with_balance_loss(loss), logits=logits,
@@ -299,9 +189,8 @@ class QuestionAnsweringHead(HelmTaskHead):
     ``end_logits [B, T]``, and with ``start_positions`` / ``end_positions`` the mean of the two cross-entropies
     (a position equal to ``T``, an answer outside the window, ignored), as ``LlamaForQuestionAnswering``; a side
     whose every position is ``T`` contributes 0 (Llama: NaN), as the causal-LM head (:func:`answer_loss`). The head
-    is ``qa_outputs`` (two classes, with a bias, as Llama's). Positions of another shape or dtype, outside
-    ``[0, T]`` (Llama clamps them without a word), or only one of the two, are a ``ValueError`` naming them
-    (:func:`check_answer_positions`)."""
+    is ``qa_outputs`` (two classes, with a bias, as Llama's). Only one of the two positions is a ``ValueError`` naming
+    both."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -315,8 +204,7 @@ class QuestionAnsweringHead(HelmTaskHead):
                 cache: Optional[Cache] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 start_positions: Optional[torch.LongTensor] = None, end_positions: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, **kwargs) -> QuestionAnsweringModelOutput:
-        # the output has no cache field (as Llama's): use_cache is checked like every switch, then nothing is cached
-        check_flags(use_cache=use_cache)
+        # the output has no cache field (as Llama's): nothing is cached
         outputs = self.base_forward(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
                                     False, kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)
@@ -328,7 +216,6 @@ class QuestionAnsweringHead(HelmTaskHead):
             raise ValueError(f"{given} without {missing}: the loss needs both (pass both for a loss, neither for "
                              "logits only)")
         if start_positions is not None:
-            check_answer_positions(self, start_positions, end_positions, *start_logits.shape)
             loss = answer_loss(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(loss=self.with_balance_loss(loss), start_logits=start_logits,
                                             end_logits=end_logits, hidden_states=outputs.hidden_states,
