@@ -194,15 +194,6 @@ def test_half_precision_inputs_promote_to_fp32():
     assert inner(xs, xs).dtype == torch.float32
 
 
-def test_lorentz_class_checks_points_with_its_own_k():
-    """The class delegates to the functions, so its k is the one points are checked against (CPU tensors)."""
-    x = lift(torch.randn(5, 8), k=1.0)
-    for call in (lambda m: m.logmap0(x), lambda m: m.dist(x, x), lambda m: m.sqdist(x, x), lambda m: m.centroid(x)):
-        with pytest.raises(ValueError, match=r"must be points of H\^n_k for k = 0.3 "):
-            call(Lorentz(0.3))
-        assert torch.isfinite(call(Lorentz(1.0))).all()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_tangents_map_in_their_dtype_with_fp32_gradients_inside(dtype):
     """expmap0/logmap0 compute in fp32 and round once to the input dtype, differentiably."""

@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import helm.manifold.math as M
 from helm.ops import lorentz_attention
@@ -182,13 +183,12 @@ def test_distance_far_apart_on_one_ray_is_exact_to_rounding():
 def test_every_public_function_is_swept():
     swept = {name.split("-")[0] for name in CASES} | {"origin"}
     # no floating-point maths of points (positive_exp, of scalar scales, has its own test below)
-    helpers = {"positive_exp", "curvature_to_k", "k_to_curvature", "check_k", "readable_for_free",
-               "point_rtol"}
+    helpers = {"positive_exp", "curvature_to_k", "k_to_curvature", "check_k"}
     assert set(M.__all__) - helpers <= swept
 
 
 # Python-number k outside (0, inf) is refused by every public function, naming the argument (tensors are not
-# read: that would synchronise with the device). (case id, call, message fragment)
+# read: that would synchronise with the device). (case id, call, k, argument named)
 _x = torch.tensor([[1.5, 0.5, 1.0]])
 BAD_K = [
     ("dist k=0", lambda k: M.dist(_x, _x, k=k), 0.0, "k"),
@@ -218,7 +218,7 @@ BAD_K = [
 
 @pytest.mark.parametrize("case,call,k,name", BAD_K, ids=[c[0] for c in BAD_K])
 def test_python_k_outside_the_domain_is_refused(case, call, k, name):
-    with pytest.raises(ValueError, match=rf"^{name} must be a positive finite number .*got {re.escape(repr(k))}$"):
+    with pytest.raises(ValueError, match=rf"^{name} .*{re.escape(repr(k))}"):
         call(k)
 
 
@@ -230,64 +230,34 @@ def test_python_k_at_the_ends_of_its_range_is_accepted():
         assert M.k_to_curvature(k) == -1 / k and M.curvature_to_k(-1 / k) == k
 
 
-# Issue 25 item 11: a tensor k is checked where reading it is free (a plain CPU tensor outside compilation), and
-# passes unchecked elsewhere (documented in helm.manifold.math: no device synchronisation). (case, call, refused?)
-TENSOR_K = [
-    ("lift k=tensor(-1)", lambda: M.lift(_x[..., 1:], k=torch.tensor(-1.0)), True),
-    ("lift k=tensor(0)", lambda: M.lift(_x[..., 1:], k=torch.tensor(0.0)), True),
-    ("lift k=tensor(nan)", lambda: M.lift(_x[..., 1:], k=torch.tensor(float("nan"))), True),
-    ("sqdist k=[1, -1] per row", lambda: M.sqdist(_x.expand(2, 3), _x.expand(2, 3), k=torch.tensor([[1.0], [-1.0]])),
-     True),
-    ("expmap0 k=Parameter(-2)", lambda: M.expmap0(_x, k=torch.nn.Parameter(torch.tensor(-2.0))), True),
-    # C046/C081: tensor entries that are 0, subnormal or inf in fp32
-    ("lift k=tensor(1e-320, fp64)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-320, dtype=torch.float64)), True),
-    ("lift k=tensor(1e39, fp64)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e39, dtype=torch.float64)), True),
-    ("lift k=tensor(1e-39) (subnormal)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-39)), True),
-    ("lift k=tensor(1)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1.0)), False),
-    ("lift k=tensor(1e-30, bf16)", lambda: M.lift(_x[..., 1:], k=torch.tensor(1e-30, dtype=torch.bfloat16)), False),
-    ("lift k=tensor(-1) on the meta device: not read", lambda: M.lift(_x[..., 1:].to("meta"),
-                                                                     k=torch.tensor(-1.0, device="meta")), False),
-]
+# Issue 33: no public function reads a tensor's values on the host (each read stalls an accelerator's launch
+# queue), also for a tensor k and centroid weights outside the domain: those give wrong values, not errors.
+_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal"}
 
 
-@pytest.mark.parametrize("case, call, refused", TENSOR_K, ids=[c[0] for c in TENSOR_K])
-def test_tensor_k_is_checked_where_reading_it_is_free(case, call, refused):
-    if refused:
-        with pytest.raises(ValueError, match=r"^k must be positive and finite .*got a tensor with values in"):
-            call()
-    else:
-        assert call().shape[-1] == 3
+class _HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in _SYNC_OPS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
-def test_tensor_k_is_not_read_while_compiling():
-    """Under torch.compile a negative k is not read (no graph break, no synchronisation): NaN, as documented."""
-    compiled = torch.compile(lambda x, k: M.lift(x, k=k), backend="eager", fullgraph=True)
-    assert torch.isnan(compiled(_x[..., 1:] * 0, torch.tensor(-1.0))[..., 0]).all()
-
-
-# Issue 25 item 11: centroid weights must be non-negative, finite and sum to a positive number per centroid
-# (checked where free, as k). (case, weights of 3 points, refused?)
-_points = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=0.7)
-CENTROID_WEIGHTS = [
-    ("all zero", [0.0, 0.0, 0.0], True),
-    ("negative", [1.0, -0.5, 0.2], True),
-    ("negative sum", [-1.0, -0.5, -0.2], True),
-    ("nan", [1.0, float("nan"), 0.2], True),
-    ("inf", [1.0, float("inf"), 0.2], True),
-    ("one non-zero", [0.0, 1.0, 0.0], False),
-    ("unnormalised", [3.0, 1.0, 2.0], False),
-]
-
-
-@pytest.mark.parametrize("case, weights, refused", CENTROID_WEIGHTS, ids=[c[0] for c in CENTROID_WEIGHTS])
-def test_centroid_weights_outside_the_domain_are_refused(case, weights, refused):
-    w = torch.tensor(weights)
-    if refused:
-        with pytest.raises(ValueError, match=r"^centroid: w must be non-negative and finite, with a positive sum"):
-            M.centroid(_points, w, k=0.7)
-    else:
-        c = M.centroid(_points, w, k=0.7)
-        assert torch.isfinite(c).all() and M.manifold_error(c, 0.7).max() <= 1e-5
+@pytest.mark.parametrize("name", list(CASES) + ["negative tensor k", "negative centroid weights", "origin"])
+def test_public_functions_read_no_tensor_values(name):
+    fn, build, _ = CASES.get(name, (None, lambda r: (points(r),), None))
+    calls = {"negative tensor k": lambda x: M.lift(x[..., 1:], k=torch.tensor(-1.0)),
+             "negative centroid weights": lambda x: M.centroid(x, -torch.ones(3), k=K, dim=0),
+             "origin": lambda x: M.origin(2, 3, k=torch.tensor([[1.0], [4.0]]))}
+    inputs = [t.float().requires_grad_() for t in build(10.0)]
+    with _HostReads() as reads:
+        out = calls.get(name, fn)(*inputs)
+        if out.requires_grad:
+            out.sum().backward()
+    assert reads.seen == []
 
 
 # Issue 26 item 3: a tensor k broadcasts against the time coordinates x[..., :1] without growing them (shape checked
@@ -327,35 +297,10 @@ def test_tensor_k_of_the_time_coordinates_shape_is_accepted():
     assert c.shape == (2, 5) and M.manifold_error(c, kc).max() <= 1e-6
 
 
-# Issue 26 item 4: functions that read only the space part, or a difference, assume the upper sheet; a point of the
-# lower sheet (-x) is refused where its values are free to read (dist(-x, y) was ~1e-19, logmap0(-x) = -logmap0(x)).
-# (case, call, argument named)
-UPPER_SHEET = [
-    ("dist(-x, y)", lambda: M.dist(-_x3, _x3, k=1.0), "dist: x"),
-    ("dist(x, -y)", lambda: M.dist(_x3, -_x3, k=1.0), "dist: y"),
-    ("sqdist(-x, y)", lambda: M.sqdist(-_x3, _x3, k=1.0), "sqdist: x"),
-    ("logmap0(-x)", lambda: M.logmap0(-_x3, k=1.0), "logmap0: x"),
-    ("centroid(-x)", lambda: M.centroid(-_x3, k=1.0), "centroid: x"),
-    ("normalize(-s)", lambda: M.normalize(-2 * _x3, k=1.0), "normalize: s"),
-    ("logmap0 one row of -x", lambda: M.logmap0(torch.cat([_x3[:2], -_x3[2:]]), k=1.0), "logmap0: x"),
-]
-
-
-@pytest.mark.parametrize("case, call, name", UPPER_SHEET, ids=[c[0] for c in UPPER_SHEET])
-def test_points_of_the_lower_sheet_are_refused(case, call, name):
-    with pytest.raises(ValueError, match=rf"^{name} must be points of the upper sheet \(time coordinate"):
-        call()
-
-
-def test_lower_sheet_is_not_read_while_compiling():
-    """Compiled (as on an accelerator) the sheet is not checked: the documented wrong value, no graph break."""
-    compiled = torch.compile(lambda x: M.logmap0(x, k=1.0), backend="eager", fullgraph=True)
-    assert_close(compiled(-_x3), -M.logmap0(_x3, k=1.0))
-
-
 # Issue 26 items 2 and 5: the centroid is invariant to a common positive scale of the weights, numerically too
 # (1e-30 gave inf, 1e20 NaN), and weights that do not fit the points, or no points, are a ValueError.
 # (case, weights of the 3 points of _points, expected message or None: the centroid of weights [1, 1, 1])
+_points = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=0.7)
 CENTROID_SCALES = [
     ("1e-30", torch.full((3,), 1e-30), None),
     ("1e20", torch.full((3,), 1e20), None),
@@ -376,9 +321,8 @@ def test_centroid_weights_scale_and_shape(case, w, message):
 
 
 # Issue 25 item 11: the documented exact range of expmap0, theta = |u_s|/sqrt(k) < log(2 max / sqrt(k)):
-# fp32 89.41 - log(k)/2, fp64 710.47 - log(k)/2; just inside finite, just outside (issue 26 item 1) a ValueError naming
-# the tangent norm and the range on CPU (a tangent of norm 100 or 200 at k = 1 in fp32 is outside; so is one whose
-# norm itself overflows, which gave nan). (dtype, k, theta, finite?)
+# fp32 89.41 - log(k)/2, fp64 710.47 - log(k)/2; just inside finite, just outside an infinite time coordinate, never
+# NaN (also for a tangent whose norm itself overflows, which gave nan). (dtype, k, theta, finite?)
 EXPMAP_RANGE = [
     (torch.float32, 1.0, 89.40, True), (torch.float32, 1.0, 89.43, False), (torch.float32, 1.0, 200.0, False),
     (torch.float32, 1.0, 100.0, False), (torch.float32, 1.0, 1e30, False),
@@ -400,29 +344,15 @@ def test_expmap0_is_finite_exactly_in_its_documented_range(dtype, k, theta, fini
     u[0, 2] = math.sqrt(k) * theta
     u[0, 3] = u[0, 2]  # two equal coordinates: |u_s|² overflows for theta = 1e30
     u[0, 2:] /= math.sqrt(2) if theta < 1e30 else 1.0
-    if finite:
-        x = M.expmap0(u, k=k)
-        assert torch.isfinite(x).all() and x.dtype == dtype
-    else:
-        name = str(dtype).removeprefix("torch.")
-        limit = EXPMAP_LIMIT[dtype]
-        with pytest.raises(ValueError, match=rf"^expmap0: a tangent vector of norm \|u_s\| = .* is outside the range "
-                                             rf"where its image is a finite {name} point, theta < {limit} - "):
-            M.expmap0(u, k=k)
-
-
-def test_expmap0_out_of_range_is_inf_never_nan_where_not_read():
-    """Compiled (the values are not read, as on an accelerator): coordinates inf or 0, never nan, as documented,
-    also for a tangent whose norm itself overflows (1e30: was nan)."""
-    u = torch.zeros(3, 4)
-    u[:, 2] = u[:, 3] = torch.tensor([100.0, 283.0, 1e30])
-    x = torch.compile(lambda u: M.expmap0(u, k=1.0), backend="eager", fullgraph=True)(u)
-    assert not torch.isnan(x).any() and torch.isposinf(x[..., 0]).all() and (x[:, 1] == 0).all()
+    x = M.expmap0(u, k=k)
+    assert x.dtype == dtype and not torch.isnan(x).any()
+    assert bool(torch.isfinite(x).all()) == finite and (finite or torch.isposinf(x[..., 0]).all())
+    assert (x[..., 1] == 0).all()
 
 
 # expmap0 far out: sinh/cosh and |x_s|² overflow fp32 long before the point does. theta = |u|/sqrt(k); at
 # theta <= 88 (k = 1) the point is representable in fp32 and must be finite, accurate, on the manifold, with
-# finite gradients; beyond, a ValueError on CPU (inf coordinates, never nan, where not read: test above). (theta, k)
+# finite gradients; beyond, an infinite time coordinate, never nan. (theta, k)
 EXPMAP_FAR = [(20.5, 1.0), (50.0, 1.0), (88.0, 1.0), (60.0, 0.7), (89.5, 1.0), (283.0, 1.0), (1e4, 1.0),
               (283.0, 1e-4)]
 
@@ -442,8 +372,8 @@ def test_expmap0_does_not_overflow_before_the_result(theta, k):
         x.sum().backward()
         assert torch.isfinite(u.grad).all()
     else:
-        with pytest.raises(ValueError, match="^expmap0: a tangent vector of norm"):  # on CPU: refused
-            M.expmap0(u, k=k)
+        x = M.expmap0(u, k=k)
+        assert torch.isposinf(x[..., 0]).all() and not torch.isnan(x).any()
 
 
 @pytest.mark.parametrize("log_value", [0.0, 80.0, 88.0, 89.0, 1732.0, float("inf")])
@@ -479,179 +409,65 @@ def test_origin(k):
     assert_close(M.origin(3, 17, k=k, dtype=torch.float32), M.origin(3, 17, k=k, dtype=torch.float64), rtol=TOL)
 
 
-# Re-probe of the public manifold functions (the reliability issue's last numerics findings, items 1-5): every
-# case ends in an exception naming the argument and what is allowed, where it gave a silently wrong, NaN or inf
-# result, or a raw torch error. (case, call, exception, message)
+# Re-probe of the public manifold functions (the reliability issue's last numerics findings): arguments whose type,
+# shape or Python value is wrong end in an exception naming the function and the argument, where they gave a silently
+# wrong result or a raw torch error. Only what reads no tensor values is checked. (case, call, exception, culprit)
 _pts = M.lift(torch.tensor([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]]), k=1.0)  # on H_1
 _far = M.lift(1e4 * space_parts((3,), 4, "unit"), k=K).float()  # |x_s| = 1e4 on H_0.7, rounded to fp32 once
 _u = torch.tensor([[0.0, 0.3, -0.2]])
 _nan, _inf = float("nan"), float("inf")
 _k3 = torch.tensor([[1.0], [2.0], [5.0]])
-# C172's points: lifted in fp64 at |x_s| = 1e20 (on H_1 to rounding) and rounded to fp32, where lift refuses them
-_huge = M.lift(torch.tensor([[1e20, 0.0], [-1e20, 0.0]], dtype=torch.float64), k=1.0).float()
-_ON_H = r"must be points of H\^n_k for "
 BAD_ARGUMENTS = [
-    # item 1: points of another curvature or off the hyperboloid (only the lower sheet was refused)
-    ("logmap0 of H_1 points with k=0.7", lambda: M.logmap0(_pts, k=0.7), ValueError,
-     rf"^logmap0: x {_ON_H}k = 0.7 .*got <x, x>_L = -1 for one of them, a point of the hyperboloid of k = 1;"),
-    ("dist with y on another k", lambda: M.dist(_pts, M.lift(_pts[..., 1:], k=2.0), k=1.0), ValueError,
-     rf"^dist: y {_ON_H}k = 1 .*hyperboloid of k = 2;"),
-    ("dist of 1.01 x (off H_k)", lambda: M.dist(1.01 * _pts, _pts, k=1.0), ValueError, rf"^dist: x {_ON_H}k = 1 "),
-    ("sqdist of a space-like y", lambda: M.sqdist(_pts, torch.tensor([[0.1, 1.0, 0.0]]), k=1.0), ValueError,
-     rf"^sqdist: y {_ON_H}k = 1 .*on no hyperboloid \(a Minkowski norm >= 0"),
-    ("sqdist with a per-row tensor k, one row wrong",
-     lambda: M.sqdist(_pts, _pts, k=torch.tensor([[1.0], [1.0], [3.0]])), ValueError, rf"^sqdist: x {_ON_H}k = 3 "),
-    ("sqdist of one y against a per-row k of x", lambda: M.sqdist(M.lift(_pts[..., 1:], k=_k3), M.lift(
-        _pts[:1, 1:], k=2.0), k=_k3), ValueError, rf"^sqdist: y {_ON_H}k = 5 .*<y, y>_L = -2 for one of them"),
-    ("centroid of H_1 points with k=2", lambda: M.centroid(_pts, k=2.0), ValueError, rf"^centroid: x {_ON_H}k = 2 "),
-    ("rescale of H_1 points with k_in=2", lambda: M.rescale(_pts, k_in=2.0, k_out=1.0), ValueError,
-     rf"^rescale: x {_ON_H}k_in = 2 \(<x, x>_L = -k_in"),
-    ("points at |x_s| = 10 of H_0.7 with k=1", lambda: M.logmap0(M.lift(10 * space_parts((3,), 4, "unit"), k=K),
-                                                                k=1.0), ValueError, rf"^logmap0: x {_ON_H}k = 1 "),
-    ("logmap0 of a NaN point", lambda: M.logmap0(torch.full((2, 3), _nan), k=1.0), ValueError,
-     r"^logmap0: x must be finite points of H\^n_k, got NaN or inf"),
-    ("dist of an inf point", lambda: M.dist(_pts, _pts.index_fill(1, torch.tensor([2]), _inf), k=1.0), ValueError,
-     r"^dist: y must be finite points of H\^n_k, got NaN or inf"),
-    # item 2: lift and expmap0 of non-finite or overflowing inputs (inf or NaN came back)
-    ("lift of |x_s| = 1e20", lambda: M.lift(torch.tensor([[1e20, 0.0]]), k=1.0), ValueError,
-     r"^lift: x_s has space parts of norm up to 1e\+20 .* finite in float32: \|x_s\| < 1.84e\+19"),
-    ("lift of NaN", lambda: M.lift(torch.tensor([[_nan, 1.0]]), k=1.0), ValueError,
-     r"^lift: x_s must be finite, got NaN or inf"),
-    ("lift of inf, with a gradient", lambda: M.lift(torch.tensor([[_inf, 1.0]], requires_grad=True), k=1.0),
-     ValueError, r"^lift: x_s must be finite, got NaN or inf"),
-    ("hcat with a NaN head", lambda: M.hcat([_pts, _pts * _nan], k=1.0), ValueError,
-     r"^hcat: xs\[1\] must be finite points of H\^n_k, got NaN or inf"),
-    ("expmap0 of NaN", lambda: M.expmap0(torch.tensor([[0.0, _nan, 1.0]]), k=1.0), ValueError,
-     r"^expmap0: u must be finite, got NaN or inf coordinates in u\[\.\.\., 1:\]"),
-    ("expmap0 of inf", lambda: M.expmap0(torch.tensor([[0.0, 1.0, -_inf]]), k=1.0), ValueError,
-     r"^expmap0: u must be finite, got NaN or inf"),
-    # item 4: normalize's floor (NaN gave NaN points, -1 was taken)
-    ("normalize floor=nan", lambda: M.normalize(2 * _pts, k=1.0, floor=_nan), ValueError,
-     r"^normalize: floor must be None or a non-negative finite number \(a lower bound on \|<s, s>_L\|\), got nan"),
-    ("normalize floor=-1", lambda: M.normalize(2 * _pts, k=1.0, floor=-1), ValueError,
-     r"^normalize: floor must be None or a non-negative finite number .*got -1$"),
-    ("normalize floor=inf", lambda: M.normalize(2 * _pts, k=1.0, floor=_inf), ValueError,
-     r"^normalize: floor must be None or a non-negative finite number .*got inf$"),
-    ("normalize floor=tensor(-1)", lambda: M.normalize(2 * _pts, k=1.0, floor=torch.full((3, 1), -1.0)), ValueError,
-     r"^normalize: floor must be non-negative and finite .*got a tensor with values in \[-1, -1\]"),
+    # normalize's floor (NaN gave NaN points, -1 was taken) and norm2
+    ("normalize floor=nan", lambda: M.normalize(2 * _pts, k=1.0, floor=_nan), ValueError, "normalize: floor .*nan"),
+    ("normalize floor=-1", lambda: M.normalize(2 * _pts, k=1.0, floor=-1), ValueError, "normalize: floor .*-1"),
+    ("normalize floor=inf", lambda: M.normalize(2 * _pts, k=1.0, floor=_inf), ValueError, "normalize: floor .*inf"),
     ("normalize floor of shape [3]", lambda: M.normalize(2 * _pts, k=1.0, floor=torch.ones(3)), ValueError,
-     r"^normalize: floor must broadcast against the time coordinates x\[\.\.\., :1\] of shape \(3, 1\)"),
-    ("normalize of a light-like s", lambda: M.normalize(torch.tensor([[1.0, 1.0, 0.0]]), k=1.0), ValueError,
-     r"^normalize: s must be finite and time-like, \|<s, s>_L\| > 0 .*light-like or zero"),
-    # re-probe 5: torch's "Tensor on device meta is not on the expected device cpu!" before
-    ("dist with y on the meta device", lambda: M.dist(_pts, torch.empty(3, 3, device="meta"), k=1.0), ValueError,
-     r"^dist: the arguments must be on one device, got x on cpu, y on meta; move them with \.to\(device\)"),
-    ("centroid with w on the meta device", lambda: M.centroid(_pts, torch.ones(3, device="meta"), k=1.0, dim=0),
-     ValueError, r"^centroid: the arguments must be on one device, got x on cpu, w on meta"),
-    ("hcat of points on two devices", lambda: M.hcat([_pts, torch.empty(3, 3, device="meta")], k=1.0), ValueError,
-     r"^hcat: the arguments must be on one device, got xs\[0\] on cpu, xs\[1\] on meta"),
-    # item 5: raw torch errors
-    ("expmap0 of an integer tensor", lambda: M.expmap0(torch.tensor([[0, 1, 2]]), k=1.0), TypeError,
-     r"^expmap0: u must be a floating-point tensor \(float16, bfloat16, float32 or float64\), got torch.int64"),
-    ("lift of an integer tensor", lambda: M.lift(torch.tensor([[1, 2]]), k=1.0), TypeError,
-     r"^lift: x_s must be a floating-point tensor .*got torch.int64"),
-    ("dist of a bool tensor", lambda: M.dist(_pts > 0, _pts, k=1.0), TypeError,
-     r"^dist: x must be a floating-point tensor .*got torch.bool"),
-    ("logmap0 of a list", lambda: M.logmap0([[1.0, 0.0]], k=1.0), TypeError,
-     r"^logmap0: x must be a floating-point torch.Tensor, got list"),
-    ("lift of a 0-dim tensor", lambda: M.lift(torch.tensor(1.0), k=1.0), ValueError,
-     r"^lift: x_s must be space parts \[\.\.\., n\] .*got a 0-dim tensor"),
-    ("logmap0 of a 0-dim tensor", lambda: M.logmap0(torch.tensor(1.0), k=1.0), ValueError,
-     r"^logmap0: x must be points \[\.\.\., 1\+n\] \(time coordinate first\), got a 0-dim tensor"),
-    ("expmap0 of shape (2, 0)", lambda: M.expmap0(torch.zeros(2, 0), k=1.0), ValueError,
-     r"^expmap0: u must be a tangent vector \[\.\.\., 1\+n\] at the origin, \[0, u_s\], got shape \(2, 0\)"),
-    ("dist of (3, 3) and (2, 3) points", lambda: M.dist(_pts, _pts[:2], k=1.0), ValueError,
-     r"^dist: x of shape \(3, 3\) and y of shape \(2, 3\) must have the same number of coordinates \(last dim, 1\+n\) "
-     r"and batch dims that broadcast"),
-    ("sqdist of 1+2 and 1+3 coordinates", lambda: M.sqdist(_pts, M.lift(torch.ones(3, 3), k=1.0), k=1.0),
-     ValueError, r"^sqdist: x of shape \(3, 3\) and y of shape \(3, 4\) must have the same number of coordinates"),
-    ("sqdist of 1+2 and 1 coordinates (broadcast)", lambda: M.sqdist(_pts, _pts[:, :1], k=1.0), ValueError,
-     r"^sqdist: x of shape \(3, 3\) and y of shape \(3, 1\) must have the same number"),
-    ("inner of (3, 3) and (2, 3)", lambda: M.inner(_pts, _pts[:2]), ValueError,
-     r"^inner: x of shape \(3, 3\) and y of shape \(2, 3\) must have the same number"),
-    # second re-probe: silently wrong results and raw torch errors of normalize, hcat, origin, curvature_to_k
-    ("normalize of a space-like s (was a point)", lambda: M.normalize(torch.tensor([[0.1, 5.0, 0.0]]), k=1.0),
-     ValueError, r"^normalize: s must be time-like .*got a space-like vector with <s, s>_L = 24.99 \(s_t = 0.1, "
-                 r"\|s_s\| = 5\)"),
+     r"normalize: floor .*\(3,\)"),
     ("normalize norm2 of shape [7] (raw broadcast error)", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.ones(7)),
-     ValueError, r"^normalize: norm2 must broadcast against the time coordinates x\[\.\.\., :1\] of shape \(3, 1\)"
-                 r".*got a tensor of shape \(7,\)"),
-    ("normalize norm2=-1 (blamed s)", lambda: M.normalize(2 * _pts, k=1.0, norm2=-torch.ones(3, 1)), ValueError,
-     r"^normalize: norm2 must be positive and finite .*got a tensor with values in \[-1, -1\]"),
-    ("normalize norm2=nan (blamed s)", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.full((3, 1), _nan)),
-     ValueError, r"^normalize: norm2 must be positive and finite .*\(NaN included\)"),
-    ("normalize norm2=0 without a floor", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.zeros(3, 1)), ValueError,
-     r"^normalize: norm2 must be positive and finite"),
+     ValueError, r"normalize: norm2 .*\(7,\)"),
     ("normalize norm2 of ints", lambda: M.normalize(2 * _pts, k=1.0, norm2=torch.ones(3, 1, dtype=torch.long)),
-     TypeError, r"^normalize: norm2 must be a floating-point tensor"),
-    ("hcat of a point of k=2 with k=1 (was concatenated)", lambda: M.hcat([_pts, M.lift(_pts[..., 1:], k=2.0)],
-                                                                          k=1.0), ValueError,
-     rf"^hcat: xs\[1\] {_ON_H}k = 1 .*hyperboloid of k = 2;"),
-    ("hcat of stacked heads of k=2 with k=1", lambda: M.hcat(M.lift(torch.randn(3, 4, 5), k=2.0), k=1.0, dim=-2),
-     ValueError, rf"^hcat: xs {_ON_H}k = 1 .*hyperboloid of k = 2;"),
-    ("hcat of nothing (raw torch.cat error)", lambda: M.hcat([], k=1.0), ValueError,
-     r"^hcat: xs must hold at least one tensor of points \[\.\.\., 1\+n\], got an empty sequence"),
-    ("hcat of (3, 3) and (2, 3) (raw torch.cat error)", lambda: M.hcat([_pts, _pts[:2]], k=1.0), ValueError,
-     r"^hcat: the points xs\[i\] must have the same batch dims \(all but the last\), got shapes \(3, 3\), "
-     r"\(2, 3\)"),
-    ("hcat along the coordinate dim", lambda: M.hcat(_pts[None], k=1.0, dim=-1), ValueError,
-     r"^hcat: dim=-1 must index the stacked points of xs \(1, 3, 3\), not the coordinate \(last\) dim"),
+     TypeError, "normalize: norm2 .*int64"),
+    # raw torch errors
+    ("expmap0 of an integer tensor", lambda: M.expmap0(torch.tensor([[0, 1, 2]]), k=1.0), TypeError,
+     "expmap0: u .*int64"),
+    ("lift of an integer tensor", lambda: M.lift(torch.tensor([[1, 2]]), k=1.0), TypeError, "lift: x_s .*int64"),
+    ("dist of a bool tensor", lambda: M.dist(_pts > 0, _pts, k=1.0), TypeError, "dist: x .*bool"),
+    ("logmap0 of a list", lambda: M.logmap0([[1.0, 0.0]], k=1.0), TypeError, "logmap0: x .*list"),
+    ("lift of a 0-dim tensor", lambda: M.lift(torch.tensor(1.0), k=1.0), ValueError, "lift: x_s .*0-dim"),
+    ("logmap0 of a 0-dim tensor", lambda: M.logmap0(torch.tensor(1.0), k=1.0), ValueError, "logmap0: x .*0-dim"),
+    ("expmap0 of shape (2, 0)", lambda: M.expmap0(torch.zeros(2, 0), k=1.0), ValueError,
+     r"expmap0: u .*\(2, 0\)"),
+    # shapes that broadcast silently into a wrong result, or fail with a raw error
+    ("dist of (3, 3) and (2, 3) points", lambda: M.dist(_pts, _pts[:2], k=1.0), ValueError,
+     r"dist: x of shape \(3, 3\) and y of shape \(2, 3\)"),
+    ("sqdist of 1+2 and 1+3 coordinates", lambda: M.sqdist(_pts, M.lift(torch.ones(3, 3), k=1.0), k=1.0),
+     ValueError, r"sqdist: x of shape \(3, 3\) and y of shape \(3, 4\)"),
+    ("sqdist of 1+2 and 1 coordinates (broadcast)", lambda: M.sqdist(_pts, _pts[:, :1], k=1.0), ValueError,
+     r"sqdist: x of shape \(3, 3\) and y of shape \(3, 1\)"),
+    ("inner of (3, 3) and (2, 3)", lambda: M.inner(_pts, _pts[:2]), ValueError,
+     r"inner: x of shape \(3, 3\) and y of shape \(2, 3\)"),
+    ("hcat of nothing (raw torch.cat error)", lambda: M.hcat([], k=1.0), ValueError, "hcat: xs"),
+    ("hcat along the coordinate dim", lambda: M.hcat(_pts[None], k=1.0, dim=-1), ValueError, "hcat: dim=-1"),
     ("origin of an integer dtype (was an integer point)", lambda: M.origin(2, 3, k=2.0, dtype=torch.long),
-     TypeError, r"^origin: dtype must be None or a floating-point dtype .*got torch.int64"),
+     TypeError, "origin: dtype .*int64"),
     ("origin of size -1 (raw torch error)", lambda: M.origin(-1, 3, k=1.0), ValueError,
-     r"^origin: size must be non-negative ints \[\.\.\., 1\+n\], .*got size \(-1, 3\)"),
+     r"origin: size .*\(-1, 3\)"),
     ("origin of no coordinates (raw IndexError)", lambda: M.origin(2, 0, k=1.0), ValueError,
-     r"^origin: size must be non-negative ints .*the last \(1\+n, time coordinate included\) at least 1, got size "
-     r"\(2, 0\)"),
+     r"origin: size .*\(2, 0\)"),
     ("curvature_to_k of a tensor (said 'must be a negative finite number')",
-     lambda: M.curvature_to_k(torch.tensor(-2.0)), TypeError,
-     r"^curvature must be a Python number \(a float K < 0, the paper's convention\), got a torch.Tensor"),
+     lambda: M.curvature_to_k(torch.tensor(-2.0)), TypeError, "curvature .*torch.Tensor"),
     # C047/C082: k = -1/K past fp32's range (inf for -1e-320, which check_k then refused) or below it
-    ("curvature_to_k(-1e-320) (was inf)", lambda: M.curvature_to_k(-1e-320), ValueError,
-     r"^curvature must be a negative finite number whose k = -1/K is in \[1.18e-38, 3.4e\+38\], float32's normal "
-     r"range \(K in \[-8.51e\+37, -2.94e-39\]\), got -1e-320 \(k = inf\)"),
+    ("curvature_to_k(-1e-320) (was inf)", lambda: M.curvature_to_k(-1e-320), ValueError, "curvature .*-1e-320"),
     ("curvature_to_k(-1e39) (k subnormal in fp32)", lambda: M.curvature_to_k(-1e39), ValueError,
-     r"^curvature must be a negative finite number whose k = -1/K is in .*got -1e\+39 \(k = 1e-39\)"),
+     r"curvature .*-1e\+39"),
     ("curvature_to_k of a Fraction below float's range (ZeroDivisionError)",
-     lambda: M.curvature_to_k(fractions.Fraction(-1, 10 ** 400)), ValueError,
-     r"^curvature must be a negative finite number whose k = -1/K is in .*\(k = inf\)"),
+     lambda: M.curvature_to_k(fractions.Fraction(-1, 10 ** 400)), ValueError, r"curvature .*k = inf"),
     # C046/C081 in half precision: sqrt(k) is 0 or inf in fp16 (the origin's time coordinate)
     ("origin k=1e-10 in fp16 (time coordinate subnormal)", lambda: M.origin(3, k=1e-10, dtype=torch.float16),
-     ValueError, r"^origin: k = 1e-10 has no origin in float16: its time coordinate sqrt\(k\) = 1e-05 is outside "
-                 r"that dtype's normal range"),
+     ValueError, "origin: k = 1e-10 .*float16"),
     ("origin k=1e10 in fp16 (time coordinate inf)", lambda: M.origin(3, k=1e10, dtype=torch.float16), ValueError,
-     r"^origin: k = 10000000000.0 has no origin in float16: its time coordinate sqrt\(k\) = 1e\+05"),
-    ("origin tensor k=1e-20 in fp16", lambda: M.origin(2, 3, k=torch.tensor([[1.0], [1e-20]]), dtype=torch.float16),
-     ValueError, r"^origin: k has no origin in float16 for some entries: .*got values in \[0, 1\]"),
-    # C172: fp32 points at |x_s| = 1e20 (lift refuses them; rounded from fp64 they passed): dist/sqdist/inner gave
-    # inf, logmap0 NaN. The points' range is x_t < sqrt(max)/2 = 9.22e18 in fp32 (d² of two points, up to 4 x_t y_t)
-    ("C172: dist of fp32 points at |x_s| = +-1e20 (was inf)", lambda: M.dist(_huge, _huge.flip(0), k=1.0), ValueError,
-     r"^dist: x has points with time coordinates up to 1e\+20 \(\|x_s\| < x_t\), outside the range of points in "
-     r"float32: x_t < 9.22e\+18"),
-    ("C172: sqdist of points at 1e20 (was inf)", lambda: M.sqdist(_pts, _huge[:1], k=1.0), ValueError,
-     r"^sqdist: y has points with time coordinates up to 1e\+20 \(\|y_s\| < y_t\), .*y_t < 9.22e\+18"),
-    ("C172: logmap0 of a point at 1e20 (was NaN)", lambda: M.logmap0(_huge, k=1.0), ValueError,
-     r"^logmap0: x has points with time coordinates up to 1e\+20"),
-    ("C172: centroid of points at 1e20", lambda: M.centroid(_huge, k=1.0, dim=0), ValueError,
-     r"^centroid: x has points with time coordinates up to 1e\+20"),
-    ("C172: hcat of points at 1e20", lambda: M.hcat([_huge, _huge], k=1.0), ValueError,
-     r"^hcat: xs\[0\] has points with time coordinates up to 1e\+20"),
-    ("C172: rescale of points at 1e20", lambda: M.rescale(_huge, k_in=1.0, k_out=1.0), ValueError,
-     r"^rescale: x has points with time coordinates up to 1e\+20"),
-    ("C172: fp64 points past fp64's range (6.7e153)", lambda: M.logmap0(
-        torch.tensor([[1e154, 1e154, 0.0]], dtype=torch.float64), k=1.0), ValueError,
-     r"^logmap0: x has points with time coordinates up to 1e\+154 .*in float64: x_t < 6.7e\+153"),
-    ("C172: inner of finite vectors whose product overflows (was -inf)", lambda: M.inner(_huge, _huge.flip(0)),
-     ValueError, r"^inner: x and y have coordinates up to 1e\+20, outside the range where <x, y>_L is finite in "
-                 r"float32: coordinates below 1.84e\+19"),
-    ("C172: sqnorm of a point at 1e20 (was nan)", lambda: M.sqnorm(_huge), ValueError,
-     r"^sqnorm: x has coordinates up to 1e\+20, outside the range where <x, x>_L is finite"),
-    ("C172: normalize of s at 2e19 (was the origin)", lambda: M.normalize(torch.tensor([[2e19, 1e19, 0.0]]), k=1.0),
-     ValueError, r"^normalize: s has coordinates up to 2e\+19, outside the range where <s, s>_L and s_t² \+ \|s_s\|² "
-                 r"are finite in float32: sqrt\(s_t² \+ \|s_s\|²\) < 1.84e\+19"),
-    ("C172: rescale to inf coordinates", lambda: M.rescale(M.lift(torch.tensor([[100.0, 0.0]]), k=1e-37), k_in=1e-37,
-                                                           k_out=3e38), ValueError,
-     r"^rescale: k_out / k_in = 3e\+75 scales x \(time coordinates up to 100\) past the range of float32"),
+     "origin: k = 10000000000.0 .*float16"),
 ]
 
 
@@ -678,15 +494,10 @@ def _grad_at_equal_points():
             grads += [a.grad, b.grad]
     return grads
 
-_x64_of_fp32 = M.lift(space_parts((4,), 16, "random", torch.float64), k=K).float().double()  # fp32-rounded points
 DOCUMENTED_RESULTS = [
     ("far fp32 points on H_k (|x_s| = 1e4): finite distances", lambda: M.dist(_far, _far.flip(0), k=K),
      lambda d: torch.isfinite(d).all() and (d[[0, 2]] > 10).all() and d[1] < 1e-6),
-    ("far out another curvature is within rounding of H_k and passes (documented): |x_s| = 1e4, 0.7 for 1",
-     lambda: M.logmap0(_far, k=1.0), lambda u: torch.isfinite(u).all()),
-    ("fp32 points promoted to fp64 are points (references on fp32 inputs)", lambda: M.logmap0(_x64_of_fp32, k=K),
-     lambda u: u.dtype == torch.float64 and torch.isfinite(u).all()),
-    ("a bf16 copy of points is a point (bf16's bound); logmap0 returns bf16",
+    ("logmap0 of bf16 points returns bf16",
      lambda: M.logmap0(M.lift(space_parts((64,), 32, "random"), k=K).bfloat16(), k=K),
      lambda u: u.dtype == torch.bfloat16 and torch.isfinite(u).all()),
     ("item 3: expmap0 of fp16 is fp16, the fp32 result rounded once", lambda: M.expmap0(_u.half(), k=K),
@@ -704,8 +515,6 @@ DOCUMENTED_RESULTS = [
      lambda x: torch.equal(x, M.normalize(2 * _pts, k=1.0))),
     ("dist of (3, 3) and (1, 3) points broadcasts", lambda: M.dist(_pts, _pts[:1], k=1.0),
      lambda d: d.shape == (3,) and d[0] < 1e-6 and (d[1:] > 1).all()),
-    ("inside a model's forward nothing is read (trusted_points)", lambda: M.trusted_points(
-        lambda: M.logmap0(_pts, k=0.7))(), lambda u: torch.isfinite(u).all()),
     # second re-probe
     ("dist of nearby fp32 points at |x_s| = 2e4 (was 1.1e-19, sqdist 0): fp64's 9.9995e-5",
      lambda: torch.cat([M.dist(_far4, _far4b, k=1.0), M.sqdist(_far4, _far4b, k=1.0)]),
@@ -714,12 +523,9 @@ DOCUMENTED_RESULTS = [
      lambda d: bool((d == 0).all())),
     ("dist and sqdist of x and itself have finite (zero) gradients, also far out",
      lambda: _grad_at_equal_points(), lambda g: all(bool(torch.isfinite(t).all() and (t == 0).all()) for t in g)),
-    ("sqdist is the accurate form inside a model's forward too; the layers' one-pass form gives 0 (documented)",
-     lambda: torch.cat([M.trusted_points(lambda: M.sqdist(_far4, _far4b, k=1.0))(),
-                        M.sqdist_one_pass(_far4, _far4b)]),
+    ("sqdist is the accurate form; the layers' one-pass form gives 0 (documented)",
+     lambda: torch.cat([M.sqdist(_far4, _far4b, k=1.0), M.sqdist_one_pass(_far4, _far4b)]),
      lambda d: abs(float(d[0]) / 9.99900010e-09 - 1) < 1e-5 and float(d[1]) == 0),
-    ("normalize of s within rounding of the light cone far out is not refused (documented): 2.5 x at 1e4",
-     lambda: M.normalize(2.5 * _far, k=K), lambda x: torch.isfinite(x).all()),
     ("normalize norm2 = 0 with a floor is bounded by the floor", lambda: M.normalize(2 * _pts, k=1.0, floor=4.0,
                                                                                     norm2=torch.zeros(3, 1)),
      lambda x: torch.allclose(x, _pts)),
@@ -740,31 +546,12 @@ def test_documented_results_of_the_checked_functions(case, call, check):
     assert check(call())
 
 
-def test_membership_is_not_read_while_compiling():
-    """Compiled (as on an accelerator) a point of another curvature is not read: a value, no graph break."""
-    compiled = torch.compile(lambda x: M.logmap0(x, k=0.7), backend="eager", fullgraph=True)
-    assert torch.isfinite(compiled(_pts)).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
-                         ids=["fp16", "bf16", "fp32", "fp64"])
-def test_point_rtol_accepts_rounded_points_and_refuses_the_next_curvature(dtype):
-    """The membership bound sits between the rounding of stored points (accepted, at |x_s| from 0 to 1e2 here)
-    and a curvature 1.5 rtol away at the origin (refused)."""
-    k = 0.7
-    x = M.lift(torch.cat([torch.zeros(1, 8), space_parts((63,), 8, "random", torch.float64) * torch.logspace(
-        -2, 2, 63, dtype=torch.float64)[:, None]]), k=k).to(dtype)
-    M.logmap0(x, k=k)
-    with pytest.raises(ValueError, match=r"^logmap0: x must be points of H\^n_k"):
-        M.logmap0(x[:1], k=k * (1 + 1.5 * M.point_rtol(dtype)))
-
-# C134/C209/C133: centroid converted its points to fp32 before checking them, so bf16/fp16 points got fp32's
-# membership bound and were refused, while dist, hcat, rescale and logmap0 accepted the same points.
+# C134/C209/C133: half-precision points are taken by every function (centroid converted them to fp32 first)
 _half_points = torch.tensor([[[0.0, 0.3, 0.2], [0.0, 0.1, -0.5]]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_half_precision_points_are_checked_in_their_own_dtype_by_every_function(dtype):
+def test_half_precision_points_are_taken_by_every_function(dtype):
     x = M.expmap0(_half_points.to(dtype), k=1.0)
     assert x.dtype == dtype
     results = {
@@ -778,9 +565,6 @@ def test_half_precision_points_are_checked_in_their_own_dtype_by_every_function(
     }
     for name, out in results.items():
         assert torch.isfinite(out).all(), name
-    # fp32's bound still holds for fp32 copies of those points, which are off H_1 by bf16/fp16 rounding
-    with pytest.raises(ValueError, match=r"^centroid: x must be points of H\^n_k"):
-        M.centroid(x.float() * (1 + 4 * M.point_rtol(dtype)), k=1.0)
 
 
 # C172, the other side: points inside the range (time coordinates up to 9e18 < 9.22e18 in fp32) give finite
@@ -880,27 +664,8 @@ if __name__ == "__main__":
     measure()
 
 
-@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
-def test_model_forward_skips_the_domain_checks_and_restores_them(family):
-    """Inside a model's forward the layers' points are on H_k by construction: the per-call tensor checks are off
-    (they cost ~10% of a CPU training step), and back on afterwards, also after an error."""
-    import helm.manifold.math as manifold_math
-
-    model = tiny_model(family)
-    seen = []
-    model.model.layers[0].register_forward_hook(lambda *_: seen.append(manifold_math._DOMAIN_CHECKS))
-    model(torch.randint(0, 512, (1, 5)))
-    assert seen == [False] and manifold_math._DOMAIN_CHECKS
-    with pytest.raises(ValueError, match="input_ids"):
-        model(torch.tensor([[1, 2, 10**6]]))
-    assert manifold_math._DOMAIN_CHECKS
-    with pytest.raises(ValueError, match="k must be positive"):
-        manifold_math.lift(torch.randn(2, 4), k=torch.tensor(-1.0))
-
-
-@pytest.mark.parametrize("u_t", [5.0, -1e-3, float("nan")], ids=["u_t=5", "u_t=-1e-3", "u_t=nan"])
-def test_expmap0_refuses_a_tangent_with_a_time_coordinate(u_t):
-    """geoopt's expmap0 reads u_t; ours takes tangents at the origin, [0, u_s], and refuses any other on the CPU."""
-    with pytest.raises(ValueError, match=r"expmap0: u must be a tangent vector at the origin, \[0, u_s\]"):
-        M.expmap0(torch.tensor([u_t, 1.0, 0.0, 0.0, 0.0]), k=torch.tensor(1.0))
-    assert torch.isfinite(M.expmap0(torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]), k=torch.tensor(1.0))).all()
+def test_expmap0_ignores_the_time_coordinate_of_a_tangent():
+    """Tangents at the origin are [0, u_s]: u_t is not read (geoopt's expmap0 reads it)."""
+    u = torch.tensor([[5.0, 1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
+    x = M.expmap0(u, k=1.0)
+    assert torch.equal(x[0], x[1]) and M.manifold_error(x, 1.0).max() <= 1e-6
