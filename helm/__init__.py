@@ -6,7 +6,11 @@ Importing ``helm`` registers ``helm_d`` and ``helm_mice`` with ``AutoConfig`` / 
 
 import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"geoopt(\..*)?")
+# geoopt's torch.jit DeprecationWarnings are emitted once, when it is first imported: silenced there, and the
+# process's warning filters are left as they were
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import geoopt  # noqa: F401
 
 from . import manifold, models  # noqa: E402
 from .presets import available_presets, load_config  # noqa: E402

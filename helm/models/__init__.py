@@ -1,6 +1,6 @@
 """The zoo's model families, registered with ``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and the task-head
-Auto classes (sequence and token classification, extractive question answering). Importing it makes the Auto
-classes' loading failures on a local path name the problem (:mod:`.loading`)."""
+Auto classes (sequence and token classification, extractive question answering) through their public ``register``;
+nothing of ``transformers`` or PEFT is replaced."""
 
 from .helm_d import (
     HelmDConfig,
@@ -18,9 +18,6 @@ from .helm_mice import (
     HelmMiCEForTokenClassification,
     HelmMiCEModel,
 )
-from .loading import install_auto_load_messages
-
-install_auto_load_messages()
 
 __all__ = ["HelmDConfig", "HelmDForCausalLM", "HelmDForQuestionAnswering", "HelmDForSequenceClassification",
            "HelmDForTokenClassification", "HelmDModel", "HelmMiCEConfig", "HelmMiCEForCausalLM",

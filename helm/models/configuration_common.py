@@ -76,13 +76,11 @@ class RemoteCodeConfigMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``transformers``' loader, after :func:`helm.models.loading.local_path_problem`: a local path that is
-        not a checkpoint folder (a folder without ``config.json`` would otherwise give a default config) or a
-        ``config.json`` that does not read as an object is an ``OSError`` saying which."""
-        from .loading import check_local_path
+        """``transformers``' loader, after :func:`helm.models.loading.check_config_folder`: a local folder without
+        ``config.json`` is an ``OSError`` naming it (``transformers`` would return a default config)."""
+        from .loading import check_config_folder
 
-        check_local_path(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "",
-                         json_file_ok=True)
+        check_config_folder(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "")
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
 

@@ -19,7 +19,7 @@ from transformers.utils import logging
 
 from ..manifest import MANIFEST, manifest_problem, read_manifest, write_manifest
 from .loading import WEIGHT_FILE, check_save_directory
-from .peft_support import check_adapter
+from .peft_support import adapter_problem, register_default_targets
 
 logger = logging.get_logger(__name__)
 
@@ -104,27 +104,19 @@ class HelmHubMixin:
                   if not (name in ("dtype", "torch_dtype") and value == "auto")}
         return super()._from_config(config, **kwargs)
 
-    def load_adapter(self, peft_model_id=None, *args, **kwargs):
-        """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.check_adapter`: an adapter
-        saved for another model type, or holding weights for modules this model lacks, is a ``ValueError``, and so
-        is a folder of adapter weights without ``adapter_config.json`` when no ``peft_config`` is passed (the
-        settings would be read from the folder).
+    def post_init(self):
+        """``transformers``' post-init, after PEFT's default adapter targets for the HELM model types are registered
+        (:func:`~helm.models.peft_support.register_default_targets`; nothing when PEFT is not imported)."""
+        register_default_targets()
+        super().post_init()
 
-        As ``from_pretrained`` does, ``subfolder=`` is taken (transformers' own takes it in ``adapter_kwargs`` only and
-        fails on it with a ``TypeError`` from an internal class), and a local adapter saved with
-        ``safe_serialization=False`` (``adapter_model.bin`` only) loads (transformers looks for
-        ``adapter_model.safetensors`` unless ``use_safetensors=False`` is passed)."""
-        if "subfolder" in kwargs:
-            kwargs["adapter_kwargs"] = {**(kwargs.get("adapter_kwargs") or {}), "subfolder": kwargs.pop("subfolder")}
-        adapter_kwargs = kwargs.get("adapter_kwargs") or {}
-        peft_config = args[1] if len(args) > 1 else kwargs.get("peft_config")  # after adapter_name
-        subfolder = adapter_kwargs.get("subfolder") or ""
-        check_adapter(f"{type(self).__name__}.load_adapter", self, peft_model_id, subfolder=subfolder,
-                      need_config=peft_config is None)
-        if isinstance(peft_model_id, (str, os.PathLike)) and "use_safetensors" not in kwargs:
-            folder = Path(peft_model_id) / subfolder
-            if (folder / "adapter_model.bin").is_file() and not (folder / "adapter_model.safetensors").exists():
-                kwargs["use_safetensors"] = False
+    def load_adapter(self, peft_model_id=None, *args, **kwargs):
+        """``transformers``' PEFT adapter loading, after :func:`~helm.models.peft_support.adapter_problem`: an
+        adapter trained on a model of another type, or holding weights for modules this model lacks, is a
+        ``ValueError`` naming the adapter, before anything is loaded."""
+        subfolder = (kwargs.get("adapter_kwargs") or {}).get("subfolder") or ""
+        if problem := adapter_problem(self, peft_model_id, subfolder=subfolder):
+            raise ValueError(f"{type(self).__name__}.load_adapter({os.fspath(peft_model_id)!r}): {problem}")
         return super().load_adapter(peft_model_id, *args, **kwargs)
 
     def _allow_new_head(self, where, info: dict) -> dict:
