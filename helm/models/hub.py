@@ -140,6 +140,7 @@ class HelmHubMixin:
         return {**info, "missing_keys": set(info.get("missing_keys", ())) - set(head),
                 "unexpected_keys": set(info.get("unexpected_keys", ())) - other}
 
+    @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
         """Every saved HELM directory already carries its code and ``auto_map`` (see :meth:`save_pretrained`).
 

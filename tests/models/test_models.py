@@ -608,20 +608,15 @@ def test_isinstance_and_registration():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_causal_lms_generate_and_cache_like_transformers_models(family):
-    """``…ForCausalLM`` mixes in HelmGenerationMixin (generate's cache argument checked): transformers still sees a
-    generating model; the bare model does not generate. A forward's own cache is a HelmDynamicCache, a DynamicCache
-    for everything in transformers, recording the model that wrote it."""
+    """``…ForCausalLM`` is a generating model for transformers; the bare model does not generate. A forward's own
+    cache is transformers' DynamicCache."""
     from transformers import DynamicCache, GenerationMixin
-
-    from helm.models.modeling_common import HelmDynamicCache, cache_signature
 
     model = tiny_model(family)
     assert type(model).can_generate() and isinstance(model, GenerationMixin) and model.generation_config is not None
     assert not type(model.model).can_generate()
     cache = model(torch.randint(0, 512, (1, 4)), use_cache=True).past_key_values
-    assert type(cache) is HelmDynamicCache and isinstance(cache, DynamicCache)
-    assert cache.helm_origin.signature == cache_signature(model.config) and cache.get_seq_length() == 4
-    assert cache_signature(model.config)["curvature"] == model.config.curvature
+    assert type(cache) is DynamicCache and cache.get_seq_length() == 4
 
 
 def test_attention_weights_of_a_decode_step_on_an_absorbed_mice_cache():
