@@ -8,7 +8,7 @@ from torch import nn
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import expmap0, lift, normalize
-from .validation import EMBEDDING_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule
+from .validation import EMBEDDING_MODES
 from .storage import RealignAfterLoading
 
 
@@ -74,11 +74,8 @@ class LorentzEmbedding(RealignAfterLoading, nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, k: float = 1.0, mode: str = "space",
                  init_std: float = 0.02):
         super().__init__()
-        check_dim(num_embeddings, "num_embeddings")
-        check_dim(embedding_dim, "embedding_dim", minimum=2)
-        check_k(k, "k")
-        check_choice(mode, "mode", EMBEDDING_MODES)
-        check(init_std, "init_std", init_std_rule)
+        if mode not in EMBEDDING_MODES:  # any other name would build a table of space parts, silently
+            raise ValueError(f"mode must be one of {EMBEDDING_MODES}, got {mode!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.k, self.mode, self.init_std = float(k), mode, init_std
         if mode == "lorentz":
@@ -99,7 +96,8 @@ class LorentzEmbedding(RealignAfterLoading, nn.Module):
 
     def resize(self, num_embeddings: int, *, mean_resizing: bool = True) -> None:
         """Keep the first ``num_embeddings`` rows, or append new ones (see :func:`grown_table`)."""
-        check_dim(num_embeddings, "num_embeddings")
+        if num_embeddings < 1:  # a negative count would cut the table from its end, silently
+            raise ValueError(f"num_embeddings must be >= 1, got {num_embeddings!r}")
         replace_table(self, "weight", grown_table(self.weight, num_embeddings, k=self.k, std=self.init_std,
                                                   on_manifold=self.mode == "lorentz", mean_resizing=mean_resizing))
         self.num_embeddings = num_embeddings

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from ..manifold.math import lift
-from .validation import check_dim, check_k
 from .storage import RealignAfterLoading
 
 Curv = Union[float, torch.Tensor]
@@ -21,8 +20,6 @@ def space_linear(in_features: int, out_features: int, *, bias: bool = True) -> n
     ``gate_proj``, ...) and lift with :func:`lorentz_linear`. A wrapper that adds to a linear's output (PEFT's
     LoRA, quantised linears) then changes ``W x + b`` before the lift, so the output stays on the hyperboloid.
     """
-    check_dim(in_features, "in_features", minimum=2)
-    check_dim(out_features, "out_features", minimum=2)
     return nn.Linear(in_features, out_features - 1, bias=bias)
 
 
@@ -71,9 +68,6 @@ class LorentzLinear(RealignAfterLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, *, k: float = 1.0, k_out: Optional[float] = None,
                  bias: bool = True):
         super().__init__()
-        check_k(k, "k")
-        if k_out is not None:
-            check_k(k_out, "k_out")
         self.in_features, self.out_features = in_features, out_features
         self.k = float(k)
         # Same object when the curvature does not change, so forward skips the scaling.

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from ..manifold.math import lift
-from .validation import check_dim, check_k
 from .activation import get_activation
 from .linear import linear_space, lorentz_linear, space_linear
 from .storage import RealignAfterLoading
@@ -34,9 +33,6 @@ class LorentzSwiGLU(RealignAfterLoading, nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, k: float = 1.0, hidden_act: str = "silu",
                  bias: bool = True):
         super().__init__()
-        check_dim(hidden_size, "hidden_size", minimum=2)
-        check_dim(intermediate_size, "intermediate_size", minimum=2)
-        check_k(k, "k")
         self.k = float(k)
         self.act = get_activation(hidden_act)
         self.gate_proj = space_linear(hidden_size, intermediate_size, bias=bias)

@@ -11,7 +11,6 @@ from torch import nn
 
 from ..manifold.math import lift, normalize, sqdist_one_pass
 from ..precision import to_stat
-from .validation import check, check_k, check_positive, residual_weight
 
 
 class LorentzResidual(nn.Module):
@@ -31,10 +30,8 @@ class LorentzResidual(nn.Module):
 
     def __init__(self, *, k: float = 1.0, weight: float = 1.0, space_scale: Optional[float] = None):
         super().__init__()
-        check_k(k, "k")
-        check(weight, "weight", residual_weight)
-        if space_scale is not None:
-            check_positive(space_scale, "space_scale")
+        if space_scale is not None and not space_scale > 0:  # a negative scale would reflect every point, silently
+            raise ValueError(f"space_scale must be > 0, got {space_scale!r}")
         self.k = float(k)
         self.space_scale = space_scale
         self.init_weight = float(weight)

@@ -409,25 +409,13 @@ def test_pure_bf16_parameters():
     assert_close(y, case.reference(_params(m), x.bfloat16(), None, 1.0), dtype=torch.bfloat16)
 
 
+# Layers trust the arguments a validated config gives them; a standalone layer checks only what would otherwise be
+# silently wrong (a reflected residual stream, a table of another kind, a table cut from its end). (factory, culprit)
 BAD = [
-    (lambda: LorentzLinear(0, 5), "in_features"),
-    (lambda: LorentzLinear(5, 1), "out_features"),
-    (lambda: LorentzLinear(5, 5, k=0.0), "k must be a positive"),
-    (lambda: LorentzLinear(5, 5, k_out=-1.0), "k_out must be a positive"),
-    (lambda: LorentzRMSNorm(-3), "hidden_size"),
-    (lambda: LorentzRMSNorm(5, k=-2.0), "k must be a positive"),
-    (lambda: LorentzRMSNorm(5, eps=0.0), "eps"),
-    (lambda: LorentzActivation("swish-ish"), r"activation must be one of \('silu'"),
-    (lambda: LorentzSwiGLU(5, 0), "intermediate_size"),
-    (lambda: LorentzSwiGLU(5, 9, hidden_act="nope"), "activation must be one of"),
-    (lambda: LorentzResidual(weight=0.0), "weight"),
-    (lambda: LorentzResidual(k=float("nan")), "k must be a positive"),
     (lambda: LorentzResidual(space_scale=-1.0), "space_scale"),
-    (lambda: LorentzEmbedding(10, 5, mode="poincare"), r"mode must be one of \('lorentz', 'space'\)"),
-    (lambda: LorentzEmbedding(0, 5), "num_embeddings"),
-    (lambda: LorentzEmbedding(10, 1), "embedding_dim"),
-    (lambda: LorentzLMHead(5, 10, mode="mlr"), r"mode must be one of \('linear', 'distance'\)"),
-    (lambda: LorentzLMHead(5, 10, tau=0), "tau"),
+    (lambda: LorentzEmbedding(10, 5, mode="poincare"), "mode"),
+    (lambda: LorentzEmbedding(10, 5).resize(-1), "num_embeddings"),
+    (lambda: LorentzLMHead(5, 10, mode="mlr"), "mode"),
 ]
 
 
