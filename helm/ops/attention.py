@@ -24,8 +24,8 @@ centre ``c`` this pairwise form equals::
 
 (expand: ``E - <D, D>_L = Σ_j ν_j <v_j, v_j>_L - <S, S>_L``) whenever all the keys a row attends to share ``c``,
 and every implementation evaluates it so, with a detached centre per (batch, head, document)
-(:func:`_value_centres`), ``e_j`` and ``<D, D>_L`` in fp32 (the statistics dtype of :mod:`helm.precision`; fp64
-only for fp64 inputs), and ``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))``. Why: the naive
+(:func:`helm.ops.centring.value_centres`), ``e_j`` and ``<D, D>_L`` in fp32 (the statistics dtype of
+:mod:`helm.precision`; fp64 only for fp64 inputs), and ``O = lift(sqrt(k) S_s / sqrt(max(N, k/2)))``. Why: the naive
 ``-<S, S>_L = S_t² - |S_s|²`` in fp32 cancels to nothing once ``|v_s| ≳ 1e3`` (a one-hot row must give ``N = k``
 from two terms of size ``|v_s|²``: 41% to 100% output error at ``1e4``), and on fp32-rounded values it is not even
 well defined: rounding ``v_t`` moves ``<v, v>_L`` by ``~|v_s| ulp(|v_s|)`` (``±10`` at ``1e4``). The pairwise form
@@ -45,7 +45,7 @@ says why), so in half precision the weights are materialised (the ``sdpa`` imple
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, NamedTuple, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ from transformers.utils import logging
 
 from ..manifold.math import lift, sqnorm
 from ..precision import HALF, compute_dtype, no_autocast, split_hi_lo, stat_dtype, to_stat
+from .centring import KeyGroups, key_groups, value_centres
 
 logger = logging.get_logger(__name__)
 
@@ -158,7 +159,7 @@ class AttentionMask:
         """The keys' groups (document and padding flag, :class:`KeyGroups`), or None for one group; the values are
         centred per group (see the module docstring). Computed on first use, then shared by every layer."""
         if self._groups is False:
-            self._groups = _key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
+            self._groups = key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
         return self._groups
 
     def __repr__(self) -> str:
@@ -236,110 +237,12 @@ def _floor(k):
     return k / 2
 
 
-# Per-key centres of the values, shared with the Triton kernels (helm/ops/lorentz_attention_triton/common.py
-# imports them).
-class KeyGroups(NamedTuple):
-    """The keys' groups (same segment id, same padding flag) and what a segmented sum over them needs, computed once
-    per mask (:meth:`AttentionMask.groups`) and shared by every layer. Keys are numbered row-major over ``[B, Tk]``
-    (key ``j`` of batch row ``b`` is ``b·Tk + j``), and ``B·Tk`` names a zero row (:func:`_group_sum`).
-
-    ``first [B·Tk]`` int64: the first key of each key's group. ``sources``: for the doubling steps
-    ``s = 1, 2, 4, ... < Tk``, ``[B·Tk]`` int64, the key ``s`` places before each key within its group (keys in index
-    order), or ``B·Tk`` where there is none. ``last [B·Tk]``: the last key of each key's group.
-    ``count [B·Tk, 1, 1]`` int64: the size of each key's group."""
-
-    first: torch.Tensor
-    sources: tuple
-    last: torch.Tensor
-    count: torch.Tensor
-
-
-def _key_groups(batch: int, kv_len: int, segment_ids: Optional[torch.Tensor], padding: Optional[torch.Tensor],
-               device) -> Optional[KeyGroups]:
-    """The :class:`KeyGroups` of keys with these segment ids and padding flags; None when all keys form one
-    group. Sorts and scans only: no host synchronisation."""
-    if segment_ids is None and padding is None:
-        return None
-    key = torch.zeros(batch, kv_len, dtype=torch.int64, device=device)
-    if segment_ids is not None:
-        seg = segment_ids.to(device=device, dtype=torch.int64)
-        key = seg - seg.amin(dim=1, keepdim=True)
-    key = 2 * key
-    if padding is not None:
-        key = key + (~padding.to(device=device, dtype=torch.bool)).to(torch.int64)
-    # keys sorted by group, stably (each group keeps index order); positions below are in that order
-    s, order = key.sort(dim=1, stable=True)
-    start = torch.ones_like(s, dtype=torch.bool)
-    start[:, 1:] = s[:, 1:] != s[:, :-1]
-    end = torch.ones_like(start)
-    end[:, :-1] = start[:, 1:]
-    pos = torch.arange(kv_len, device=device).expand(batch, kv_len)
-    run_start = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    run_end = torch.where(end, pos, torch.full_like(pos, kv_len)).flip(1).cummin(dim=1).values.flip(1)
-    offset = (torch.arange(batch, device=device) * kv_len).view(batch, 1)
-    none = batch * kv_len
-
-    def by_key(sorted_keys: torch.Tensor) -> torch.Tensor:  # per sorted position -> per key, flattened
-        return torch.empty_like(order).scatter_(1, order, sorted_keys).view(-1)
-
-    rank = pos - run_start  # within the group
-    sources = tuple(by_key(torch.where(rank >= step, order.gather(1, (pos - step).clamp_min(0)) + offset, none))
-                    for step in (1 << i for i in range(max(kv_len - 1, 0).bit_length())))
-    return KeyGroups(first=by_key(order.gather(1, run_start) + offset), sources=sources,
-                     last=by_key(order.gather(1, run_end) + offset),
-                     count=by_key(run_end - run_start + 1).view(-1, 1, 1))
-
-
-def _group_sum(rows: torch.Tensor, groups: KeyGroups) -> torch.Tensor:
-    """Per-key sum of ``rows [B·Tk, W]`` over the key's group: a segmented scan (``log2 Tk`` doubling steps, each
-    adding the partial sum of the key ``step`` places before within the group, or of the zero row), then each key
-    takes its group's last partial sum. A group's sum involves its own keys only, in an order set by their ranks
-    within the group: bit for bit independent of the other groups (a cumulative sum across groups would round each
-    group's sum by its prefix), deterministic, no fp64; row copies only (``index_select``)."""
-    n = rows.shape[0]
-    y = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # row n stays 0
-    for source in groups.sources:
-        y[:n].add_(y.index_select(0, source))  # the gather reads y before the in-place add writes it
-    return y.index_select(0, groups.last)
-
-
-def _value_centres(v: torch.Tensor, groups: Optional[KeyGroups]) -> torch.Tensor:
-    """Detached centres ``c_j``: ``[B, H, 1, 1+dv]`` (one group) or ``[B, H, Tk, 1+dv]`` (``groups`` from
-    :func:`_key_groups`), in ``v``'s dtype.
-
-    The normalisation is exact for any centre shared by a row's keys, so the centre's own rounding does not
-    matter: the mean ``m`` of the group, shrunk towards 0 unless the values cluster (``β = 1 - 100 var/|m|²``, so an
-    unclustered group keeps the origin as centre), in the statistics dtype. Per group, ``m`` and ``var`` come from
-    one segmented sum of the values shifted by the group's first value ``f`` (``d = v - f``: ``m = f + Σd/n``,
-    ``var = Σ|d|²/n - |Σd/n|²``, the shift keeping the difference of moments at the scale of the group's spread)."""
-    v = v.detach()
-    wide = to_stat(v)
-    B, H, Tk, C = wide.shape
-    if groups is None:
-        m = wide.mean(-2, keepdim=True)
-        var = (wide - m).square().sum(-1, keepdim=True).mean(-2, keepdim=True)
-    else:  # one row of [H, C] per key, so that gathering keys copies whole rows
-        rows = wide.transpose(1, 2).reshape(B * Tk, H, C)
-        f = rows.index_select(0, groups.first)
-        d = rows - f
-        sums = _group_sum(torch.cat([d, d.square().sum(-1, keepdim=True)], dim=-1).view(B * Tk, -1), groups)
-        sums = sums.view(B * Tk, H, C + 1)
-        count = groups.count.to(wide.dtype)
-        mean_d = sums[..., :-1] / count
-        m = f + mean_d
-        var = (sums[..., -1:] / count - mean_d.square().sum(-1, keepdim=True)).clamp_min(0)
-    m2 = m.square().sum(-1, keepdim=True)
-    beta = (1 - 100 * var / m2.clamp_min(torch.finfo(m2.dtype).tiny)).clamp_min(0)
-    c = (m * beta).to(v.dtype)
-    return c if groups is None else c.view(B, Tk, H, C).transpose(1, 2)
-
-
 def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
-    """``(c_rows, [w | e])``: the centred values ``w_j = v_j - c_j`` (:func:`_value_centres`, one centre per
-    document of the mask) with ``e_j = <w_j, w_j>_L`` (:func:`~helm.manifold.math.sqnorm`) appended as one more
-    column, so a single ``ν @ ·`` (or SDPA) yields both ``D = Σ ν w`` and ``E = Σ ν e``; and
-    the centre of each query row (that of the key at the query's position, which is in its document)."""
-    c = _value_centres(v, mask.groups())
+    """``(c_rows, [w | e])``: the centred values ``w_j = v_j - c_j`` (:func:`~helm.ops.centring.value_centres`, one
+    centre per document of the mask) with ``e_j = <w_j, w_j>_L`` (:func:`~helm.manifold.math.sqnorm`) appended as
+    one more column, so a single ``ν @ ·`` (or SDPA) yields both ``D = Σ ν w`` and ``E = Σ ν e``; and the centre of
+    each query row (that of the key at the query's position, which is in its document)."""
+    c = value_centres(v, mask.groups())
     w = v - c
     c_rows = c
     if c.shape[-2] > 1:  # each query row takes the centre of the key at its own position

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-# One centring rule for every attention path: the kernels centre the values with helm.ops.attention's functions,
+# One centring rule for every attention path: the kernels centre the values with helm.ops.centring's functions,
 # which the eager and sdpa paths use, so a change to the rule cannot leave one path behind.
-from ..attention import _key_groups, _value_centres
+from ..centring import key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
            "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
@@ -274,14 +274,14 @@ def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
 
     The normaliser ``N = k + (E - <D, D>_L)`` does not depend on the centres as long as every key a row attends to
     has the same one; only its rounding does. Keys are grouped by document (segment id) and padding flag
-    (:func:`helm.ops.attention._key_groups`), so packed documents stay bit-for-bit independent, and each group gets
-    :func:`helm.ops.attention._value_centres`: ``0`` for values spread around the origin (their ``e_j ≈ -k`` are
+    (:func:`helm.ops.centring.key_groups`), so packed documents stay bit-for-bit independent, and each group gets
+    :func:`helm.ops.centring.value_centres`: ``0`` for values spread around the origin (their ``e_j ≈ -k`` are
     small and exact), about their mean for values clustered far from it (small centred values, small fp32 error of
     their weighted sum). Sorts and segmented scans only: deterministic, no host synchronisation."""
     B, H, Tk, _ = v.shape
-    groups = _key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
+    groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
     vf = v.float()
-    c = _value_centres(vf, groups)
+    c = value_centres(vf, groups)
     w = _last_dim_contiguous((vf - c).to(v.dtype))
     wide = w.double() if w.device.type != "mps" else w.float()
     e = (wide[..., 1:].pow(2).sum(-1) - wide[..., 0].pow(2)).float().contiguous()

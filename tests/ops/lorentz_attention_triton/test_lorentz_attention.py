@@ -217,12 +217,34 @@ def test_helm_entry_point_impl_triton(lk):
 
 
 def test_naive_reference_matches_eager():
+    """The reference (its own masks and centring, from the equations) agrees with eager on every row that sees a
+    key; a row that sees none (all of batch row 0, the first query of row 1: padding) has an output callers
+    ignore."""
     _, q, kk, u, tau, kw = _case("naive", Tq=20, Tk=30, d=8, mask="all_pad_row", segments=True, alibi=True)
     from helm.ops.lorentz_attention_triton.naive import naive_lorentz_attention
 
     args = [t.double() for t in (q, kk, _values(u, kw), tau)]
     ref = lorentz_attention(*args[:3], tau=args[3], impl="eager", **kw)
-    assert_close(naive_lorentz_attention(*args[:3], tau=args[3], **kw), ref, rtol=1e-12)
+    seen = kw["attention_mask"][:, 10:].bool()  # a query that is not padding sees at least itself
+    assert seen.sum() == 19
+    assert_close(naive_lorentz_attention(*args[:3], tau=args[3], **kw).transpose(1, 2)[seen],
+                 ref.transpose(1, 2)[seen], rtol=1e-12)
+
+
+def test_naive_reference_catches_a_centre_shared_across_documents(monkeypatch):
+    """Far from the origin in fp32, eager centred with one centre for the whole row (documents mixed) leaves the
+    pairwise normaliser inexact; the reference, which shares no centring code with eager, sees the difference."""
+    from helm.ops import attention
+    from helm.ops.lorentz_attention_triton.naive import naive_lorentz_attention
+
+    _, q, kk, u, tau, kw = _case("far", B=1, H=1, Tq=24, d=8, segments=True, seed=5)
+    doc = (kw["segment_ids"] - kw["segment_ids"][:, :1]).div(7).view(1, 1, -1, 1)  # 0, 1, 2, ... per document
+    v = _values(u + 3e3 * (1 + doc), kw)  # each document clustered, 3e3 from the next one
+    ref = naive_lorentz_attention(q.double(), kk.double(), v.double(), tau=tau, **kw)
+    assert_close(lorentz_attention(q, kk, v, tau=tau, impl="eager", **kw), ref, rtol=1e-5)
+    monkeypatch.setattr(attention.AttentionMask, "groups", lambda self: None)  # one centre for all keys
+    wrong = lorentz_attention(q, kk, v, tau=tau, impl="eager", **kw)
+    assert ((wrong - ref).abs() / ref.abs().clamp_min(1)).max() > 0.1
 
 
 def test_invalid_arguments_raise(lk):
