@@ -32,9 +32,8 @@ LOG_K_MARGIN = math.log(10.0)
 # How MiCE combines its expert outputs (see :class:`MiCE`): ``centroid`` (ours, the paper's one centroid) or
 # ``lresnet_official`` (the official HELM code's chain of LResNets, kept so official checkpoints convert exactly).
 EXPERT_COMBINES = ("centroid", "lresnet_official")
+# "auto" is "dense" (the dispatch that never reads the device); the name stays so that configs holding it load
 MOE_DISPATCHES = ("auto", "dense", "sparse")
-# tokens per MiCE call from which the CPU runs each expert on its own tokens (benchmarks/mice_dispatch.py)
-SPARSE_MIN_TOKENS = 128
 # lresnet_official: the fixed space scale of each step of the routed-expert chain (official ``weighted_sum``)
 OFFICIAL_CHAIN_SCALE = 2.0
 # lresnet_official: relative floor on |<a, a>_L| / k in the final LResNet, whose weight is unconstrained (the
@@ -215,10 +214,14 @@ class MiCE(RealignAfterLoading, nn.Module):
     ``[B, T, 1+n]``, ``g_j`` ``[B, T]``; Minkowski norms in fp32 at least. The official gate corresponds to
     ``scoring_func="softmax"``, ``norm_topk_prob=False``.
 
-    Dispatch (``dispatch``): densely, every expert runs on every token and unselected ones get zero weight (or
-    are skipped by a mask): no data-dependent shapes, no host synchronisation. On the CPU, ``auto`` switches to
-    :meth:`combine_sparse` (each routed expert on its own tokens, ``(N_r - K_r)/N_r`` of the expert FLOPs saved)
-    from ``SPARSE_MIN_TOKENS`` tokens; GPUs stay dense until grouped GEMMs keep that sync-free.
+    Dispatch (``dispatch``): ``auto`` and ``dense`` run every expert on every token, and unselected ones get zero
+    weight (or are skipped by a mask): no data-dependent shapes, no host synchronisation in the forward or the
+    backward. ``sparse`` (:meth:`combine_sparse`) runs each routed expert on its own tokens only, saving
+    ``(N_r - K_r)/N_r`` of the routed experts' FLOPs, at the price of one host read per layer forward (the
+    per-expert token counts give the slices their shapes): worth it in eager CPU training from a few hundred tokens
+    per call (``benchmarks/mice_dispatch.py``), a stall of the launch queue on a GPU. Each expert is a module of its
+    own (LoRA, quantised or offloaded linears act inside it), so a grouped GEMM over stacked expert weights, which
+    would avoid that read, is not an option here.
 
     After each forward the layer keeps ``last_expert_load`` (tokens routed to each expert, ``[N_r]``) and, in
     training, ``aux_loss``: the DeepSeek-V3 sequence-wise balance loss
@@ -278,10 +281,11 @@ class MiCE(RealignAfterLoading, nn.Module):
             self.add_experts_log_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
         self.reset_geometry()
         self.aux_loss: Optional[torch.Tensor] = None
-        # routing-bias bookkeeping (:meth:`_check_bias_updates`): bias updates so far; the gate weight and the update
-        # count at the first training forward; whether the check has decided
+        # routing-bias bookkeeping (:meth:`_check_bias_updates`): bias updates so far; the gate weight noted at the
+        # first training forward; whether a backward ran since; whether the check has decided
         self._bias_updates = 0
-        self._gate_snapshot: Optional[tuple] = None
+        self._gate_note: Optional[tuple] = None
+        self._backward_seen = False
         self._bias_check_done = False
 
     def reset_geometry(self) -> None:
@@ -315,31 +319,44 @@ class MiCE(RealignAfterLoading, nn.Module):
         update_routing_bias_(self.e_score_correction_bias, self.last_expert_load, self.bias_update_speed)
         self._bias_updates += 1
 
-    def _check_bias_updates(self) -> None:
-        """Warn once when training goes on without routing-bias updates.
+    def _check_bias_updates(self) -> bool:
+        """Warn once when training goes on without routing-bias updates; whether the layer should watch its backward.
 
         Nothing in the forward or backward can tell the last micro-batch of a step, so the update stays with the
         training loop (``train.py``, :class:`helm.models.routing.RoutingBiasCallback` under ``transformers.Trainer``,
         or ``model.update_routing_bias()``), which sums the load of all micro-batches and processes first. A stock
         ``Trainer`` without the callback would leave the bias at its initial value for the whole run, silently. So the
-        first training forward keeps a copy of the (small) gate weight; the first later one that finds it changed (an
-        optimiser step went by: other micro-batches of the same step and recomputations find it equal) decides: no
-        ``update_bias`` since the copy means a warning. Then the check is over for good (the comparison reads the
-        device once or twice per layer in a run). Skipped with ``bias_update_speed = 0`` (balancing switched off), a
-        frozen or non-tensor (quantised) gate weight, and under ``torch.compile``."""
+        first training forward notes the gate weight (its version counter, a copy, the update count), and the first
+        later one that sees an optimiser step gone by decides: no ``update_bias`` since the note means a warning.
+        Then the check is over for good. The evidence of a step, read from the host only:
+
+        * the version counter moved: an in-place write (foreach or per-tensor optimisers, SGD, ...);
+        * else a backward has run through the layer since and the gate's gradient is gone (``zero_grad``): the
+          case of optimisers that write without bumping the counter (fused AdamW, the Trainer's default). Only
+          then are the values compared, which reads the device once; a gradient freed without a step (FSDP2
+          between micro-batches) finds them equal and the watch goes on.
+
+        Other micro-batches of the same step and recomputations show neither. A new weight tensor (moved,
+        reloaded, swapped in by an offload hook) starts the note again. Skipped with ``bias_update_speed = 0``
+        (balancing switched off), a frozen or non-tensor (quantised) gate weight, and under ``torch.compile``."""
         weight = getattr(self.gate, "weight", None)
-        weight = weight.to_local() if hasattr(weight, "to_local") else weight  # FSDP2's DTensor: this rank's shard
         if (self._bias_check_done or self.bias_update_speed == 0 or not isinstance(weight, torch.Tensor)
                 or not weight.requires_grad or weight.device.type == "meta" or torch.compiler.is_compiling()):
-            return
-        snapshot = self._gate_snapshot
-        if snapshot is None or snapshot[0].shape != weight.shape or snapshot[0].device != weight.device:
-            self._gate_snapshot = (weight.detach().clone(), self._bias_updates)
-            return
-        before, updates = snapshot
-        if torch.equal(before, weight.detach()):
-            return
-        self._bias_check_done, self._gate_snapshot = True, None
+            return False
+        note = self._gate_note
+        if note is None or note[0] != (id(weight), weight.device):
+            self._gate_note = ((id(weight), weight.device), weight._version, weight.detach().clone(),
+                               self._bias_updates)
+            self._backward_seen = False
+            return True
+        _, version, before, updates = note
+        if weight._version == version:
+            if not (self._backward_seen and weight.grad is None):
+                return True
+            self._backward_seen = False
+            if torch.equal(before, weight.detach()):
+                return True
+        self._bias_check_done, self._gate_note = True, None
         if self._bias_updates == updates:
             warnings.warn(
                 "HELM-MiCE: an optimiser step went by without a routing-bias update, so the experts are not being "
@@ -347,55 +364,56 @@ class MiCE(RealignAfterLoading, nn.Module):
                 "transformers.Trainer pass callbacks=[helm.models.routing.RoutingBiasCallback()]; in your own loop "
                 "call model.update_routing_bias() after each optimiser step (train.py does); set "
                 "bias_update_speed=0 to train without it.", UserWarning, stacklevel=2)
+        return False
+
+    def _note_backward(self, grad: torch.Tensor) -> None:
+        self._backward_seen = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
-            self._check_bias_updates()
+        watch = self.training and torch.is_grad_enabled() and self._check_bias_updates()
         weights, scores, selected = self.route(x)
+        if watch and scores.requires_grad:
+            scores.register_hook(self._note_backward)
         with torch.no_grad():
             self.last_expert_load.copy_(selected.to(self.last_expert_load.dtype).sum((0, 1)))
         self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
         if self.expert_combine == "lresnet_official":
             return self.combine_lresnet_official(x, weights, selected)
-        if self.sparse_dispatch(x):
+        if self.sparse_dispatch():
             return self.combine_sparse(x, weights, selected)
         outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         return mixture_centroid(points, w, k=self.k)
 
-    def sparse_dispatch(self, x: torch.Tensor) -> bool:
-        """Run each routed expert on its own tokens only (:meth:`combine_sparse`) on the CPU, outside
-        ``torch.compile``, from ``SPARSE_MIN_TOKENS`` tokens on (below, the dense path's few large matmuls win the
-        backward; ``benchmarks/mice_dispatch.py`` measures both), and at any size without autograd, where it runs
-        only the experts some token chose (a decoding step: ``K_r`` of ``N_r``). On GPUs the dense path stays: slicing by expert needs
-        the per-expert token counts on the host, a synchronisation per layer."""
-        if torch.compiler.is_compiling() or self.dispatch == "dense":
-            return False
-        if self.dispatch == "sparse":
-            return True
-        # without autograd (decoding, evaluation) the sparse path also skips the experts no token chose
-        return x.device.type == "cpu" and (x.shape[:-1].numel() >= SPARSE_MIN_TOKENS or not torch.is_grad_enabled())
+    def sparse_dispatch(self) -> bool:
+        """Whether :meth:`combine_sparse` runs: ``dispatch="sparse"``, outside ``torch.compile`` (its slices have
+        data-dependent shapes). ``auto`` is dense: a default step never reads the device."""
+        return self.dispatch == "sparse" and not torch.compiler.is_compiling()
 
     def combine_sparse(self, x: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The same centroid as the dense path, with routed expert ``j`` evaluated only on the tokens that
-        selected it (``index_add`` of ``g_j E_j(x_t)``); the shared experts see every token."""
+        selected it (``index_add`` of ``g_j E_j(x_t)``); the shared experts see every token.
+
+        The ``T K_r`` (expert, token) pairs, expert-major with tokens ascending (a stable sort of the selection
+        mask, a fixed shape), are cut into the experts' slices by the per-expert counts: their one host read. With
+        autograd an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as densely,
+        which DDP needs (a parameter without a gradient stops its reduction); without, it is skipped.
+        ``x [..., 1+n]``, ``weights, selected [..., N_r]`` -> ``[..., 1+n]``."""
         flat = x.reshape(-1, x.shape[-1])
         w, chosen = weights.reshape(-1, self.n_routed), selected.reshape(-1, self.n_routed)
+        tokens = flat.shape[0]
+        pairs = chosen.t().reshape(-1).to(torch.uint8).argsort(descending=True, stable=True)[:tokens * self.top_k]
+        counts = chosen.sum(0).tolist()
         shared = [s(flat) for s in self.shared_experts]
         total = torch.stack(shared).sum(0) if shared else to_stat(flat).new_zeros(flat.shape)
-        # with autograd, an expert no token chose still runs (on 0 rows): its parameters get zero gradients, as
-        # densely, which DDP needs (a parameter without a gradient stops its reduction); without, it is skipped
-        active = None if torch.is_grad_enabled() else chosen.any(0).tolist()
-        routed = []  # (rows or None for all, weights, outputs): the centred norms need every output again
-        for j, expert in enumerate(self.experts):
-            if active is not None and not active[j]:
+        routed = []  # (rows, weights, outputs): the centred norms need every output again
+        start = 0
+        for j, (expert, count) in enumerate(zip(self.experts, counts)):
+            rows = pairs[start:start + count] - j * tokens
+            start += count
+            if count == 0 and not torch.is_grad_enabled():
                 continue
-            if active is not None and flat.shape[0] == 1:  # a decoding step: no gather and scatter
-                routed.append((None, w[:, j:j + 1], expert(flat)))
-                total = total + routed[-1][1] * routed[-1][2]
-                continue
-            rows = chosen[:, j].nonzero().squeeze(-1)
             routed.append((rows, w[rows, j:j + 1], expert(flat[rows])))
             total = total.index_add(0, rows, routed[-1][1] * routed[-1][2])
         weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)
@@ -405,10 +423,7 @@ class MiCE(RealignAfterLoading, nn.Module):
         for out in shared:
             e = e + sqnorm(out - centre, keepdim=True)
         for rows, g, out in routed:
-            if rows is None:
-                e = e + g * sqnorm(out - centre, keepdim=True)
-            else:
-                e = e.index_add(0, rows, g * sqnorm(out - centre[rows], keepdim=True))
+            e = e.index_add(0, rows, g * sqnorm(out - centre[rows], keepdim=True))
         norm2 = mixture_norm2(weight_sum, e, total - weight_sum * centre, k=self.k)
         out = normalize(total, k=self.k, norm2=norm2, floor=self.k * weight_sum.square())
         return out.view(*x.shape[:-1], out.shape[-1])

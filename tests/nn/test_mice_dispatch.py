@@ -1,11 +1,17 @@
 """Issue 13, item 1: sparse MiCE dispatch (each routed expert on its own tokens) equals the dense path on outputs
 and on the gradients of the input and of every parameter."""
 
+import os
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helm.manifold import lift, manifold_error
-from helm.nn.mice import SPARSE_MIN_TOKENS, MiCE
+from helm.nn.mice import MiCE
+
+aten = torch.ops.aten
 
 CASES = [("shared-1", 1, (2, 37)), ("shared-0", 0, (3, 21)), ("shared-2", 2, (1, 63))]
 
@@ -45,20 +51,56 @@ def test_sparse_dispatch_equals_dense_on_outputs_and_gradients(case, n_shared, s
     assert manifold_error(out_s, 0.7).max() <= 1e-12
 
 
-def test_auto_dispatch_is_sparse_on_the_cpu_from_the_threshold():
+def test_only_an_explicit_sparse_dispatch_runs_sparse():
+    """``auto`` (the default) is dense, which never reads the device; ``sparse`` is opted into, outside compile."""
     mice = layer(1)
-    assert mice.dispatch == "auto"
-    small = torch.zeros(1, SPARSE_MIN_TOKENS - 1, 17)
-    assert not mice.sparse_dispatch(small) and mice.sparse_dispatch(torch.zeros(1, SPARSE_MIN_TOKENS, 17))
-    with torch.no_grad():
-        assert mice.sparse_dispatch(torch.zeros(1, 1, 17))
+    assert mice.dispatch == "auto" and not mice.sparse_dispatch()
+    mice.dispatch = "sparse"
+    assert mice.sparse_dispatch()
     with pytest.raises(ValueError, match="dispatch"):
         layer(1, dispatch="grouped")
 
 
+class HostReads(TorchDispatchMode):
+    """The aten ops that read a tensor's value on the host, made by helm/nn/mice.py itself (a bare layer also runs
+    the manifold functions' input checks, which the model's forward skips: tests/test_host_sync.py counts those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (aten._local_scalar_dense, aten.is_nonzero, aten.nonzero, aten.equal):
+            self.record(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def record(self, op: str) -> None:
+        helm = [f.filename for f in traceback.extract_stack() if f"{os.sep}helm{os.sep}" in f.filename]
+        if helm and helm[-1].endswith(os.path.join("nn", "mice.py")):
+            self.ops.append(op)
+
+
+@pytest.mark.parametrize("shape", [(2, 70), (1, 1)], ids=["140-tokens", "decode-1-token"])
+def test_sparse_dispatch_reads_the_device_once_per_forward_and_never_in_backward(shape, monkeypatch):
+    """The per-expert counts (one ``tolist``, which skips aten on a CPU tensor) are the sparse path's one host read;
+    the dense path has none."""
+    mice = layer(1).train()
+    x = lift(torch.randn(*shape, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), k=0.7)
+    tolist = torch.Tensor.tolist
+    for mode, expected in (("dense", []), ("sparse", ["tolist"])):
+        mice.dispatch = mode
+        reads = HostReads()
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.record("tolist"), tolist(t))[1])
+        with reads:
+            out = mice(x)
+            forward = list(reads.ops)
+            out.sum().backward()
+        assert forward == expected and reads.ops == expected, mode
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3)], ids=["decode-1-token", "2x3-tokens"])
-def test_no_grad_dispatch_runs_only_the_chosen_experts_and_equals_dense(shape):
-    """A decoding step without autograd runs the top-k experts some token chose (and the shared one), not all."""
+def test_no_grad_sparse_dispatch_runs_only_the_chosen_experts_and_equals_dense(shape):
+    """Without autograd the sparse path runs the top-k experts some token chose (and the shared one), not all."""
     mice = layer(1).eval()
     x = lift(torch.randn(*shape, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)), k=0.7)
     calls = []
@@ -67,12 +109,12 @@ def test_no_grad_dispatch_runs_only_the_chosen_experts_and_equals_dense(shape):
         mice.dispatch = "dense"
         dense = mice(x)
         dense_calls, calls[:] = list(calls), []
-        mice.dispatch = "auto"
-        auto = mice(x)
+        mice.dispatch = "sparse"
+        sparse = mice(x)
     for h in hooks:
         h.remove()
     chosen = set(mice.route(x)[2].reshape(-1, 5).any(0).nonzero().flatten().tolist())
     assert dense_calls == list(range(5)) and set(calls) == chosen and 4 not in calls
     if shape == (1, 1):
         assert len(calls) == 2
-    torch.testing.assert_close(auto, dense, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sparse, dense, rtol=1e-12, atol=1e-12)
