@@ -19,24 +19,13 @@ before and after and a sample. ``python train.py --help`` lists every recipe key
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-
-# Run as a script, a Ctrl-C during the seconds the libraries below take to import is one line and the shell's
-# status for SIGINT (128 + 2), as later on; main() hands SIGINT back to KeyboardInterrupt once its own handling is in
-# place. A SIGINT that the caller ignores (a background job) stays ignored.
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    def _interrupted_at_startup(signum, frame):
-        print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
-        os._exit(130)  # at once: an exception raised inside an import could be caught by the library importing
-
-    signal.signal(signal.SIGINT, _interrupted_at_startup)
-
 import argparse
 import logging
 import math
+import os
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -50,23 +39,21 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
-from helm.data import MissingSourceError, build_default_data
-from helm.data.loading import text_problem
+from helm.data import MissingSourceError, build_default_data, check_path
+from helm.data.paths import MODEL_FILES
 from helm.distributed import use_fsdp_on_cpu
 from helm.evaluation import format_perplexity, perplexity, rows_nll
+from helm.manifest import RUN_MARKER, is_run_folder
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
-                           TrainerState, best_checkpoint, check_no_links, cli_overrides, data_fingerprint, describe,
-                           find_checkpoint, fingerprint_differences, load_run_config, load_splits, load_tokenizer,
-                           output_lock, pack_split, read_trainer_state, recipe_differences, refused_pickles,
-                           save_checkpoint, save_final, train_step, training_batches, unloadable_files)
-from helm.training.checkpoint import (OVERWRITTEN, RUN_MARKER, foreign_run_entries, is_run_folder, list_checkpoints,
-                                      model_folder_problem, non_finite_optimizer_state, non_finite_parameters,
-                                      non_finite_weights, remove_stale_tmp_checkpoints, set_aside_later_checkpoints,
-                                      write_run_marker)
+                           TrainerState, best_checkpoint, cli_overrides, data_fingerprint, describe, find_checkpoint,
+                           fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
+                           pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
+                           training_batches)
+from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, remove_stale_tmp_checkpoints,
+                                      set_aside_later_checkpoints, write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
-from helm.training.data import looks_local
 from helm.training.divergence import DivergenceMonitor
 
 
@@ -90,48 +77,24 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator, resume_asked: bool = False) -> None:
-    """Never mix a fresh run into an old one, nor delete it unasked: --resume, train.overwrite, or no old files.
-    train.overwrite deletes only what train.py wrote: the run files of a folder marked as a run folder (or holding
-    the config.yaml of an older train.py), never a folder of other files nor unknown files in checkpoints/ or
-    final/."""
-    if resuming and (foreign := foreign_run_entries(out, replaced_only=True)):
-        shown = ", ".join(foreign[:4]) + f" and {len(foreign) - 4} more" * (len(foreign) > 4)
-        raise ConfigError(f"--resume: the run folder {str(out)!r} holds files train.py did not write inside its "
-                          f"checkpoints or final/ ({shown}), which checkpoint rotation or the new final/ would delete; "
-                          "nothing was deleted: move them out of the run folder, then rerun")
+def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator) -> None:
+    """Never mix a fresh run into an old one, nor delete one unasked: --resume, train.overwrite, or no old files.
+    train.overwrite deletes only what train.py wrote (:data:`OVERWRITTEN`) in a folder marked as a run folder (or
+    holding the config.yaml of an older train.py), never a folder of other files."""
     run_folder = is_run_folder(out)
     ours = (LOCK, RUN_MARKER, "config.yaml") if run_folder else (LOCK,)
-    previous = sorted(p for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
-    if not resuming and previous and not run_folder:
-        names = ", ".join(p.name for p in previous[:4]) + ", ..." * (len(previous) > 4)
-        asked = "--resume: no checkpoint to resume from; " if resume_asked else ""
-        raise ConfigError(f"{asked}train.output_dir {str(out)!r} already holds files ({names}) but is not a run "
-                          f"folder of train.py (no {RUN_MARKER}, no config.yaml of a train.py recipe), so "
-                          "--train.overwrite=true would not delete them either (it deletes only a run's own files): "
-                          "choose another output_dir, or move those files out yourself")
-    if not resuming and previous:
-        if not cfg.train.overwrite and resume_asked:
-            raise ConfigError(f"--resume: train.output_dir {str(out)!r} holds no checkpoint to resume from (the run "
-                              "stopped before its first checkpoint, or they were deleted) but other files of a run "
-                              f"({previous[0].name}); pass --train.overwrite=true to delete its checkpoints, metrics "
-                              "and final model and start over, or choose another output_dir")
-        if not cfg.train.overwrite:
-            raise ConfigError(f"train.output_dir {str(out)!r} already holds a run or other files ({previous[0].name}); "
-                              "pass --resume to continue it, --train.overwrite=true to delete its checkpoints, metrics "
-                              "and final model and start over, or choose another output_dir")
-        foreign = foreign_run_entries(out)
-        if foreign:
-            shown = ", ".join(foreign[:4]) + f" and {len(foreign) - 4} more" * (len(foreign) > 4)
-            raise ConfigError(f"train.overwrite: the run folder {str(out)!r} holds files train.py did not write "
-                              f"inside its checkpoints/ or final/ ({shown}); nothing was deleted: move them out of "
-                              "the run folder, then rerun")
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:  # only what a run writes: other files stay
-            for path in (p for p in previous if p.name in OVERWRITTEN):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    previous = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
+    found = f"({', '.join(previous[:4])}{', ...' * (len(previous) > 4)})"
+    if previous and not run_folder:
+        raise ConfigError(f"train.output_dir {str(out)!r} holds files {found} but is no run folder of train.py (no "
+                          f"{RUN_MARKER}), so train.py neither writes into it nor deletes them: choose another one")
+    if previous and not resuming and not cfg.train.overwrite:
+        raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: --resume continues from its "
+                          "newest checkpoint, --train.overwrite=true starts over")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:  # output_lock created out
+    if accelerator.is_main_process:  # output_lock created out; only what a run writes goes, other files stay
+        for path in (out / name for name in previous if not resuming and name in OVERWRITTEN):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         write_run_marker(out)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), encoding="utf-8")
         remove_stale_tmp_checkpoints(out)
@@ -158,36 +121,11 @@ def ensure_default_data(cfg, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
-def check_pretrained_folder(name: str) -> None:
-    """``model.pretrained`` must be a ``save_pretrained`` folder or a hub model: say so plainly for a missing path
-    (rather than the hub's "Repo id must be in the form ..." or "couldn't connect"), a file, and a training
-    checkpoint, a run's checkpoints/ or a run folder (rather than "should have a `model_type` key")."""
-    folder = Path(name).expanduser()
-    if folder.is_dir():
-        if problem := model_folder_problem(folder, name, "--model.pretrained="):
-            raise ConfigError(f"model.pretrained: {problem}")
-        return
-    if folder.is_file():
-        raise ConfigError(f"model.pretrained: {name!r} is a file; give the folder that holds it (a save_pretrained "
-                          "folder with config.json and the weights, such as a run's final/)")
-    if looks_local(name):
-        raise ConfigError(f"model.pretrained: no such folder {name!r} (a save_pretrained folder such as a run's "
-                          "final/, or a hub model id)")
-    from transformers.utils import cached_file
-
-    try:  # config.json alone (no code runs), so that a mistyped relative path is not reported as a hub problem
-        cached_file(name, "config.json")
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.pretrained: {name!r} is neither a local folder (no such folder) nor a model on the "
-                          f"Hugging Face Hub ({' '.join(str(error).split())}); give a save_pretrained folder such as "
-                          "a run's final/, or a hub model id") from None
-
-
 def model_config(cfg):
     """The model's transformers config, read before any weights are built (for the input checks)."""
     key = "model.preset" if cfg.model.preset is not None else "model.pretrained"
     if cfg.model.pretrained is not None:
-        check_pretrained_folder(cfg.model.pretrained)
+        check_path(cfg.model.pretrained, "model.pretrained", ConfigError, needs=MODEL_FILES, hub=True)
     try:
         if cfg.model.preset is not None:
             return helm.load_config(cfg.model.preset, **cfg.model.overrides)
@@ -236,9 +174,7 @@ def load_data(cfg, tokenizer, accelerator):
     try:
         validation = pack_split(validation_set, tokenizer, cfg.data, max_rows=cfg.train.eval_rows)
     except ValueError as error:  # a record whose text is not a string (a stream is checked as it is read)
-        where = text_problem(cfg.data.dataset, cfg.data.validation_split or cfg.data.train_split,
-                             cfg.data.text_column) if streaming else None
-        raise ConfigError(f"data.validation_split: {where or ' '.join(str(error).split())}") from None
+        raise ConfigError(f"data.validation_split: {' '.join(str(error).split())}") from None
     if not validation:
         raise ConfigError(f"the validation data holds fewer than data.seq_len={cfg.data.seq_len} tokens; use a "
                           "larger validation split or data.holdout_documents")
@@ -256,46 +192,42 @@ def load_data(cfg, tokenizer, accelerator):
 
 def build_model(cfg, config, device, special_ids: dict):
     """The model, built and run forward on two tokens on ``device`` (the one it trains on) before any data is read,
-    so that bad overrides fail early, and a kernel that runs only there (``attn_impl: triton`` on CUDA) passes.
-    ``special_ids`` (the tokenizer's) go into its config and generation config."""
+    so that bad overrides fail early, and a kernel that runs only there (``attn_implementation: triton`` on CUDA)
+    passes. ``special_ids`` (the tokenizer's) go into its config and generation config."""
+    attention = {} if cfg.model.attn_implementation is None else {"attn_implementation": cfg.model.attn_implementation}
     try:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
-        model = AutoModelForCausalLM.from_config(config) if cfg.model.pretrained is None else \
+        model = AutoModelForCausalLM.from_config(config, **attention) if cfg.model.pretrained is None else \
             AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32,
                                                  trust_remote_code=cfg.model.trust_remote_code,
-                                                 **{**special_ids, **cfg.model.overrides})
+                                                 **attention, **{**special_ids, **cfg.model.overrides})
         use_special_ids(model, special_ids)
         with torch.no_grad():
             model.to(device).eval()(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except OSError as error:  # the weights of model.pretrained (missing, truncated, not matching their manifest)
         raise ConfigError(f"model.pretrained: {' '.join(str(error).split())}") from None
     except Exception as error:
-        raise ConfigError(f"model.overrides: {dict(cfg.model.overrides)} give a model that cannot be built and run "
-                          f"forward ({type(error).__name__}: {' '.join(str(error).split())})") from None
+        raise ConfigError(f"model.overrides={dict(cfg.model.overrides)}, model.attn_implementation="
+                          f"{cfg.model.attn_implementation!r}: the model cannot be built and run forward on {device} "
+                          f"({type(error).__name__}: {' '.join(str(error).split())})") from None
     if cfg.train.gradient_checkpointing:  # layers recompute activations in the backward (transformers' new name first)
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     return model.train()
 
 
 def check_resumable(cfg, checkpoint: Path, saved: dict, world_size: int) -> None:
-    """Refuse to resume with a recipe the run could not continue under; the keys of the data stream may change with
-    data.resume_on_changed_data, which the refusal names when they are among the differences."""
+    """Refuse to resume with a recipe the run could not continue under: :func:`recipe_differences` (the keys of the
+    data stream may change with data.resume_on_changed_data), another number of processes, or a train.max_steps
+    changed to one not past the checkpoint (a run only goes forward; its schedule is then re-planned)."""
     differences = recipe_differences(saved["config"], cfg.to_dict(), changed_data=cfg.data.resume_on_changed_data)
-    stream = [line.split(":", 1)[0] for line in differences if line.split(":", 1)[0] in DATA_STREAM_KEYS]
-    # train.max_steps may change (extend a run, or end it earlier), as with transformers' Trainer, but a run only
-    # goes forward: the schedule is then recomputed for the new length (replan_schedule)
     if cfg.train.max_steps != saved["config"]["train"]["max_steps"] and cfg.train.max_steps <= saved["step"]:
-        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with train.max_steps={cfg.train.max_steps}: "
-                              f"the checkpoint is at step {saved['step']}, and a changed train.max_steps must lie past "
-                              f"it (it was {saved['config']['train']['max_steps']}); choose more steps, or resume from "
-                              "an earlier checkpoint with --resume PATH")
+        differences.append(f"train.max_steps={cfg.train.max_steps} is not past the checkpoint's step {saved['step']}")
     if saved["world_size"] != world_size:
         differences.append(f"number of processes: {saved['world_size']} in the checkpoint, {world_size} now")
-    if stream:
-        differences.append(f"({', '.join(stream)} {'defines' if len(stream) == 1 else 'define'} the data stream: "
-                           "continue on the new stream knowingly with --data.resume_on_changed_data=true)")
     if differences:
-        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} with a different setup, because the run "
-                              "would no longer continue where it stopped:\n  " + "\n  ".join(differences))
+        stream = any(line.split(":", 1)[0] in DATA_STREAM_KEYS for line in differences)
+        raise CheckpointError(f"--resume {str(checkpoint)!r}: the run would no longer continue where it stopped: "
+                              + "; ".join(differences) + " (--data.resume_on_changed_data=true allows another data "
+                              "stream)" * stream)
 
 
 def replan_schedule(optimizer, scheduler, step: int) -> tuple[float, float]:
@@ -314,13 +246,12 @@ def replan_schedule(optimizer, scheduler, step: int) -> tuple[float, float]:
 
 
 def check_same_data(cfg, checkpoint: Path, saved: dict, fingerprint: dict) -> None:
-    """Refuse to resume on a data stream other than the checkpoint's, unless data.resume_on_changed_data."""
+    """Refuse to resume on a data stream other than the checkpoint's, unless data.resume_on_changed_data: the
+    step is a position in the stream it was saved with."""
     changes = fingerprint_differences(saved.get("data"), fingerprint)
     if changes and not cfg.data.resume_on_changed_data:
-        raise CheckpointError(f"cannot resume from {str(checkpoint)!r} on other data: the step there is a position "
-                              "in the stream it was saved with, and " + "; ".join(changes) + ". Restore that data, "
-                              "start over (--train.overwrite=true), or continue on the new stream knowingly with "
-                              "--data.resume_on_changed_data=true")
+        raise CheckpointError(f"--resume {str(checkpoint)!r}: the data changed since ({', '.join(changes)}); restore "
+                              "it, or continue on the new stream knowingly with --data.resume_on_changed_data=true")
 
 
 def divergence_causes(cfg) -> str:
@@ -413,7 +344,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
     """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` (the caller's, so that it
     can say after a Ctrl-C how far the run got) holds the step reached."""
     out = Path(cfg.train.output_dir)
-    check_no_links(out)
     checkpoint = find_checkpoint(resume, out)
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
     accelerator = make_accelerator(cfg, out, saved["step"] if saved else None)
@@ -424,7 +354,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    prepare_output_dir(cfg, out, checkpoint is not None, accelerator, resume_asked=resume is not None)
+    prepare_output_dir(cfg, out, checkpoint is not None, accelerator)
     ensure_default_data(cfg, accelerator)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code)
     state.data = data_fingerprint(cfg.data, tokenizer)
@@ -464,34 +394,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
     forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
         if cfg.train.compile else model
     if checkpoint is not None:
-        # In-place loading keeps every geoopt ManifoldParameter a ManifoldParameter.
-        with refused_pickles(checkpoint), unloadable_files(checkpoint):
-            accelerator.load_state(str(checkpoint))
-        # A checkpoint whose weights are NaN or inf (its hashes match: it was saved so) would fail at the first
-        # step as a "non-finite loss", blamed on the recipe: name the checkpoint instead. Once, after loading; every
-        # process takes part in the gather (FSDP shards differ), so all of them stop together.
-        # The same for its optimiser state (Adam moments, hyperparameters) and schedule: NaN there turns the first
-        # step's update into NaN weights, which would be reported as a "non-finite loss" blamed on the learning rate.
-        bad = non_finite_parameters(unwrapped)
-        moments = non_finite_optimizer_state(optimizer, scheduler, {p: n for n, p in unwrapped.named_parameters()})
-        counts = accelerator.gather(torch.tensor([len(bad), len(moments)], device=accelerator.device)).view(-1, 2)
-        if counts.sum().item():
-            earlier = [path for step, path in list_checkpoints(Path(checkpoint).parent) if step < start_step]
-            hint = f", e.g. --resume {earlier[-1]}" if earlier else " (this run has none; or start over with " \
-                "--train.overwrite=true)"
-            if counts[:, 0].sum().item():
-                which = f" in {len(bad)} tensor(s), e.g. {bad[0]}" if bad else " (in another process's shard)"
-                what = f"non-finite weights (NaN or inf){which}"
-            else:
-                kind = "scheduler" if moments and all(m.endswith("schedule") for m in moments) else "optimizer"
-                files = sorted(p.name for p in Path(checkpoint).iterdir() if p.name.startswith(kind))
-                which = f" in {len(moments)} entr{'y' if len(moments) == 1 else 'ies'}, e.g. {moments[0]}" \
-                    if moments else " (in another process's shard)"
-                what = (f"a non-finite optimizer state: its {files[0] if files else kind + '.bin'} holds NaN or inf"
-                        f"{which} (its weights are finite; the first step would make them NaN)")
-            raise FloatingPointError(f"the checkpoint {checkpoint} has {what}, so training cannot resume from it; "
-                                     "nothing was trained or written. Resume from an earlier checkpoint with "
-                                     f"--resume PATH{hint}")
+        accelerator.load_state(str(checkpoint))  # in place: ManifoldParameters stay ManifoldParameters
         say(f"[train] resumed from {checkpoint} at step {start_step}")
         if accelerator.is_main_process and Path(checkpoint).parent.resolve() == (out / "checkpoints").resolve():
             for before, after in set_aside_later_checkpoints(out / "checkpoints", start_step):
@@ -566,15 +469,11 @@ def train(cfg, resume, state: TrainerState) -> dict:
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
     final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP
     if accelerator.is_main_process:
-        # final/ is what users load: never written nor replaced with a model whose weights or validation loss are
-        # not finite (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
+        # final/ is what users load: never written nor replaced with a model whose validation loss is not finite
+        # (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
         restored = trained == 0 and checkpoint is not None
         source = f" (restored from {checkpoint}, trained 0 steps since)" if restored else ""
         advice = "Resume from an earlier checkpoint with --resume PATH" if restored else divergence_causes(cfg)
-        if bad := non_finite_weights(state_dict):
-            raise FloatingPointError(f"the model to be saved has non-finite weights (NaN or inf) in {len(bad)} "
-                                     f"tensor(s), e.g. {bad[0]}{source}; {final} was not written (an existing one "
-                                     f"is kept). {advice}")
         reloaded, after = None, None
 
         def check_final(folder):
@@ -640,10 +539,6 @@ def main(argv=None) -> int:
             # from here a Ctrl-C is a KeyboardInterrupt, reported below with what it stopped
             signal.signal(signal.SIGINT, signal.default_int_handler)
         args, rest = parser.parse_known_args(argv)
-        if args.resume is not None and not args.resume.strip():  # "--resume=": Path("") is ".", the current folder
-            raise ConfigError("--resume= has no value: pass --resume CHECKPOINT (a checkpoint folder, e.g. "
-                              "OUTPUT_DIR/checkpoints/step-00000100), or --resume with no value to continue from the "
-                              "newest checkpoint in train.output_dir")
         if args.resume is not None and args.resume != "latest":
             args.resume = os.path.expanduser(args.resume)
         cfg = load_run_config(args.config, cli_overrides(rest))

@@ -14,7 +14,6 @@ stream, so every way of cutting text is scored by :func:`rows_nll`.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import json
 import math
@@ -28,14 +27,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from .models.loading import looks_like_local_path
+from .data import packed_inputs
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
            "check_hub_model", "check_suffix", "check_tokenizer", "check_vocabulary", "check_window", "check_writable",
            "data_files",
-           "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "packed_inputs", "perplexity",
+           "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "perplexity",
            "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
            "token_stream", "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
@@ -207,21 +206,6 @@ def format_perplexity(value: float, decimals: int = 1) -> str:
     """A perplexity for people: ``1,234.5`` below 1e6 (``decimals`` after the point), scientific notation
     (``3.210e+300``) from 1e6 on, where a diverged model's hundreds of digits would say nothing more."""
     return f"{value:,.{decimals}f}" if value < 1e6 else f"{value:.3e}"
-
-
-def packed_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Forward kwargs of a packed batch with document-causal attention.
-
-    HELM models take the rows' ``segment_ids`` (document index within the row); ``transformers``' own models,
-    whose forward has no ``segment_ids``, detect packed rows from ``position_ids`` restarting at 0 with no
-    attention mask, which gives the same attention pattern.
-    """
-    inputs = {"input_ids": batch["input_ids"]}
-    if "position_ids" in batch:
-        inputs["position_ids"] = batch["position_ids"]
-    if "segment_ids" in batch and "segment_ids" in inspect.signature(model.forward).parameters:
-        inputs["segment_ids"] = batch["segment_ids"]
-    return inputs
 
 
 def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,15 +166,13 @@ def test_overrides_are_typed(tmp_path, run_data):
     assert (c.optim.lr, c.train.max_steps, c.demo.prompt) == (1e-3, 7, None)
     assert c.model.overrides["num_hidden_layers"] == 2 and c.data.dataset_config == "20231101.en"
     assert c.model.overrides["hidden_size"] == MICRO_D["hidden_size"], "a sub-key override replaced the mapping"
-    for bad, message in ((["--train.max_steps=many"], "^train.max_steps: Value 'many'.*Integer"),
-                         (["--optim.betas=0.9"], r"^optim.betas must be a list of two numbers in \[0, 1\), e.g."),
-                         (["--optim.warmup_ratio=1.5"], "optim.warmup_ratio must be in"),
-                         (["--train.mixed_precision=fp8"], "train.mixed_precision must be one of"),
-                         (["--train.max_step=3"], "unknown key 'train.max_step'.*did you mean 'train.max_steps'"),
-                         (["--trian.max_steps=3"], "unknown key 'trian'"),
-                         (["--model.preset=null"], "^neither model.preset nor model.pretrained is set; set exactly one"),
-                         (["--train.output_dir=''"], "train.output_dir must be set")):
-        with pytest.raises(ConfigError, match=message):
+    for bad, culprit in ((["--train.max_steps=many"], "train.max_steps"), (["--optim.betas=0.9"], "optim.betas"),
+                         (["--optim.warmup_ratio=1.5"], "optim.warmup_ratio"),
+                         (["--train.mixed_precision=fp8"], "train.mixed_precision"),
+                         (["--train.max_step=3"], "'train.max_step'.*'train.max_steps'"), (["--trian.max_steps=3"], "'trian'"),
+                         (["--model.preset=null"], "model.preset.*model.pretrained"),
+                         (["--train.output_dir=''"], "train.output_dir")):
+        with pytest.raises(ConfigError, match=culprit):
             load_run_config(recipe, cli_overrides(bad))
     for bad, message in ((["max_steps=3"], "unrecognised argument"), (["--train.max_steps"], "has no value")):
         with pytest.raises(ConfigError, match=message):
@@ -219,21 +217,21 @@ def test_bad_input_stops_before_training_and_names_the_problem(case, tmp_path, r
         expected = "unknown key 'train.learning_rate'"
     elif case == "dataset":
         recipe = write_recipe(tmp_path, run_data, data={"dataset": str(tmp_path / "nowhere")})
-        expected = "data.dataset: .*nowhere.*no such file or folder"
+        expected = "data.dataset.*nowhere"
     elif case == "tokenizer":
         recipe = write_recipe(tmp_path, run_data, data={"tokenizer": str(tmp_path / "no-tokenizer")})
-        expected = "data.tokenizer: no such directory .*no-tokenizer"
+        expected = "data.tokenizer .*no-tokenizer.*no such folder"
     elif case == "vocab":
         recipe = write_recipe(tmp_path, run_data)
         args = ["--model.overrides.vocab_size=200"]
-        expected = "has 320 tokens but the model .* has vocab_size=200"
+        expected = "data.tokenizer.*320.*vocab_size=200"
     elif case == "seq_len":
         recipe = write_recipe(tmp_path, run_data, data={"seq_len": 128})
-        expected = "data.seq_len=128 exceeds the model's max_position_embeddings=64"
+        expected = "data.seq_len=128.*max_position_embeddings=64"
     else:
         recipe = write_recipe(tmp_path, run_data)
         args = ["--resume", str(tmp_path / "run" / "checkpoints" / "step-00000004")]
-        expected = "checkpoint .* does not exist"
+        expected = "--resume .*step-00000004.*no such"
     code, output = run_main(["--config", recipe, *args], capsys)
     assert code == 2
     assert re_search(expected, output), output
@@ -431,13 +429,13 @@ def test_train_step_is_forward_backward_clip_step_and_routing_bias_update(preset
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
     for name in biases:
         assert dict(model.named_buffers())[name].abs().sum() > 0, f"{name} never moved"
-    with pytest.raises(ValueError, match="3 micro-batches for a step, but the accelerator accumulates .* over 2"):
+    with pytest.raises(ValueError, match="3 micro-batches"):
         train_step(accelerator, model, optimizer, scheduler, _packed_micro_batches(3, seed=9))
 
 
 def test_packed_rows_reach_helm_models_by_their_forward_names():
     """A packed batch's keys are the HELM forward's own: model(**rows) keeps attention within documents."""
-    from helm.evaluation import packed_inputs
+    from helm.data import packed_inputs
 
     model = _micro_model("tiny-helm-d").eval()
     [batch] = _packed_micro_batches(1, seed=0)
@@ -518,7 +516,7 @@ def test_corrupted_or_truncated_checkpoints_are_refused(tmp_path, run_data, caps
     earlier = root / "step-00000004"
     optimizer = earlier / "optimizer.bin"
     optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupted: optimizer.bin"):
+    with pytest.raises(CheckpointError, match="optimizer.bin"):
         verify_checkpoint(earlier)
     (earlier / MANIFEST).unlink()
     code, output = run_main(["--config", recipe, "--resume", earlier], capsys)
@@ -529,7 +527,7 @@ def test_resume_refuses_a_changed_recipe(tmp_path, run_data, capsys):
     recipe = _finished_run(tmp_path, run_data, capsys)
     code, output = run_main(["--config", recipe, "--resume", tmp_path / "run" / "checkpoints" / "step-00000004",
                              "--optim.lr=0.5"], capsys)
-    assert code == 2 and "with a different setup" in output and "optim.lr: 0.01 in the checkpoint, 0.5 now" in output
+    assert code == 2 and "optim.lr: 0.01 in the checkpoint, 0.5 now" in output
 
 
 def test_checkpoint_round_trip_keeps_manifold_parameters(tmp_path):
@@ -595,7 +593,7 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
     partial = root / ".tmp-step-00000008"
     assert [s for s, _ in list_checkpoints(root)] == [4]
     assert (partial / "optimizer.bin").is_file() and not (partial / MANIFEST).exists()
-    with pytest.raises(CheckpointError, match="incomplete"):
+    with pytest.raises(CheckpointError, match="manifest.json"):
         verify_checkpoint(partial)
     code, output = run_main(["--config", recipe, "--resume"], capsys)
     assert code == 0, output

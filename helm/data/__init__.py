@@ -3,5 +3,6 @@
 
 from .corpus import DEFAULT_SOURCES, SOURCES, CorpusSource, MissingSourceError, build_corpus, build_default_data
 from .loading import load_text_dataset
-from .packing import iter_packed, pack_documents, pack_rows, tokenize
+from .packing import iter_packed, pack_documents, pack_rows, packed_inputs, tokenize
+from .paths import check_path, looks_local, path_problem
 from .tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..manifest import hash_file
 from .tokenizer import train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -231,14 +232,6 @@ def build_corpus(out_dir: str | os.PathLike, *, sources: Iterable[str] = DEFAULT
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _is_current(out: Path, expected: dict) -> bool:
     """The manifest records ``expected`` and every file it lists still has its recorded hash."""
     try:
@@ -248,7 +241,7 @@ def _is_current(out: Path, expected: dict) -> bool:
     files = manifest.get("files")
     return (all(manifest.get(key) == value for key, value in expected.items()) and isinstance(files, dict)
             and all(name in files for name in FILES)
-            and all((out / name).is_file() and _sha256(out / name) == digest for name, digest in files.items()))
+            and all((out / name).is_file() and hash_file(out / name)[0] == digest for name, digest in files.items()))
 
 
 def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, sources: Iterable[str] = DEFAULT_SOURCES,
@@ -275,7 +268,7 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     logger.info("tokenizer: %d tokens -> %s", len(tokenizer), out / "tokenizer")
     paths = [out / name for name in FILES] + sorted(p for p in (out / "tokenizer").rglob("*") if p.is_file())
     counts = {name: (out / name).read_bytes().count(b"\n") for name in FILES}
-    manifest = {**expected, "documents": counts, "files": {p.relative_to(out).as_posix(): _sha256(p) for p in paths}}
+    manifest = {**expected, "documents": counts, "files": {p.relative_to(out).as_posix(): hash_file(p)[0] for p in paths}}
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(out / "manifest.json")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,80 +23,6 @@ def local_files(source, split: str) -> list[Path] | None:
         return [found]
     if path.is_file() or path.suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~")):
         return [path]
-    return None
-
-
-JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
-
-
-@contextlib.contextmanager
-def _quiet_json_loader():
-    """Silence the ``Failed to load JSON ...`` line that datasets' JSON builder logs before raising: the error
-    raised then (:func:`_json_problem`) says where the file is wrong, once."""
-    quiet = logging.getLogger("datasets.packaged_modules.json.json")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        quiet.setLevel(level)
-
-
-def _json_problem(file: Path, text_column: str, nulls: bool = False) -> str | None:
-    """The first line of a JSON (Lines) file that is not valid JSON, or whose ``text_column`` holds a value other
-    than a string (or null, or is missing, when ``nulls``), as a message; ``None`` when Python's json finds nothing
-    wrong. Read only after datasets refused the file, so valid data costs no second pass."""
-    text = file.read_text(encoding="utf-8")
-    if file.suffix.lower() == ".json":
-        try:  # one JSON document (an array of records) rather than JSON Lines
-            document = json.loads(text)
-        except json.JSONDecodeError as error:
-            if error.msg != "Extra data":
-                return f"line {error.lineno} is not valid JSON ({error.msg}, column {error.colno})"
-        else:
-            records = document if isinstance(document, list) else [document]
-            return next(filter(None, (_record_problem(r, text_column, f"record {i}", nulls)
-                                      for i, r in enumerate(records, start=1))), None)
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            return f"line {number} is not valid JSON ({error.msg}, column {error.colno})"
-        problem = _record_problem(record, text_column, f"line {number}", nulls)
-        if problem:
-            return problem
-    return None
-
-
-def _record_problem(record, text_column: str, where: str, nulls: bool = False) -> str | None:
-    if not isinstance(record, dict):
-        return f"{where} holds {JSON_TYPES.get(type(record), type(record).__name__)}, not a record (object)"
-    if nulls and text_column not in record:
-        return f"{where} has no field {text_column!r}"
-    if nulls and record[text_column] is None:
-        return f"field {text_column!r} must hold strings, got null on {where}"
-    value = record.get(text_column)
-    if value is not None and not isinstance(value, str):
-        return (f"field {text_column!r} must hold strings, got {JSON_TYPES.get(type(value), type(value).__name__)} "
-                f"({json.dumps(value)[:40]}) on {where}")
-    return None
-
-
-def text_problem(source, split: str, text_column: str = "text") -> str | None:
-    """``FILE: line N ...``: the first record of ``source``'s local JSON (Lines) files whose ``text_column`` is not a
-    string (null, missing, another type) or that is not valid JSON; ``None`` when they have none (or ``source`` is
-    no local file). For a stream, which meets such a record as it is read, after its whole split was accepted."""
-    try:
-        files = local_files(source, split)
-    except FileNotFoundError:
-        return None
-    for file in files or ():
-        if BUILDERS.get(file.suffix.lower()) == "json" and file.is_file():
-            problem = _json_problem(file, text_column, nulls=True)
-            if problem:
-                return f"{file}: {problem}"
     return None
 
 
@@ -131,32 +54,22 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                 raise FileNotFoundError(f"{file}: no such file or folder")
             if builder is None:
                 raise ValueError(f"{file}: expected one of {sorted(BUILDERS)}")
-            try:  # datasets reports an empty, non-UTF-8 or malformed file obscurely or not at all
-                with file.open(encoding="utf-8") as handle:
-                    if not sum(1 for _ in iter(lambda: handle.read(1 << 24), "")):
-                        raise ValueError(f"{file}: the file is empty")
-                with _quiet_json_loader():
-                    part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
-                                                 streaming=bool(streaming), cache_dir=cache,
-                                                 **({"sample_by": "document"} if builder == "text" else {}))
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error})") from None
-            except datasets.exceptions.DatasetGenerationError as error:  # the file was decoded: its JSON is wrong
-                problem = _json_problem(file, text_column) if builder == "json" else None
-                raise ValueError(f"{file}: {problem or f'not valid {builder} data ({error.__cause__ or error})'}"
-                                 ) from None
+            if file.stat().st_size == 0:  # datasets would read it as no documents, without a word
+                raise ValueError(f"{file}: the file is empty")
+            try:
+                part = datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
+                                             streaming=bool(streaming), cache_dir=cache,
+                                             **({"sample_by": "document"} if builder == "text" else {}))
+            except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as error:
+                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error.__cause__ or error})") from None
             if builder == "text" and text_column != "text":
                 part = part.rename_column("text", text_column)
             if part.column_names is not None and text_column not in part.column_names:
                 raise KeyError(f"{file}: no column {text_column!r} (columns: {part.column_names})")
-            if part.features is not None and getattr(part.features[text_column], "dtype", None) != "string":
-                problem = _json_problem(file, text_column) if builder == "json" else None
-                raise ValueError(f"{file}: {problem or f'field {text_column!r} must hold strings'}")
-            missing = part.data.column(text_column).null_count if isinstance(part, datasets.Dataset) else 0
-            if missing:  # a record without text ({"text": null}, or the field absent), read by Arrow as null
-                first = _json_problem(file, text_column, nulls=True) if builder == "json" else None
-                raise ValueError(f"{file}: {first or f'field {text_column!r} must hold strings'} ({missing} "
-                                 "record(s) hold null or lack it); give every record a text or remove those lines")
+            nulls = part.data.column(text_column).null_count if isinstance(part, datasets.Dataset) else 0
+            if nulls or part.features is not None and getattr(part.features[text_column], "dtype", None) != "string":
+                raise ValueError(f"{file}: field {text_column!r} must hold strings ({nulls} record(s) hold null or "
+                                 "lack it)" if nulls else f"{file}: field {text_column!r} must hold strings")
             parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late

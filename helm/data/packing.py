@@ -18,6 +18,7 @@ Every row comes with, all ``[N, L]`` int64, named as the HELM models' forward ta
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -52,15 +53,6 @@ def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *, pad_i
             "position_ids": (columns - begin).masked_fill(~real, 0), "attention_mask": real.long()}
 
 
-def _check(seq_len: int, eos_id: int, pad_id: int | None, rows_per_chunk: int = 1) -> None:
-    if rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be positive, got {rows_per_chunk}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if eos_id < 0 or (pad_id is not None and pad_id < 0):
-        raise ValueError(f"token ids must be non-negative (eos_id={eos_id}, pad_id={pad_id})")
-
-
 def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
                    mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
     """Pack tokenised documents (without eos; empty ones allowed) into rows (see the module docstring).
@@ -68,7 +60,6 @@ def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos
     Returns ``input_ids, labels, segment_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
     ``N = floor(T / seq_len)`` (``ceil`` with ``pad_id``) for ``T`` tokens including the eos tokens.
     """
-    _check(seq_len, eos_id, pad_id)
     flat, lengths = [], []
     for ids in token_id_lists:
         flat.extend(ids)
@@ -82,7 +73,6 @@ def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos
 def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
                 mask_document_starts: bool = False, rows_per_chunk: int = 256) -> Iterator[dict[str, torch.Tensor]]:
     """The rows of :func:`pack_documents` one at a time (``[L]`` tensors), reading documents lazily (streams)."""
-    _check(seq_len, eos_id, pad_id, rows_per_chunk)
     tokens: list[int] = []
     owners: list[int] = []
 
@@ -129,3 +119,18 @@ def pack_rows(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: 
     rows = list(itertools.islice(iter_packed(token_id_lists, seq_len, eos_id=eos_id,
                                              mask_document_starts=mask_document_starts), max_rows))
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]} if rows else {}
+
+
+def packed_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Forward kwargs of packed rows (``[B, L]`` tensors) with document-causal attention.
+
+    HELM models take the rows' ``segment_ids`` (document index within the row); ``transformers``' own models,
+    whose forward has no ``segment_ids``, detect packed rows from ``position_ids`` restarting at 0 with no
+    attention mask, which gives the same attention pattern.
+    """
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    if "segment_ids" in batch and "segment_ids" in inspect.signature(model.forward).parameters:
+        inputs["segment_ids"] = batch["segment_ids"]
+    return inputs

@@ -12,19 +12,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..models.loading import TOKENIZER_FILES, VOCABULARY_FILES, tokenizer_files_problem  # noqa: F401 (re-exported)
 from .loading import load_text_dataset
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-
-def no_vocabulary_hint(folder: str | os.PathLike) -> str:
-    """A note for a failed ``AutoTokenizer.from_pretrained`` of a local folder that has a tokenizer_config.json but
-    none of :data:`VOCABULARY_FILES` (then transformers blames sentencepiece or tiktoken); "" otherwise."""
-    folder = Path(folder).expanduser()
-    if not folder.is_dir() or any((folder / name).is_file() for name in VOCABULARY_FILES):
-        return ""
-    return f" ({str(folder)!r} holds no vocabulary file: none of {', '.join(VOCABULARY_FILES)})"
 
 
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_dir: str | os.PathLike, *,

@@ -2,9 +2,8 @@
 (:mod:`.step`), the detector of a finite divergence (:mod:`.divergence`), atomic checkpoints (:mod:`.checkpoint`)
 and the JSONL metrics tracker (:mod:`.tracking`)."""
 
-from .checkpoint import (LOCK, CheckpointError, TrainerState, best_checkpoint, check_no_links, find_checkpoint,
-                         list_checkpoints, output_lock, read_trainer_state, refused_pickles, save_checkpoint,
-                         save_final, unloadable_files, verify_checkpoint)
+from .checkpoint import (LOCK, CheckpointError, TrainerState, best_checkpoint, find_checkpoint, list_checkpoints,
+                         output_lock, read_trainer_state, save_checkpoint, save_final, verify_checkpoint)
 from .config import (ConfigError, RunConfig, all_keys, cli_overrides, describe, key_docs, load_run_config,
                      recipe_differences)
 from .data import (PackedRows, StepRows, StreamRows, data_fingerprint, fingerprint_differences, load_splits,

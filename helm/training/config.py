@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
@@ -33,8 +33,11 @@ class ModelConfig:
     pretrained: Optional[str] = None
     """Or continue from trained weights: a ``save_pretrained`` folder or a hub name."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Config fields set on top of the preset / pretrained config, e.g. ``{attn_impl: sdpa, num_hidden_layers: 2}``.
+    """Config fields set on top of the preset / pretrained config, e.g. ``{num_hidden_layers: 2, rope_theta: 5e5}``.
     On the command line one field at a time: ``--model.overrides.num_hidden_layers=2``."""
+    attn_implementation: Optional[str] = None
+    """Attention implementation, passed as transformers' ``attn_implementation``: eager, sdpa, triton (the zoo's
+    Triton kernel; HELM models) or auto; null: the model's default."""
     trust_remote_code: bool = False
     """Run the code saved with a pretrained folder or hub model whose type neither helm nor transformers knows (its
     config.json has an auto_map). HELM folders never need it."""
@@ -270,27 +273,17 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         raise ConfigError(f"--config {str(path)!r}: no such file")
     try:
         recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
-        check_booleans(recipe, dotlist)
-        check_containers(recipe, dotlist)
-        mixed_precision_no(recipe, dotlist)
-        for override in overrides:
-            key, _, value = str(override).partition("=")
-            if _ and not value.strip() and not _optional(key):  # "--train.output_dir=": OmegaConf reads None
-                raise ConfigError(f"--{key}= has no value; give {key} a value (or drop the override)")
-        placeholders = sorted(OmegaConf.missing_keys(dotlist))
-        if placeholders:  # the merge would keep the recipe's value and drop the override without a word
-            raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key in --print-config, it is not a "
-                              f"value; give {placeholders[0]} a value or drop the override")
+        if placeholders := sorted(OmegaConf.missing_keys(dotlist)):  # the merge would drop such an override
+            raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key, it is not a value")
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist)
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
+        if missing := sorted(OmegaConf.missing_keys(merged)):
             raise ConfigError(f"{missing[0]} is required but {path} does not set it")
         config = OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
     except OmegaConfBaseException as error:
         raise ConfigError(_message(error)) from None
     except (ValueError, TypeError, yaml.YAMLError) as error:  # YAML syntax, or a recipe that is not a mapping
+        if isinstance(error, ConfigError):
+            raise
         raise ConfigError(f"--config {str(path)!r} or an override is not a valid recipe: "
                           f"{' '.join(str(error).split())}") from None
     expand_home(config)
@@ -311,87 +304,6 @@ def expand_home(c: RunConfig) -> None:
         value = getattr(getattr(c, section), name)
         if isinstance(value, str) and value.startswith("~"):
             setattr(getattr(c, section), name, os.path.expanduser(value))
-
-
-def _optional(key: str) -> bool:
-    """Whether the recipe key ``section.name`` may be null (typed ``Optional[...]``); unknown keys count as optional,
-    so that the merge reports them by name."""
-    section, _, name = key.partition(".")
-    for s in dataclasses.fields(RunConfig):
-        if s.name == section:
-            for f in dataclasses.fields(s.default_factory):
-                if f.name == name:
-                    return str(f.type).startswith("Optional") or "None" in str(f.type)
-    return True
-
-
-def boolean_keys() -> list[str]:
-    """The recipe keys typed ``bool`` (or ``Optional[bool]``)."""
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig) for f in dataclasses.fields(s.default_factory)
-            if f.type in ("bool", "Optional[bool]")]
-
-
-def check_booleans(*sources) -> None:
-    """Boolean keys hold YAML booleans (true/false, also yes/no/on/off unquoted) or null where optional: OmegaConf
-    would turn a quoted "false" or a 0 into a bool by itself, and the config classes refuse such values, so a recipe
-    refuses them as well, naming the key."""
-    for source in sources:
-        for key in boolean_keys():
-            try:
-                value = OmegaConf.select(source, key, default=None)
-            except OmegaConfBaseException:  # a section that is not a mapping: reported by the merge
-                continue
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{key} must be true or false, got {value!r}")
-
-
-# The recipe keys typed as a list or a mapping, and how to write them: OmegaConf's own messages for a scalar there
-# ("AnyNode is not a ListConfig ...", "Cannot merge incompatible container types") name its node classes.
-CONTAINERS = {
-    "optim.betas": (list, "a list of two numbers in [0, 1), e.g. --optim.betas='[0.9,0.95]'"),
-    "model.overrides": (dict, "a mapping of config fields, e.g. --model.overrides.num_hidden_layers=2 or "
-                              "--model.overrides='{num_hidden_layers: 2}'"),
-}
-
-
-def check_containers(*sources) -> None:
-    """The list- and mapping-typed keys (:data:`CONTAINERS`) hold a list / mapping (a list of numbers for
-    optim.betas), and each section a mapping, else :class:`ConfigError` saying how to write them."""
-    for source in sources:
-        for section in (f.name for f in dataclasses.fields(RunConfig)):
-            value = source.get(section) if isinstance(source, DictConfig) else None
-            if value is not None and not isinstance(value, DictConfig):
-                raise ConfigError(f"{section} must be a mapping of its keys (e.g. {section}: {{...}} in a recipe, "
-                                  f"--{section}.KEY=VALUE on the command line), got {_plain(value)!r}")
-        for key, (kind, form) in CONTAINERS.items():
-            try:
-                value = OmegaConf.select(source, key, default=None)
-            except OmegaConfBaseException:  # a section that is not a mapping: reported by the merge
-                continue
-            if value is None:
-                continue
-            value = _plain(value)
-            fits = isinstance(value, kind) and (kind is dict or all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
-            if not fits:
-                raise ConfigError(f"{key} must be {form}, got {value!r}")
-
-
-def _plain(value):
-    """A config node as plain Python (for messages and type checks)."""
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def mixed_precision_no(*sources) -> None:
-    """YAML 1.1 reads a bare ``no`` as false, and train.mixed_precision is the one key whose allowed strings include
-    such a word: false there means ``no`` (the default), as written."""
-    for source in sources:
-        try:
-            value = OmegaConf.select(source, "train.mixed_precision", default=None)
-        except OmegaConfBaseException:
-            continue
-        if value is False:
-            OmegaConf.update(source, "train.mixed_precision", "no")
 
 
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
@@ -417,9 +329,11 @@ def validate(c: RunConfig) -> None:
     problems += [(k, f"must be >= {low}") for k, low in MINIMUM.items() if value(k) is not None and value(k) < low]
     problems += [(k, "must be positive") for k in POSITIVE if value(k) is not None and not value(k) > 0]
     problems += [(k, f"must be one of {options}") for k, options in CHOICES.items() if value(k) not in options]
+    if c.train.mixed_precision == "False":  # YAML 1.1 reads a bare no as false
+        c.train.mixed_precision = "no"
     problems += [(key, requirement) for key, ok, requirement in (
         ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas),
-         f"must be {CONTAINERS['optim.betas'][1]}"),
+         "must be two numbers in [0, 1)"),
         ("train.output_dir", bool(c.train.output_dir), "must be set"),
         ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),
@@ -432,27 +346,15 @@ def validate(c: RunConfig) -> None:
     if problems:
         key, requirement = problems[0]
         raise ConfigError(f"{key} {requirement}, got {value(key)!r}")
-    # two keys, so not a "KEY must ..., got VALUE" row: one sentence naming both values and the way out
-    if c.model.preset is not None and c.model.pretrained is not None:
-        raise ConfigError(f"model.preset ({c.model.preset!r}) and model.pretrained ({c.model.pretrained!r}) are both "
-                          "set; set exactly one: model.preset to train a new model from scratch, model.pretrained to "
-                          "continue from trained weights (e.g. --model.preset=null --model.pretrained=PATH)")
-    if c.model.preset is None and c.model.pretrained is None:
-        raise ConfigError("neither model.preset nor model.pretrained is set; set exactly one: model.preset (a preset "
-                          "name from helm/presets or a JSON config file) to train from scratch, model.pretrained (a "
-                          "save_pretrained folder or hub id) to continue from trained weights")
-    if c.train.logger != "jsonl":
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"train.logger={c.train.logger!r} needs the tensorboard package "
-                              "(pip install tensorboard), or use train.logger: jsonl") from None
+    if (c.model.preset is None) == (c.model.pretrained is None):
+        raise ConfigError(f"model.preset ({c.model.preset!r}) and model.pretrained ({c.model.pretrained!r}): set "
+                          "exactly one (a preset to train from scratch, a save_pretrained folder to continue)")
 
 
 # Keys that may change on resume (they do not change what is computed up to the saved step; train.max_steps past
 # it, which re-plans the learning-rate schedule from there on); any other difference is refused.
 RESUMABLE_CHANGES = frozenset({
-    "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps", "train.log_every",
+    "model.attn_implementation", "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps", "train.log_every",
     "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
     "train.divergence_factor", "train.divergence_patience", "train.logger",

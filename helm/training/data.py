@@ -8,23 +8,14 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from ..data import iter_packed, load_text_dataset, pack_rows, tokenize
-from ..data.loading import text_problem
-from ..data.tokenizer import no_vocabulary_hint, tokenizer_files_problem
+from ..data import iter_packed, load_text_dataset, looks_local, pack_rows, tokenize
+from ..data.paths import TOKENIZER_FILES, check_path
 from .config import ConfigError, DataConfig
-
-
-def looks_local(name: str) -> bool:
-    """Whether ``name`` means a local path (existing, or written like one) rather than a hub repository id."""
-    path = Path(name).expanduser()
-    return (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
-            or path.suffix.lower() in (".json", ".jsonl", ".txt"))
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -34,23 +25,15 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     would ask on a terminal whether to run the code a ``tokenizer_config.json`` names in its ``auto_map``."""
     from transformers import AutoTokenizer
 
-    local = looks_local(name)
-    if local and not Path(name).expanduser().is_dir():
-        raise ConfigError(f"data.tokenizer: no such directory {name!r}")
-    if local and (problem := tokenizer_files_problem(name)):
-        raise ConfigError(f"data.tokenizer: {problem}: set data.tokenizer to the folder a tokenizer was saved to "
-                          "(tokenizer.save_pretrained; a run's final/ holds its tokenizer), or a hub name")
+    name = check_path(name, "data.tokenizer", ConfigError, needs=TOKENIZER_FILES, hub=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name,
-                                                  trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        where = "local folder" if local else "local folder, nor loadable from the Hugging Face Hub"
-        text = " ".join(str(error).split())
-        hint = ("; it names custom code (auto_map): pass --model.trust_remote_code=true to run it, if you trust it"
-                if "trust_remote_code" in text else no_vocabulary_hint(name) if local else "")
-        raise ConfigError(f"data.tokenizer: {name!r} is not a usable {where}: {text}{hint}") from None
+        hint = "; pass --model.trust_remote_code=true to run its code, if you trust it" * (
+            "trust_remote_code" in str(error))
+        raise ConfigError(f"data.tokenizer {name!r}: {' '.join(str(error).split())}{hint}") from None
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"data.tokenizer: {name!r} has no eos token, which packing puts after every document")
+        raise ConfigError(f"data.tokenizer {name!r} has no eos token, which packing puts after every document")
     return tokenizer
 
 
@@ -82,30 +65,15 @@ def data_fingerprint(data: DataConfig, tokenizer) -> dict:
 
 
 def fingerprint_differences(saved: dict | None, current: dict) -> list[str]:
-    """What differs between two :func:`data_fingerprint` s, one line each (nothing for a checkpoint without one)."""
+    """What differs between two :func:`data_fingerprint` s, one entry each: the data files added, removed or
+    changed, or the other keys (nothing for a checkpoint without one)."""
     if not saved:
         return []
-    lines = []
-    for key in sorted(set(saved) | set(current)):
-        before, now = saved.get(key), current.get(key)
-        if before == now:
-            continue
-        if key == "files":
-            before, now = before or {}, now or {}
-            for name in sorted(set(before) | set(now)):
-                if name not in now:
-                    lines.append(f"data file {name} is no longer read")
-                elif name not in before:
-                    lines.append(f"data file {name} is new")
-                elif before[name] != now[name]:
-                    was, size = before[name]["bytes"], now[name]["bytes"]
-                    lines.append(f"data file {name} changed ({was:,} bytes in the checkpoint, {size:,} now"
-                                 f"{', same size, other content' * (was == size)})")
-        elif key == "tokenizer":
-            lines.append("the tokenizer's vocabulary, rules or special tokens changed")
-        else:
-            lines.append(f"{key}: {before!r} in the checkpoint, {now!r} now")
-    return lines
+    files = {**saved.get("files", {}), **current.get("files", {})}
+    changed = [f"data file {name}" for name in sorted(files)
+               if saved.get("files", {}).get(name) != current.get("files", {}).get(name)]
+    keys = sorted((set(saved) | set(current)) - {"files"})
+    return changed + [key for key in keys if saved.get(key) != current.get(key)]
 
 
 def _load_split(data: DataConfig, split: str, streaming: bool, key: str):
@@ -224,8 +192,7 @@ class StreamRows(IterableDataset):
                     empty = False
                     yield row
             except ValueError as error:  # a record whose text is not a string, met as the stream is read
-                where = text_problem(self.data.dataset, self.data.train_split, self.data.text_column)
-                raise ConfigError(f"data.dataset: {where or ' '.join(str(error).split())}") from None
+                raise ConfigError(f"data.dataset {self.data.dataset!r}: {error}") from None
             if empty:
                 raise ConfigError(f"data.dataset: {self.data.dataset!r} yields no complete row of "
                                   f"data.seq_len={self.data.seq_len} tokens")

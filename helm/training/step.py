@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from ..distributed import clip_grad_norm
-from ..evaluation import packed_inputs
+from ..data import packed_inputs
 from ..models.routing import attach_balancing
 
 
@@ -44,7 +44,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: Sequence
       ``position_ids``, ``segment_ids``, each ``[B, L]``), on the CPU or already on ``accelerator.device``; they
       are copied there non-blocking (overlapping the copy from pinned memory), all before the first forward.
       ``segment_ids`` reach models whose forward takes them (HELM); ``transformers``' models see packed rows
-      from the restarting ``position_ids`` (:func:`helm.evaluation.packed_inputs`).
+      from the restarting ``position_ids`` (:func:`helm.data.packed_inputs`).
     * ``grad_clip``: maximum global gradient norm; None measures the norm without clipping.
     * ``forward``: what runs the forward, e.g. ``torch.compile(model)``; default ``model``.
 
