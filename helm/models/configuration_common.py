@@ -44,7 +44,6 @@ from ..nn.validation import (
     residual_weight,
     temperature,
 )
-from ..ops.attention import available_attention_impls
 
 logger = logging.get_logger(__name__)
 
@@ -117,6 +116,11 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     head maps the full vector). With ``positional='learned'`` the table of ``max_position_embeddings x hidden_size``
     entries is at most ``2**31``.
 
+    The attention implementation is ``transformers``' ``attn_implementation`` (``config._attn_implementation``, not
+    saved, as for Llama): ``eager``, ``sdpa``, ``triton`` or ``auto``, checked by the model
+    (``HelmPreTrainedModel.get_correct_attn_implementation``); a ``config.json`` with the former field ``attn_impl``
+    loads as that request.
+
     HELM-specific fields:
         curvature: the paper's ``K < 0`` of the whole model; ``config.k = -1/K`` is geoopt's parameter.
         embedding_mode: ``space`` (Euclidean table of space parts, time computed on the fly) or ``lorentz``
@@ -138,7 +142,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         sinusoidal_scale: factor ``α`` of the sinusoidal table added to the token space parts (1: the textbook).
         bipe_segment_length: BiPE's segment length ``L`` (fixed-length segments: intra index ``p mod L``, segment
             index ``⌊p/L⌋``).
-        attn_impl: ``auto`` / ``sdpa`` / ``eager`` / ``triton``.
         tau_init: initial attention temperature (default ``sqrt(d)``, ``d`` the space dims a head scores).
         residual_weight: initial weight of the sublayer in the Lorentz residual centroid.
         residual_space_scale_factor: the official code's constant space-part scale after each residual, as a
@@ -166,7 +169,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     # must keep its squared time coordinate (products, distances) inside fp32: radius |u|/sqrt(k) <= 40.
     max_wrapped_normal_radius = 40.0
     # constructor keywords of older saved configs, read by :meth:`upgrade_old_fields` (not fields)
-    legacy_kwargs = ("residual_space_scale", "pe_options", "rope_scaling", "partial_rotary_factor")
+    legacy_kwargs = ("residual_space_scale", "pe_options", "rope_scaling", "partial_rotary_factor", "attn_impl")
 
     vocab_size: int = field(integer(1), 128256)
     hidden_size: int = field(integer(2), 390)
@@ -197,7 +200,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     hope_boost_learnable_decay: bool = field(boolean, False)
     sinusoidal_scale: float = field(positive, 1.0)
     bipe_segment_length: int = field(integer(1), 32)
-    attn_impl: str = field(one_of(available_attention_impls()), "auto")
     tau_init: float | None = field(optional(temperature), None)
     residual_weight: float = field(residual_weight, 1.0)
     residual_space_scale_factor: float | None = field(optional(residual_scale_factor), None)
@@ -206,24 +208,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     final_proj: bool = field(boolean, False)
     validate_inputs: bool = field(boolean, True)
     fused_lm_loss: bool = field(boolean, True)
-
-    @property
-    def _attn_implementation(self):
-        return self._attn_implementation_internal
-
-    @_attn_implementation.setter
-    def _attn_implementation(self, value) -> None:
-        """``attn_implementation="eager"`` / ``"sdpa"`` (``from_pretrained``, ``from_config``,
-        ``set_attn_implementation``) select the same-named ``attn_impl``; other names are refused. ``None`` (no
-        request) keeps ``attn_impl``."""
-        if isinstance(value, dict):
-            value = value.get("", self._attn_implementation_internal)
-        if value is not None:
-            if value not in ("eager", "sdpa"):
-                raise ValueError(f"attn_implementation={value!r} is not available for HELM models: use 'eager' or "
-                                 "'sdpa' (or the config field attn_impl='triton' / 'auto' for the zoo's own kernels)")
-            self.attn_impl = value
-        self._attn_implementation_internal = value
 
     @property
     def k(self) -> float:
@@ -239,8 +223,11 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
 
     def upgrade_old_fields(self, kwargs: dict) -> None:
         """Read configs saved before the fields were renamed (``residual_space_scale``, ``pe_options``), and the
-        legacy RoPE keywords (:meth:`standardize_rope_keywords`)."""
+        legacy RoPE keywords (:meth:`standardize_rope_keywords`). The former field ``attn_impl`` becomes the request
+        ``attn_implementation`` (``config._attn_implementation``), unless one is given too."""
         self.standardize_rope_keywords(kwargs)
+        if "attn_impl" in kwargs:
+            kwargs.setdefault("attn_implementation", kwargs.pop("attn_impl"))
         if "residual_space_scale" in kwargs:
             scale = kwargs.pop("residual_space_scale")
             logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import lift
@@ -24,8 +24,10 @@ from ..nn.norm import LorentzRMSNorm
 from ..nn.positional import PositionalEncoding
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
-from ..ops.attention import AttentionMask
+from ..ops.attention import AttentionMask, check_attention_implementation, record_attention_weights
 from .hub import HelmHubMixin, built_config_fields
+
+logger = logging.get_logger(__name__)
 
 
 class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
@@ -113,26 +115,30 @@ class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
                    if id(p) not in excluded and (p.requires_grad or not only_trainable))
 
     def post_init(self):
-        """``transformers``' post-init, then every attention layer bound to this model's config
-        (:meth:`~helm.nn.attention.LorentzAttentionBase.bind_config`): ``config.attn_impl`` (or
-        ``config._attn_implementation``) assigned after the model is built reaches the layers at their next call. The
-        fields the layers read when they are built are recorded (:func:`~helm.models.hub.built_config_fields`):
-        ``save_pretrained`` warns about those changed since."""
+        """``transformers``' post-init; the fields the layers read when they are built are recorded
+        (:func:`~helm.models.hub.built_config_fields`): ``save_pretrained`` warns about those changed since."""
         super().post_init()
-        self._bind_attention_to_config()
         self._config_as_built = built_config_fields(self.config)
 
-    def _bind_attention_to_config(self) -> None:
-        for module in self.modules():
-            if isinstance(module, LorentzAttentionBase):
-                module.bind_config(self.config)
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """True: every HELM attention layer reads ``config._attn_implementation`` at each call (``transformers``
+        would guess it from the module's source)."""
+        return True
 
-    def set_attn_implementation(self, attn_implementation, allow_all_kernels: bool = False) -> None:
-        """``"eager"`` / ``"sdpa"`` (transformers' names) switch every attention layer to that implementation of
-        :func:`helm.ops.lorentz_attention`; anything else is a ``ValueError`` (see
-        :attr:`HelmConfigBase.attn_impl` for ``"triton"`` / ``"auto"``)."""
-        self.config._attn_implementation = attn_implementation  # validated and mapped to attn_impl by the config
-        self._bind_attention_to_config()  # the layers read config.attn_impl (also if self.config was replaced)
+    def _check_and_adjust_attn_implementation(self, attn_implementation: Optional[str], is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
+        """``transformers``' hook for ``attn_implementation=`` (``from_config``, ``from_pretrained``,
+        ``set_attn_implementation``), whose result is stored in ``config._attn_implementation``: HELM's own names
+        only (:meth:`get_correct_attn_implementation`), never a hub kernel or FlashAttention."""
+        return self.get_correct_attn_implementation(attn_implementation, is_init_check)
+
+    def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
+        """``eager``, ``sdpa``, ``triton`` (the zoo's Triton kernel) or ``auto`` (also when none is requested: the
+        kernel on CUDA where it can run, else sdpa); any other name is a ``ValueError`` naming it and these
+        (:func:`helm.ops.attention.check_attention_implementation`). What runs at each call is decided by
+        :func:`helm.ops.attention.resolve_attention`."""
+        return check_attention_implementation(requested_attention)
 
 
 class HelmDecoderModel(HelmPreTrainedModel):
@@ -323,43 +329,32 @@ def cache_layout(past_key_values, seq_len: int) -> CacheLayout:
 
 
 class AttentionWeights:
-    """``output_attentions`` of a forward, as ``LlamaModel`` returns them with ``attn_implementation="eager"``: one
-    ``[B, H, T, T_kv]`` tensor of softmax weights per layer (statistics dtype). ``with AttentionWeights(model,
-    output_attentions) as record:`` around the decoder layers; ``record.weights`` is then the tuple, or None when
-    not requested.
-
-    Only the eager implementation forms the weights (:class:`helm.ops.attention.record_attention_weights`); with
-    another one (sdpa, triton, auto) the request is a ``ValueError`` naming eager. Absorbed HMLA decoding attends in
-    the latent space without them, so a forward that returns weights attends on the plain path (the same outputs to
-    fp32 rounding; ``absorb_max_query = 0`` meanwhile), while the cache keeps its absorbed layout: a cache written
-    with the per-token scalars must be extended with them (a plain-width write would not fit it)."""
+    """``output_attentions`` of a forward, as ``LlamaModel`` returns them: with ``attn_implementation="eager"`` one
+    ``[B, H, T, T_kv]`` tensor of softmax weights per layer (statistics dtype, recorded by
+    :class:`helm.ops.attention.record_attention_weights`); with another implementation, which never forms them, a
+    warning (once) and an empty tuple, as Llama's sdpa gives. ``with AttentionWeights(model, output_attentions) as
+    record:`` around the decoder layers; ``record.weights`` is then that tuple, or None when not requested."""
 
     def __init__(self, model, output_attentions: Optional[bool]):
         config = model.config
         self.wanted = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if self.wanted and config.attn_impl != "eager":
-            raise ValueError(f"output_attentions=True needs the eager attention (attn_impl={config.attn_impl!r} never "
-                             "forms the [B, H, T, T] weights): load with attn_implementation='eager' or call "
-                             "model.set_attn_implementation('eager')")
-        self.model, self.weights, self._record, self._absorbing = model, None, None, []
+        self.eager = config._attn_implementation == "eager"
+        if self.wanted and not self.eager:
+            logger.warning_once(f"output_attentions=True: attn_implementation={config._attn_implementation!r} does not "
+                                "form the attention weights (the attentions returned are empty); load the model with "
+                                "attn_implementation='eager' or call model.set_attn_implementation('eager')")
+        self.weights, self._record = None, None
 
     def __enter__(self):
-        if self.wanted:
-            from ..ops.attention import record_attention_weights
-
-            self._absorbing = [(m, m.absorb_max_query) for m in self.model.modules()
-                               if getattr(m, "absorb", False) is True and hasattr(m, "absorb_max_query")]
-            for m, _ in self._absorbing:
-                m.absorb_max_query = 0
+        if self.wanted and self.eager:
             self._record = record_attention_weights().__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.wanted:
+        if self._record is not None:
             self._record.__exit__(*exc)
-            for m, most in self._absorbing:
-                m.absorb_max_query = most
-            self.weights = tuple(self._record.weights)
+        if self.wanted:
+            self.weights = () if self._record is None else tuple(self._record.weights)
 
 
 def default_position_ids(attention_mask: Optional[torch.Tensor], layout: CacheLayout, seq_len: int,

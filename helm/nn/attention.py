@@ -10,7 +10,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..manifold.math import hcat, lift, positive_exp, sqnorm
-from ..ops.attention import AttentionMask, available_attention_impls, lorentz_attention, resolve_attention_impl
+from ..ops.attention import AttentionMask, lorentz_attention
 from .linear import linear_space, lorentz_linear, space_linear
 from .positional import PositionalTables
 from .validation import HEAD_MERGES, check, check_choice, check_dim, check_k, temperature
@@ -26,59 +26,30 @@ class LorentzAttentionBase(RealignAfterLoading, nn.Module):
     ``head_merge``: ``hcat`` (paper Eq. 19 as HCat: the heads' space parts concatenated under one recomputed
     time coordinate, ``1 + H·d_v`` features) or ``flatten`` (the official code: the ``H`` per-head points, each
     with its own time coordinate, flattened to ``H·(1 + d_v)`` features, which the output HLT reads as they are).
+
+    ``config``: the model's config, whose ``_attn_implementation`` (``eager`` / ``sdpa`` / ``triton`` / ``auto``,
+    set by ``attn_implementation=`` and ``set_attn_implementation``) the layer reads at every call, as Llama's
+    layers do; :func:`helm.ops.attention.resolve_attention` turns it into what runs. None (a layer on its own):
+    ``auto``.
     """
 
-    def __init__(self, *, num_heads: int, k: float, tau_init: float, attn_impl: str, layer_idx: Optional[int],
-                 head_merge: str = "hcat"):
+    def __init__(self, *, num_heads: int, k: float, tau_init: float, layer_idx: Optional[int],
+                 head_merge: str = "hcat", config=None):
         super().__init__()
         check_dim(num_heads, "num_heads")
         check_k(k, "k")
         check(tau_init, "tau_init", temperature)
         check_choice(head_merge, "head_merge", HEAD_MERGES)
-        self.num_heads, self.k, self.attn_impl, self.layer_idx = num_heads, float(k), attn_impl, layer_idx
+        self.num_heads, self.k, self.layer_idx, self.config = num_heads, float(k), layer_idx, config
         self.head_merge = head_merge
         self.tau_init = float(tau_init)
         self.log_tau = nn.Parameter(torch.empty(1, dtype=torch.float32))  # [1], not []: FSDP2 shards dim 0
         self.reset_parameters()
 
     @property
-    def attn_impl(self) -> str:
-        """The requested implementation (``eager`` / ``sdpa`` / ``triton`` / ``auto``). Setting it (the model's
-        ``set_attn_implementation`` does) validates it and drops the resolved choice: the implementation is decided
-        once, here and on the first call on each device (:meth:`attention_impl_for`), not on every call. A layer
-        bound to its model's config (:meth:`bind_config`) follows ``config.attn_impl``, also when it is assigned
-        after the model was built (as ``transformers``' layers read ``config._attn_implementation``)."""
-        self._follow_config()
-        return self._attn_impl
-
-    @attn_impl.setter
-    def attn_impl(self, value: str) -> None:
-        check_choice(value, "attn_impl", available_attention_impls())
-        self._attn_impl = value
-        self._resolved_impl = {}  # (device type, index) -> eager / sdpa / triton
-
-    def bind_config(self, config) -> None:
-        """Read the implementation from ``config.attn_impl`` from now on (the model binds its layers to its config):
-        a new value there reaches this layer at its next call, validated and resolved once as by the setter."""
-        self._config = config
-        self._follow_config()
-
-    def _follow_config(self) -> None:
-        config = self.__dict__.get("_config")
-        requested = getattr(config, "attn_impl", None)
-        if requested is not None and requested != self._attn_impl:
-            self.attn_impl = requested
-
-    def attention_impl_for(self, device: torch.device) -> str:
-        """The concrete implementation on ``device``: ``attn_impl``, or for ``auto`` the Triton kernel on CUDA when it
-        can run there, else ``sdpa`` (:func:`helm.ops.attention.resolve_attention_impl`), decided on the first call
-        on ``device`` and cached until ``attn_impl`` changes."""
-        self._follow_config()
-        key = (device.type, device.index)
-        name = self._resolved_impl.get(key)
-        if name is None:
-            name = self._resolved_impl[key] = resolve_attention_impl(self._attn_impl, device)
-        return name
+    def attn_implementation(self) -> Optional[str]:
+        """The requested implementation, ``config._attn_implementation`` (None: ``auto``)."""
+        return None if self.config is None else self.config._attn_implementation
 
     def reset_parameters(self) -> None:
         """Temperature back to ``tau_init`` (projections are ``nn.Linear``, initialised by their owner)."""
@@ -117,11 +88,8 @@ class LorentzAttentionBase(RealignAfterLoading, nn.Module):
         the projections' outputs (:mod:`helm.precision`)."""
         tau = self.logit_tau(position_embeddings)
         bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / tau)
-        impl = self.attention_impl_for(q.device)
-        if impl == "triton" and bias is not None and self._attn_impl == "auto":
-            impl = "sdpa"  # the kernel takes no dense score bias; auto means the kernel where it can run
         return lorentz_attention(q, key, value, k=self.k, tau=tau, mask=attention_mask, position_bias=bias,
-                                 alibi_slopes=position_embeddings.alibi_slopes, impl=impl,
+                                 alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_implementation,
                                  value_centre=value_centre, dtype=dtype)
 
 
@@ -134,10 +102,10 @@ class LorentzSelfAttention(LorentzAttentionBase):
         head_dim: ambient dim ``1+d`` of one head (the 115M preset: 65).
         k: curvature parameter.
         tau_init: initial temperature (default ``sqrt(d)``).
-        attn_impl: ``eager`` / ``sdpa`` / ``triton`` / ``auto``.
         layer_idx: index into a ``transformers`` cache.
         bias: biases in the projections.
         head_merge: ``hcat`` or ``flatten`` (see :class:`LorentzAttentionBase`).
+        config: the model's config, read for ``_attn_implementation`` (see :class:`LorentzAttentionBase`).
 
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
@@ -153,13 +121,13 @@ class LorentzSelfAttention(LorentzAttentionBase):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
-                 tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True, head_merge: str = "hcat"):
+                 tau_init: Optional[float] = None, layer_idx: Optional[int] = None, bias: bool = True,
+                 head_merge: str = "hcat", config=None):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(head_dim, "head_dim", minimum=2)
         d = head_dim - 1
         super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(d) if tau_init is None else tau_init,
-                         attn_impl=attn_impl, layer_idx=layer_idx, head_merge=head_merge)
+                         layer_idx=layer_idx, head_merge=head_merge, config=config)
         self.head_dim = head_dim
         # One HLT per head; stacked into one matmul (same parameters as H separate HLTs). The Euclidean maps
         # are plain linears under Llama's names, lifted here (see helm.nn.linear.space_linear).

@@ -11,7 +11,7 @@ from torch import nn
 from transformers.cache_utils import StaticLayer
 
 from ..manifold.math import lift
-from ..ops.attention import AttentionMask, _normalise, alibi_bias
+from ..ops.attention import AttentionMask, _normalise, alibi_bias, resolve_attention
 from ..precision import HALF, no_autocast, split_hi_lo, stat_dtype, to_stat
 from .attention import LorentzAttentionBase, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
@@ -61,10 +61,12 @@ class HMLA(LorentzAttentionBase):
     fewer multiply-adds than re-expanding the cache: ``T < n_kv(d_n+d_v)/(2 n_kv - d_n - d_v)``, 31 tiny / 63 at
     120M / 85 at 1B) then costs ``O(T_cache·(n_kv + d_r))`` per head and never runs ``kv_b_proj`` over the cache;
     longer prefills take the plain path, which writes the same scalars; in training mode (``model.train()``) the
-    layer never writes them and always takes the plain path (outputs and gradients as before). The result equals
-    the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``). Other cache classes (offloaded,
-    quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without the scalars keep the plain
-    layout and path.
+    layer never writes them and always takes the plain path (outputs and gradients as before). The absorbed path is
+    a named path of :func:`helm.ops.attention.resolve_attention`, taken under every implementation but ``eager``
+    (the reference, which forms the weights ``output_attentions`` returns, attends on the plain path while the cache
+    keeps the scalars). The result equals the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``).
+    Other cache classes (offloaded, quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without
+    the scalars keep the plain layout and path.
 
     Precision (:mod:`helm.precision`): the projections and the absorbed path's score GEMM run in the compute dtype,
     the latter with each head's key time coordinate as ``hi + lo`` columns of its own (``3H`` columns beside the
@@ -85,8 +87,8 @@ class HMLA(LorentzAttentionBase):
 
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int = 0, k: float = 1.0,
-                 tau_init: Optional[float] = None, attn_impl: str = "auto", layer_idx: Optional[int] = None,
-                 bias: bool = True, rms_norm_eps: float = 1e-12, head_merge: str = "hcat", absorb: bool = False):
+                 tau_init: Optional[float] = None, layer_idx: Optional[int] = None, bias: bool = True,
+                 rms_norm_eps: float = 1e-12, head_merge: str = "hcat", absorb: bool = False, config=None):
         check_dim(hidden_size, "hidden_size", minimum=2)
         check_dim(kv_lora_rank, "kv_lora_rank", minimum=2)
         check_dim(qk_nope_head_dim, "qk_nope_head_dim", minimum=2)
@@ -97,7 +99,7 @@ class HMLA(LorentzAttentionBase):
             raise ValueError("q_lora_rank must be 0 (no query compression) or an ambient dim >= 2, got 1")
         dn, dr, dv = qk_nope_head_dim - 1, qk_rope_head_dim - 1, v_head_dim - 1
         super().__init__(num_heads=num_heads, k=k, tau_init=math.sqrt(dn + dr) if tau_init is None else tau_init,
-                         attn_impl=attn_impl, layer_idx=layer_idx, head_merge=head_merge)
+                         layer_idx=layer_idx, head_merge=head_merge, config=config)
         self.dn, self.dr, self.dv = dn, dr, dv
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         H = num_heads
@@ -151,7 +153,8 @@ class HMLA(LorentzAttentionBase):
             c_kv, k_rope = update_packed(past_key_values, self.layer_idx, c_kv, k_rope)
         elif past_key_values is not None:
             c_kv, k_rope = past_key_values.update(c_kv, k_rope, self.layer_idx)
-        if absorbed and T <= self.absorb_max_query:
+        if resolve_attention(self.attn_implementation, x.device,
+                             absorbable=absorbed and T <= self.absorb_max_query) == "absorbed":
             out = self._attend_absorbed(q_s, c_kv, k_rope, first, centre, pos, attention_mask)
             return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
         c_kv = c_kv[..., :L]

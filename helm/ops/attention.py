@@ -7,11 +7,12 @@ For queries ``q_i``, keys ``k_j`` and values ``v_j`` on ``H_k`` (per head)::
 
 Since softmax ignores the per-row constant ``2k/τ``, ``softmax(-d²/τ) = softmax((J q)·k · 2/τ)`` with
 ``J = diag(-1, 1, ..., 1)``: Eq. 3 is SDPA on ``(J q · 2/τ, k, v)`` with ``scale=1`` followed by the
-centroid normalisation. Implementations:
+centroid normalisation. Implementations, registered by name in :data:`ATTENTION_FUNCTIONS` (the names of
+``attn_implementation=``; :func:`resolve_attention` decides which one runs each call):
 
 * ``eager``  explicit ``-d²/τ`` scores, masks and softmax: the readable spec (use it in float64 in tests).
 * ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
-  to one head width, a multiple of 8, so the flash / memory-efficient backends are eligible: :func:`_pad_sdpa_heads`).
+  to one head width, a multiple of 8, so the flash / memory-efficient backends are eligible: :func:`_pad_heads`).
 * ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton
   interpreter).
 * ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
@@ -61,13 +62,14 @@ logger = logging.get_logger(__name__)
 Tau = Union[float, torch.Tensor]
 
 __all__ = [
-    "ATTENTION_IMPLS",
-    "lorentz_attention",
+    "ATTENTION_FUNCTIONS",
+    "ATTENTION_IMPLEMENTATIONS",
     "AttentionMask",
-    "available_attention_impls",
-    "build_attention_mask",
     "alibi_bias",
-    "resolve_attention_impl",
+    "build_attention_mask",
+    "check_attention_implementation",
+    "lorentz_attention",
+    "resolve_attention",
 ]
 
 
@@ -401,8 +403,7 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
     use_causal_flag = attn_mask is None and mask.is_plain_causal
     c, we = _centred_values(v, mask) if value_centre is None else (value_centre.to(v.dtype), v)
     width = we.shape[-1]
-    if _pad_sdpa_heads(q.device):  # one common head width, a multiple of 8: flash / memory-efficient eligible
-        qm, km, we = _pad_heads(qm, km, we)
+    qm, km, we = _pad_heads(qm, km, we)  # one head width, a multiple of 8: flash / memory-efficient eligible
     with no_autocast(q.device.type):  # the operands are cast already
         out = F.scaled_dot_product_attention(qm, km, we, attn_mask=attn_mask, is_causal=use_causal_flag, scale=1.0)
     out = out[..., :width]
@@ -411,33 +412,19 @@ def sdpa_attention(query, key, value, *, k, tau, mask: AttentionMask, position_b
     return _normalise(out, c, k)
 
 
-# Pad SDPA's q, k and [w | e] to one head width, a multiple of 8 (:func:`_pad_heads`): True / False force it;
-# None (default) pads on every device (:func:`_pad_sdpa_heads` says why).
-SDPA_PAD_HEADS: Optional[bool] = None
-
-
-def _pad_sdpa_heads(device: torch.device) -> bool:
-    """Whether :func:`sdpa_attention` pads its operands (:data:`SDPA_PAD_HEADS`; by default, always).
-
-    The unequal widths (``q, k``: ``1 + d``; ``[w | e]``: ``2 + d``) leave only SDPA's math backend, which
-    materialises the ``T × T`` weights and scans them for fully masked rows; padded, the flash kernel (CPU and
-    CUDA) and the memory-efficient one are eligible, as they are for Llama's equal widths. On the CPU this took a
-    tiny-helm-d training step from 1.15x to 1.09x tiny-llama's time (docs/benchmarks.md). The price is in fp32
-    gradients: flash's are within 2e-4 relative of fp64 (measured up to 9e-5, on ``dq`` with ALiBi;
-    tests/ops/test_attention.py), the math path's within 1e-5, which ``SDPA_PAD_HEADS = False`` (or
-    ``attn_impl="eager"``) restores. Through a model the difference stays below the fp32 model's own worst rounding
-    (~1e-4 on the residual weights' gradients, either backend; tests/ops/test_attention_backends.py).
-    """
-    return True if SDPA_PAD_HEADS is None else SDPA_PAD_HEADS
-
-
 def _pad_heads(*xs: torch.Tensor) -> tuple:
-    """``xs`` zero-padded on the last dim to their common width rounded up to a multiple of 8.
+    """``xs`` zero-padded on the last dim to their common width rounded up to a multiple of 8, which
+    :func:`sdpa_attention` always does.
 
     Zero columns leave ``Q Kᵀ`` (so ``<q, k>_L``, the time sign riding on ``Q``) unchanged and give zero output
-    columns, which the caller slices off. Without it the centred values ``[w | e]`` are one column wider than
-    ``q, k`` (e.g. 65 and 66), so only SDPA's math backend accepts them; padded, the flash kernel (CPU and CUDA)
-    and the memory-efficient one are eligible too."""
+    columns, which the caller slices off. Unpadded, the unequal widths (``q, k``: ``1 + d``; ``[w | e]``: ``2 + d``)
+    leave only SDPA's math backend, which materialises the ``T × T`` weights and scans them for fully masked rows;
+    padded, the flash kernel (CPU and CUDA) and the memory-efficient one are eligible, as they are for Llama's equal
+    widths. On the CPU this took a tiny-helm-d training step from 1.15x to 1.09x tiny-llama's time
+    (docs/benchmarks.md). The price is in fp32 gradients: flash's are within 2e-4 relative of fp64 (measured up to
+    9e-5, on ``dq`` with ALiBi; tests/ops/test_attention.py), the math path's within 1e-5 (``eager``, or torch's
+    ``sdpa_kernel(SDPBackend.MATH)``); through a model the difference stays below the fp32 model's own worst rounding
+    (~1e-4 on the residual weights' gradients, either backend; tests/ops/test_attention_backends.py)."""
     width = -(-max(x.shape[-1] for x in xs) // 8) * 8
     return tuple(x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in xs)
 
@@ -453,21 +440,20 @@ def _load_kernel():
     try:
         import triton  # noqa: F401
     except ImportError:
-        return None, "impl='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
+        return None, "attn_implementation='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
     try:
         from helm.ops.lorentz_attention_triton import lorentz_flash_attention
     except ImportError as err:
-        return None, f"impl='triton': the Lorentz attention kernel is not available ({err})"
+        return None, f"attn_implementation='triton': the Lorentz attention kernel is not available ({err})"
     return lorentz_flash_attention, None
 
 
-def _triton_available(device: torch.device) -> Optional[str]:
+def _triton_unavailable(device: torch.device) -> Optional[str]:
     """None if the Triton kernel can run on ``device``; otherwise the reason it cannot."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if device.type != "cuda" and not interpret:
-        return (f"attn_impl='triton' (impl='triton') cannot run on device {str(device)!r}: the Triton kernel needs "
-                "CUDA tensors, or the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported); use "
-                "attn_impl='sdpa', or 'auto' (the kernel where it can run, else sdpa)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return (f"attn_implementation='triton' cannot run on device {str(device)!r}: the Triton kernel needs CUDA "
+                "tensors, or the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported); use "
+                "attn_implementation='sdpa', or 'auto' (the kernel where it can run, else sdpa)")
     return _load_kernel()[1]
 
 
@@ -487,21 +473,9 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
     statistics and the normalisation in fp32 (plus the kernel's fp64 row normaliser, named in the policy); the output
     in the statistics dtype, fp32, as :func:`sdpa_attention` returns it.
 
-    The kernel aligns the queries bottom-right (they are the last ``Tq`` keys), and centres each query row's values
-    on the group of the key at its own position. A mask with a query offset or a 4-D mask (a static cache, whose
-    last slots are not written yet) breaks both, so it runs through :func:`sdpa_attention`, the same maths."""
-    reason = _triton_available(query.device)
-    if reason is not None:
-        raise ValueError(reason)
-    if position_bias is not None:
-        raise ValueError("impl='triton' supports ALiBi slopes but not a dense position_bias; use impl='sdpa'")
-    if not mask.bottom_right:
-        if "triton-static" not in _AUTO_LOGGED and not torch.compiler.is_compiling():
-            _AUTO_LOGGED.add("triton-static")
-            logger.info("helm attention impl='triton': %r is not bottom-right aligned (a static cache or a 4-D "
-                        "mask); using 'sdpa' for it", mask)
-        return sdpa_attention(query, key, value, k=k, tau=tau, mask=mask, alibi_slopes=alibi_slopes, dtype=dtype,
-                              value_centre=value_centre)
+    The kernel aligns the queries bottom-right (they are the last ``Tq`` keys), centres each query row's values on
+    the group of the key at its own position and takes no dense bias: :func:`resolve_attention` sends the calls it
+    cannot take (a static cache, a 4-D mask, a dense score bias) to :func:`sdpa_attention`, the same maths."""
     if value_centre is not None and torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, tau, k, alibi_slopes)):
         value, value_centre = value[..., :-1], None
@@ -511,43 +485,67 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
                   qk_dtype=compute_dtype(query) if dtype is None else dtype)
 
 
-ATTENTION_IMPLS: Dict[str, Callable[..., torch.Tensor]] = {
+# The zoo's own registry (transformers' AttentionInterface pattern, kept out of transformers' global one): a name
+# of ``attn_implementation`` -> the function that attends. ``auto`` picks one of them per call.
+ATTENTION_FUNCTIONS: Dict[str, Callable[..., torch.Tensor]] = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
     "triton": triton_attention,
 }
-_AUTO_LOGGED: set = set()
+ATTENTION_IMPLEMENTATIONS = ("auto", *ATTENTION_FUNCTIONS)
 
 
-def available_attention_impls() -> tuple:
-    return tuple(ATTENTION_IMPLS) + ("auto",)
+def check_attention_implementation(name: Optional[str]) -> str:
+    """``name`` if it is one of :data:`ATTENTION_IMPLEMENTATIONS` (``None``, no request: ``auto``); otherwise a
+    ``ValueError`` naming it and the accepted names. The one check of an implementation's name: HELM models run it
+    on ``attn_implementation=`` (``HelmPreTrainedModel.get_correct_attn_implementation``)."""
+    if name is None:
+        return "auto"
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={name!r} is not available for HELM models; use one of "
+                         f"{ATTENTION_IMPLEMENTATIONS}")
+    return name
 
 
-def _resolve_impl(impl: str, device: torch.device, needs_dense: bool) -> str:
-    """``impl``, or for ``auto`` the Triton kernel on CUDA unless the call needs a dense bias or mask."""
-    if impl != "auto":
-        return impl
-    choice = "triton" if device.type == "cuda" and not needs_dense and _triton_available(device) is None \
-        else "sdpa"
-    if (choice, device.type) not in _AUTO_LOGGED and not torch.compiler.is_compiling():  # dynamo refuses logging
-        _AUTO_LOGGED.add((choice, device.type))
-        logger.info("helm attention impl='auto' uses %r on %s", choice, device.type)
+def _note_once(message: str, *args) -> None:
+    if not torch.compiler.is_compiling():  # dynamo refuses logging
+        logger.info_once(message, *args)
+
+
+def resolve_attention(requested: Optional[str], device: torch.device, *, mask: Optional[AttentionMask] = None,
+                      dense_bias: bool = False, absorbable: bool = False) -> str:
+    """The path one attention call takes: ``eager``, ``sdpa``, ``triton`` or ``absorbed``; decided here only, at
+    every call, from the requested implementation (``config._attn_implementation``; None means ``auto``).
+
+    * ``absorbed``: HMLA's absorbed decode (:class:`helm.nn.HMLA`), whenever the layer says it can take it
+      (``absorbable``: a cached step with the per-token scalars) and ``eager`` is not requested: eager, the
+      reference, forms the ``[Tq, Tk]`` weights (``output_attentions``) on the plain path.
+    * ``eager``, ``sdpa``: as requested.
+    * ``triton``: the kernel when it can take the call, else ``sdpa``, the same maths: a dense score bias
+      (``dense_bias``), a mask that is not bottom-right aligned (a static cache, a 4-D mask). Requested where the
+      kernel cannot run (no CUDA and no Triton interpreter, or ``triton`` not installed): a ``ValueError`` saying
+      why.
+    * ``auto``: ``triton`` on CUDA where it can run and take the call, else ``sdpa``.
+    """
+    requested = check_attention_implementation(requested)
+    if absorbable and requested != "eager":
+        return "absorbed"
+    if requested in ("eager", "sdpa"):
+        return requested
+    takes_call = not dense_bias and (mask is None or mask.bottom_right)
+    if requested == "triton":
+        reason = _triton_unavailable(device)
+        if reason is not None:
+            raise ValueError(reason)
+        if not takes_call:
+            _note_once("helm attention 'triton': a dense score bias, static cache or 4-D mask; 'sdpa' takes it")
+        return "triton" if takes_call else "sdpa"
+    choice = "triton" if device.type == "cuda" and takes_call and _triton_unavailable(device) is None else "sdpa"
+    _note_once("helm attention 'auto' uses %r on %s", choice, device.type)
     return choice
 
 
-def resolve_attention_impl(impl: str, device: torch.device) -> str:
-    """The concrete implementation ``impl`` names on ``device``: itself, or for ``auto`` ``triton`` on CUDA when
-    the kernel can run there, else ``sdpa`` (a layer decides it once per device: :class:`helm.nn.attention.
-    LorentzAttentionBase`; calls that need a dense score bias still take ``sdpa``, static caches fall back inside
-    :func:`triton_attention`)."""
-    if impl not in ATTENTION_IMPLS and impl != "auto":
-        raise ValueError(f"impl must be one of {available_attention_impls()}, got {impl!r}")
-    return _resolve_impl(impl, torch.device(device), needs_dense=False)
-
-
-def _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl):
-    if impl not in ATTENTION_IMPLS and impl != "auto":
-        raise ValueError(f"impl must be one of {available_attention_impls()}, got {impl!r}")
+def _validate(query, key, value, tau, mask, position_bias, alibi_slopes):
     B, H, Tq, D = query.shape
     if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
         raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
@@ -604,7 +602,7 @@ def lorentz_attention(
         segment_ids: ``[B, Tk]`` document ids of packed rows; attention never crosses documents.
         position_bias: additive logits ``[B|1, H|1, Tq, Tk]`` (e.g. a positional encoding's score bias).
         alibi_slopes: ``[H]`` ALiBi slopes, bias ``-m_h (i - j)``; supported by every implementation.
-        impl: ``eager``, ``sdpa``, ``triton`` or ``auto``.
+        impl: ``eager``, ``sdpa``, ``triton`` or ``auto`` (:func:`resolve_attention` decides what runs).
         mask: a prebuilt :class:`AttentionMask` (models build one per forward for all layers); replaces
             ``causal``, ``attention_mask`` and ``segment_ids``.
         value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` of the values for which ``value`` carries one more
@@ -634,14 +632,13 @@ def lorentz_attention(
                                      or value_centre.shape[:2] != value.shape[:2]):
         raise ValueError(f"value_centre must be [B, H, 1, 1+dv] for values [B, H, Tk, 1+dv+1], got "
                          f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
-    _validate(query, key, value, tau, mask, position_bias, alibi_slopes, impl)
-    # the kernel takes neither a dense bias nor a query offset / 4-D mask (static caches): auto picks sdpa there
-    name = _resolve_impl(impl, query.device, position_bias is not None or not mask.bottom_right)
+    _validate(query, key, value, tau, mask, position_bias, alibi_slopes)
+    name = resolve_attention(impl, query.device, mask=mask, dense_bias=position_bias is not None)
     extra = {}
     if value_centre is not None:
         if name in ("sdpa", "triton"):
             extra = {"value_centre": value_centre}
         else:  # eager, the reference, centres the values itself
             value = value[..., :-1]
-    return ATTENTION_IMPLS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
-                                 alibi_slopes=alibi_slopes, dtype=dtype, **extra)
+    return ATTENTION_FUNCTIONS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
+                                     alibi_slopes=alibi_slopes, dtype=dtype, **extra)

@@ -28,9 +28,9 @@ class HelmDDecoderLayer(GradientCheckpointingLayer):
         k = config.k
         self.input_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
         self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim, k=k,
-                                              tau_init=config.tau_init, attn_impl=config.attn_impl,
-                                              layer_idx=layer_idx, bias=config.attention_bias,
-                                              head_merge=config.head_merge)
+                                              tau_init=config.tau_init, layer_idx=layer_idx,
+                                              bias=config.attention_bias, head_merge=config.head_merge,
+                                              config=config)
         self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                              space_scale=config.residual_space_scale)
         self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)

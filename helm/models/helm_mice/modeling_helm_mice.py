@@ -34,14 +34,14 @@ class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
                                   q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
                                   qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
-                                  tau_init=config.tau_init, attn_impl=config.attn_impl, layer_idx=layer_idx,
-                                  bias=config.attention_bias, rms_norm_eps=config.rms_norm_eps,
-                                  head_merge=config.head_merge, absorb=config.hmla_absorb)
+                                  tau_init=config.tau_init, layer_idx=layer_idx, bias=config.attention_bias,
+                                  rms_norm_eps=config.rms_norm_eps, head_merge=config.head_merge,
+                                  absorb=config.hmla_absorb, config=config)
         else:
             self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim,
-                                                  k=k, tau_init=config.tau_init, attn_impl=config.attn_impl,
-                                                  layer_idx=layer_idx, bias=config.attention_bias,
-                                                  head_merge=config.head_merge)
+                                                  k=k, tau_init=config.tau_init, layer_idx=layer_idx,
+                                                  bias=config.attention_bias, head_merge=config.head_merge,
+                                                  config=config)
         self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
                                              space_scale=config.residual_space_scale)
         self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
