@@ -323,7 +323,8 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     combines experts only for 2 and 1), ``q_lora_rank > 0`` (the official query compression does not run), and
     ``max_seq_len > original_seq_len`` (DeepSeek-YaRN frequencies and an unsaved attention scale).
 
-    ``overrides`` are config fields set on top (e.g. ``max_position_embeddings``, ``attn_impl``, ``eos_token_id``).
+    ``overrides`` are config fields set on top (e.g. ``max_position_embeddings``, ``eos_token_id``), or
+    ``attn_implementation``.
     Returns the model in fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
     """
     import helm  # noqa: F401  (registers the model types)

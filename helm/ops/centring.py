@@ -19,8 +19,8 @@ __all__ = ["KeyGroups", "group_sum", "key_groups", "value_centres"]
 
 class KeyGroups(NamedTuple):
     """The keys' groups (same segment id, same padding flag) and what a segmented sum over them needs, computed once
-    per mask (:meth:`helm.ops.AttentionMask.groups`) and shared by every layer. Keys are numbered row-major over ``[B, Tk]``
-    (key ``j`` of batch row ``b`` is ``b·Tk + j``), and ``B·Tk`` names a zero row (:func:`group_sum`).
+    per mask (:meth:`helm.ops.AttentionMask.groups`) and shared by every layer. Keys are numbered row-major over
+    ``[B, Tk]`` (key ``j`` of batch row ``b`` is ``b·Tk + j``), and ``B·Tk`` names a zero row (:func:`group_sum`).
 
     ``first [B·Tk]`` int64: the first key of each key's group. ``sources``: for the doubling steps
     ``s = 1, 2, 4, ... < Tk``, ``[B·Tk]`` int64, the key ``s`` places before each key within its group (keys in index
