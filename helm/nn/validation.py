@@ -13,7 +13,7 @@ Vocabularies that map names to code live with that code, as registries: activati
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Container, Iterable, Optional, Sequence
+from typing import Any, Callable, Container, Iterable
 
 import torch
 from huggingface_hub.dataclasses import validated_field
@@ -171,42 +171,6 @@ def check_k(k, name: str = "k") -> None:
     curvatures, kept in range by construction) pass unread, as reading them would synchronise with the device."""
     if not isinstance(k, torch.Tensor):
         check(k, name, k_parameter)
-
-
-def check_tensor(t: torch.Tensor, name: str, expected: Sequence[Optional[int]], described: str, *,
-                 dtype: str = "any", alternative: Optional[Sequence[Optional[int]]] = None,
-                 nonempty: bool = False, note: str = "") -> None:
-    """Shape and dtype of a model input (free: no device read).
-
-    ``expected`` is the shape (``None``: any size), ``described`` its symbolic form for the message
-    (``"[B, T]"``); ``alternative`` a second accepted shape (``[1, T]`` position ids that broadcast);
-    ``dtype`` ``"integer"``, ``"index"`` (int64 or int32: token ids), ``"long"`` (int64: targets),
-    ``"floating"`` or ``"any"``; ``nonempty`` refuses zero-sized dimensions;
-    ``note`` is appended to the expected shape in the message.
-    """
-    def matches(shape):
-        return t.dim() == len(shape) and all(e is None or s == e for s, e in zip(t.shape, shape))
-
-    def fmt(shape):
-        return "[" + ", ".join(d if e is None else str(e) for d, e in zip(described.strip("[]").split(", "), shape)) + "]"
-
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor {described}, got {type(t).__name__}")
-    if not (matches(expected) or (alternative is not None and matches(alternative))):
-        also = f" (or {fmt(alternative)})" if alternative is not None and fmt(alternative) != fmt(expected) else ""
-        concrete = "" if fmt(expected) == described else f" = {fmt(expected)}"
-        raise ValueError(f"{name} must be {described}{concrete}{note}{also}, got {tuple(t.shape)}")
-    if nonempty and t.numel() == 0:
-        raise ValueError(f"{name} must be {described} with B >= 1 and T >= 1, got {tuple(t.shape)}")
-    if dtype == "integer" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    if dtype == "index" and t.dtype not in (torch.int64, torch.int32) or dtype == "long" and t.dtype != torch.int64:
-        # embedding lookups take int64 or int32 indices (uint8 ids wrap at 256), cross-entropy int64 targets
-        accepted = "an int64 (or int32)" if dtype == "index" else "an int64"
-        raise ValueError(f"{name} must be {accepted} tensor of token ids, got {t.dtype}; convert it with "
-                         f"{name}.long()")
-    if dtype == "floating" and not t.dtype.is_floating_point:
-        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
 def check_choice(value, name: str, accepted: Iterable) -> str:
