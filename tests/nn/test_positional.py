@@ -14,7 +14,7 @@ from helm.nn.positional import (
     alibi_slopes,
     build_positional_encoding,
     hope_boost_bias,
-    rope_frequencies,
+    inverse_frequencies,
 )
 from tests.helpers import assert_close, space
 
@@ -196,7 +196,7 @@ def test_hope_angles_are_exact_at_long_range():
     pe = build("hope", head_dim=d)
     x = space(1, 1, 6, d, std=1.0)
     pos = torch.tensor([[0, 1, 65_535, 65_536, 1_000_003, 2**31 + 7]])
-    theta = rope_frequencies(d, 10000.0)
+    theta = inverse_frequencies(d, 10000.0)
     angle = torch.remainder(pos[0, :, None].double() * theta, 2 * math.pi)
     ref = torch.view_as_real(complex_pairs(x) * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
     err = (pe.rotate(x, pos).double() - ref).abs().max()
@@ -258,7 +258,7 @@ def test_rope3d_cross_chunk_scores_follow_eq_5():
     c, d, base = 8, 16, 10000.0
     pe = build("rope3d", head_dim=d, chunk_size=c, chunk_base=base)
     q, k = space(1, 1, 1, d, seed=8, dtype=torch.float64), space(1, 1, 1, d, seed=9, dtype=torch.float64)
-    theta = rope_frequencies(d, base)
+    theta = inverse_frequencies(d, base)
     for qp, kp in [(9, 3), (17, 2), (40, 39), (5, 21), (8 * 1000 + 1, 5)]:
         (i, m), (j, n) = divmod(qp, c), divmod(kp, c)
         phase = (m - n) * theta + (1 - base ** -i) - (1 - base ** -j)
@@ -300,7 +300,7 @@ def boost_reference(q, k, qp, kp, theta, theta_prime):
 def test_hope_boost_matches_seed_algorithm_1():
     d = 16
     pe = build("hope_boost", head_dim=d, theta_prime=1.3)
-    theta = rope_frequencies(d, 10000.0)
+    theta = inverse_frequencies(d, 10000.0)
     q, k = space(1, 1, 12, d, std=1.0, dtype=torch.float64, seed=12), space(1, 1, 12, d, std=1.0,
                                                                                  dtype=torch.float64, seed=13)
     pos = torch.arange(12)[None] * 2
@@ -317,7 +317,7 @@ def test_hope_boost_future_keys_use_symmetric_damping():
     """Δ < 0: ``e^{-|Δ|θ'} B(Δθ)`` (the seed's ``e^{-Δθ'}`` would grow), finite and decaying."""
     d, tp = 16, 1.2
     pe = build("hope_boost", head_dim=d, theta_prime=tp)
-    theta = rope_frequencies(d, 10000.0)
+    theta = inverse_frequencies(d, 10000.0)
     q, k = space(1, 1, 1, d, std=1.0, dtype=torch.float64, seed=14), space(1, 1, 1, d, std=1.0,
                                                                                 dtype=torch.float64, seed=15)
     for delta in (-1, -5, -30):
@@ -458,7 +458,7 @@ def test_hope_boost_bias_gradcheck(segments):
     k = space(1, 1, 4, d, std=1.0, dtype=torch.float64, seed=22).requires_grad_()
     tp = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
     q_pos, k_pos = torch.tensor([[3, 5, 6]]), torch.tensor([[0, 4, 5, 9]])  # includes Δ < 0
-    theta = rope_frequencies(d, 10000.0)
+    theta = inverse_frequencies(d, 10000.0)
 
     def f(q, k, tp):
         return hope_boost_bias(q, k, q_pos, k_pos, freqs=theta, theta_prime=tp, scale=SCALE,

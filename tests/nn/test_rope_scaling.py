@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import helm
 from helm.manifold import inner, lift
 from helm.models import HelmDConfig, HelmMiCEConfig
-from helm.nn.positional import build_positional_encoding, rope_frequencies
+from helm.nn.positional import build_positional_encoding, inverse_frequencies
 from helm.nn.positional.rotary import interpolated_chunk_size
 from helm.nn.positional.scaling import ROPE_TYPES, RopeScaling, resonance_frequencies
 from tests.helpers import assert_close, space
@@ -98,7 +98,7 @@ def test_frequencies_and_attention_factor_equal_transformers(case, d, seq_len):
     torch.testing.assert_close(got, want.double(), rtol=1.2e-7, atol=0)
     assert scaling.attention_factor == factor and scaling.logit_scale == factor ** 2
     if case in ("linear", "dynamic") and seq_len is not None:
-        assert not torch.equal(got, rope_frequencies(d, BASE))  # it did scale
+        assert not torch.equal(got, inverse_frequencies(d, BASE))  # it did scale
 
 
 @pytest.mark.parametrize("case", LENGTH_DEPENDENT_CASES)
@@ -196,7 +196,7 @@ def test_factor_one_is_the_unscaled_encoding(name, case):
     if name == "rope3d" and case == "linear":
         params["original_max_position_embeddings"] = 200  # c = 64 does not divide L_p: c' must still be c
     scaled, plain = build(name, d, params, **opts), build(name, d, None, **opts)
-    assert torch.equal(scaled.scaling.frequencies(3 * ORIG), rope_frequencies(d, BASE))
+    assert torch.equal(scaled.scaling.frequencies(3 * ORIG), inverse_frequencies(d, BASE))
     x = space(2, 3, 9, d)
     pos = torch.tensor([0, 1, 63, 64, 255, 257, 1000, 65_537, 1_000_000])[None].expand(2, 9)
     assert torch.equal(scaled.rotate(x, pos), plain.rotate(x, pos))
@@ -237,7 +237,7 @@ def test_rope3d_linear_keeps_frequencies_and_chunk_count_and_resolution_one():
     d, c = 16, 64
     params = rope_dict("linear", d) | {"original_max_position_embeddings": ORIG}
     pe = build("rope3d", d, params, chunk_size=c)
-    assert pe.chunk_size == 256 and torch.equal(pe.scaling.frequencies(), rope_frequencies(d, BASE))
+    assert pe.chunk_size == 256 and torch.equal(pe.scaling.frequencies(), inverse_frequencies(d, BASE))
     same = build("rope3d", d, None, chunk_size=256)
     x = space(1, 2, 40, d)
     pos = torch.randint(0, 4 * ORIG, (1, 40), generator=torch.Generator().manual_seed(7))
@@ -246,7 +246,7 @@ def test_rope3d_linear_keeps_frequencies_and_chunk_count_and_resolution_one():
     tables = pe(torch.tensor([[300, 301]]), kv_len=2)  # neighbours inside chunk 1, beyond L_p
     step = torch.atan2(tables.sin[0, 1] * tables.cos[0, 0] - tables.cos[0, 1] * tables.sin[0, 0],
                        tables.cos[0, 1] * tables.cos[0, 0] + tables.sin[0, 1] * tables.sin[0, 0])
-    torch.testing.assert_close(step.double(), rope_frequencies(d, BASE), rtol=0, atol=1e-6)
+    torch.testing.assert_close(step.double(), inverse_frequencies(d, BASE), rtol=0, atol=1e-6)
 
 
 # the attention factor is a logit scale in every attention path ----------------------------------------------------

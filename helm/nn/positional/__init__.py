@@ -30,7 +30,7 @@ Files: ``base`` (the protocol and the tables), ``rotary`` (hope, rope3d), ``alib
 """
 
 from .alibi import ALiBi, alibi_bias, alibi_slopes
-from .base import NoPositionalEncoding, PositionalEncoding, PositionalTables, index_positions
+from .base import NoPositionalEncoding, PositionalEncoding, PositionalTables, index_positions, inverse_frequencies
 from .bipe import BiPE, BiPEALiBi, BiPEHoPE
 from .boost import HoPEBoost, hope_boost_bias
 from .learned import LearnedPositionalEncoding
@@ -40,8 +40,8 @@ from .registry import (
     positional_encoding_class,
     register_positional_encoding,
 )
-from .rotary import HoPE, RoPE3D, rope_frequencies, rotate_pairs
-from .sinusoidal import SinusoidalPositionalEncoding, sinusoidal_frequencies
+from .rotary import HoPE, RoPE3D, rotate_pairs
+from .sinusoidal import SinusoidalPositionalEncoding
 
 __all__ = [
     "POSITIONAL_ENCODINGS",
@@ -62,9 +62,8 @@ __all__ = [
     "build_positional_encoding",
     "hope_boost_bias",
     "index_positions",
+    "inverse_frequencies",
     "positional_encoding_class",
     "register_positional_encoding",
-    "rope_frequencies",
     "rotate_pairs",
-    "sinusoidal_frequencies",
 ]

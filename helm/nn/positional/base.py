@@ -78,6 +78,13 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (pairs * cos.unsqueeze(-1) + pairs.roll(1, -1) * torch.stack((-sin, sin), dim=-1)).flatten(-2)
 
 
+def inverse_frequencies(dim: int, base: float) -> torch.Tensor:
+    """``θ_l = base^(-2l/d)`` for ``l = 0 .. ⌈d/2⌉ - 1`` (``d = dim``; ``max θ_l = θ_0 = 1``), float64 ``[⌈d/2⌉]`` on
+    the host: RoPE's angles for ``d`` rotated dims and the sinusoidal table's ``ω_i`` (odd ``d`` allowed there)."""
+    exponents = torch.arange((dim + 1) // 2, dtype=torch.float64, device="cpu") * (-2.0 / dim)
+    return torch.pow(torch.tensor(float(base), dtype=torch.float64, device="cpu"), exponents)
+
+
 def index_positions(batch: int, q_len: int, kv_len: int, device,
                     q_offset: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the queries and keys in the key index space, ``[B, Tq]`` and ``[B, Tk]``.
@@ -189,4 +196,4 @@ class NoPositionalEncoding(PositionalEncoding):
 
 
 __all__ = ["NoPositionalEncoding", "PositionalEncoding", "PositionalTables", "Scale", "ScoreBias",
-           "check_position_ids", "index_positions", "rotate_pairs", "work_dtype"]
+           "check_position_ids", "index_positions", "inverse_frequencies", "rotate_pairs", "work_dtype"]

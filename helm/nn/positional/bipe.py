@@ -17,8 +17,8 @@ from torch import nn
 
 from ..validation import check, check_dim, init_std as init_std_rule, integer, positive
 from .alibi import alibi_slopes
-from .base import PositionalEncoding, PositionalTables, check_position_ids
-from .rotary import AngleTable, check_pairs, rope_frequencies
+from .base import PositionalEncoding, PositionalTables, check_position_ids, inverse_frequencies
+from .rotary import AngleTable, check_pairs
 
 BIPE_ALIBI_SLOPE_SCALE = 96.0  # seed 000 App. 8.3.1: "the slope values are set to 96 times of the original ALiBi's"
 
@@ -89,7 +89,7 @@ class BiPEHoPE(BiPE):
                  init_std: float = 0.02):
         super().__init__(segment_length, hidden_space_dim, init_std=init_std)
         self.head_dim, self.base = check_pairs(head_dim, self.kind), float(check(base, "rope_theta", positive))
-        self.angles = AngleTable(rope_frequencies(head_dim, self.base))
+        self.angles = AngleTable(inverse_frequencies(head_dim, self.base))
 
     @classmethod
     def build(cls, *, head_dim: int, rope_theta: float = 10000.0, segment_length: int = 32,

@@ -10,8 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ...precision import stat_dtype
 from ..validation import boolean, check, check_decay_above, optional, positive
-from .base import PositionalEncoding, PositionalTables, Scale
-from .rotary import check_pairs, rope_frequencies
+from .base import PositionalEncoding, PositionalTables, Scale, inverse_frequencies
+from .rotary import check_pairs
 
 _BOOST_CHANNELS_PER_SEGMENT = 8
 _MIN_DECAY_GAP = 1e-4  # learnable θ' >= (1 + 1e-4)·max θ_l
@@ -119,7 +119,7 @@ class HoPEBoost(PositionalEncoding):
         self.angle_scale = float(check(angle_scale, "angle_scale", positive))
         check(theta_prime, "theta_prime", optional(positive))
         self.learnable_decay = check(learnable_decay, "learnable_decay", boolean)
-        freqs = rope_frequencies(head_dim, base) * self.angle_scale
+        freqs = inverse_frequencies(head_dim, base) * self.angle_scale
         self.max_theta = float(freqs.max())
         check_decay_above(theta_prime, self.max_theta, "theta_prime")
         self.theta_prime_init = 1.1 * self.max_theta if theta_prime is None else float(theta_prime)

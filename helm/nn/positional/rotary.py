@@ -14,17 +14,11 @@ from collections import OrderedDict
 import torch
 
 from ..validation import check, check_dim, greater_than, integer, positive
-from .base import PositionalEncoding, PositionalTables, rotate_pairs
+from .base import PositionalEncoding, PositionalTables, inverse_frequencies, rotate_pairs
 from .scaling import RopeScaling
 
 _DIGIT_BITS = 8
 _NUM_DIGITS = 4  # positions are exact for |p| < 256**4 = 2**32
-
-
-def rope_frequencies(head_dim: int, base: float, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """RoPE angles ``θ_l = base^(-2l/d)`` for ``l = 0 .. d/2 - 1`` (so ``max θ_l = θ_0 = 1``). Shape ``[d/2]``."""
-    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64, device="cpu") * (-2.0 / head_dim)
-    return torch.pow(torch.tensor(float(base), dtype=torch.float64, device="cpu"), exponents).to(dtype)
 
 
 def check_pairs(dim: int, kind: str) -> int:
@@ -224,5 +218,4 @@ def interpolated_chunk_size(chunk_size: int, factor: float, original_max_positio
     return chunk_size + (extended - original_max_position_embeddings) // n
 
 
-__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "interpolated_chunk_size", "rope_frequencies",
-           "rotate_pairs"]
+__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "interpolated_chunk_size", "rotate_pairs"]

@@ -43,6 +43,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin
 
 from ..validation import _is_number
+from .base import inverse_frequencies
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # rope types whose frequencies depend on the length of the forward (transformers' dynamic_rope_update)
@@ -230,11 +231,9 @@ class RopeScaling:
 
     def frequencies(self, seq_len: Optional[int] = None) -> torch.Tensor:
         """``θ'_l`` ``[d/2]`` float64 for a forward of ``seq_len`` tokens (see the module docstring)."""
-        from .rotary import rope_frequencies
-
         key = self.length_key(seq_len)
         if key not in self._cache:
-            theta = rope_frequencies(self.head_dim, self.base)
+            theta = inverse_frequencies(self.head_dim, self.base)
             if self.rope_type != "default" and not self.interpolates_chunks:
                 scaled, _ = transformers_rope(self.params, head_dim=self.head_dim, base=self.base,
                                               max_position_embeddings=self.max_position_embeddings,

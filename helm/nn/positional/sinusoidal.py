@@ -5,14 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..validation import check, check_dim, positive
-from .base import PositionalEncoding, check_position_ids, work_dtype
+from .base import PositionalEncoding, check_position_ids, inverse_frequencies, work_dtype
 from .rotary import AngleTable
-
-
-def sinusoidal_frequencies(dim: int, base: float = 10000.0) -> torch.Tensor:
-    """``ω_i = base^(-2i/d)`` for ``i = 0 .. ⌈d/2⌉ - 1`` (``d = dim``, odd ``d`` allowed), float64 ``[⌈d/2⌉]``."""
-    exponents = torch.arange((dim + 1) // 2, dtype=torch.float64, device="cpu") * (-2.0 / dim)
-    return torch.pow(torch.tensor(float(base), dtype=torch.float64, device="cpu"), exponents)
 
 
 class SinusoidalPositionalEncoding(PositionalEncoding):
@@ -42,7 +36,7 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         self.hidden_space_dim = check_dim(hidden_space_dim, "hidden_space_dim")
         self.scale = float(check(scale, "scale", positive))
         self.base = float(check(base, "base", positive))
-        self.angles = AngleTable(sinusoidal_frequencies(hidden_space_dim, self.base))
+        self.angles = AngleTable(inverse_frequencies(hidden_space_dim, self.base))
 
     @classmethod
     def build(cls, *, head_dim: int, hidden_space_dim: int | None = None, scale: float = 1.0, **_):
@@ -67,4 +61,4 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         return f"hidden_space_dim={self.hidden_space_dim}, scale={self.scale:g}, base={self.base:g}"
 
 
-__all__ = ["SinusoidalPositionalEncoding", "sinusoidal_frequencies"]
+__all__ = ["SinusoidalPositionalEncoding"]
