@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -47,14 +46,13 @@ from helm.manifest import RUN_MARKER, is_run_folder
 from helm.models.routing import attach_balancing
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
-                           TrainerState, best_checkpoint, cli_overrides, data_fingerprint, describe, find_checkpoint,
+                           TrainerState, cli_overrides, data_fingerprint, describe, find_checkpoint,
                            fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
                            pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
                            training_batches)
-from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, remove_stale_tmp_checkpoints,
-                                      set_aside_later_checkpoints, write_run_marker)
+from helm.training.checkpoint import (OVERWRITTEN, remove_stale_tmp_checkpoints, set_aside_later_checkpoints,
+                                      write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
-from helm.training.divergence import DivergenceMonitor
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -318,17 +316,6 @@ class Progress:
         return time.perf_counter() - self.run_start
 
 
-def perplexity_change(before: float, after: float) -> str:
-    """How the validation perplexity changed, as a factor and a direction: ``3.14x lower``, ``1.03x higher``
-    (training made it worse: too short a run, too high a learning rate), ``unchanged``."""
-    if after == before:
-        return "unchanged"
-    ratio, direction = (before / after, "lower") if after < before else (after / before, "higher")
-    if not math.isfinite(ratio):  # one of them overflowed (a perplexity past 1.8e308)
-        return direction
-    return f"{ratio:.2f}x {direction}" if ratio < 100 else f"{format_perplexity(ratio)}x {direction}"
-
-
 def demo_sample(cfg, model, tokenizer) -> str:
     """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
     torch.manual_seed(cfg.train.seed)
@@ -341,8 +328,7 @@ def demo_sample(cfg, model, tokenizer) -> str:
 
 
 def train(cfg, resume, state: TrainerState) -> dict:
-    """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` (the caller's, so that it
-    can say after a Ctrl-C how far the run got) holds the step reached."""
+    """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` holds the step reached."""
     out = Path(cfg.train.output_dir)
     checkpoint = find_checkpoint(resume, out)
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
@@ -383,8 +369,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
         optimizer, num_warmup_steps=round(cfg.optim.warmup_ratio * cfg.train.max_steps),
         num_training_steps=cfg.train.max_steps, min_lr_rate=cfg.optim.final_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    state.divergence = DivergenceMonitor(cfg.train.divergence_factor, cfg.train.divergence_patience,
-                                         accelerator.device)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
     # MiCE layers, or DeepSeek-V3's routers with balancing hooks added now, before compiling, so they are traced;
@@ -434,7 +418,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
                              grad_clip=cfg.optim.grad_clip, forward=forward)
         done = state.step = step + 1
         progress.add(metrics)
-        state.divergence.update(metrics.loss, done)
         # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read when
         # logging or saving (which sync anyway), so that no checkpoint is ever written after it.
         finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
@@ -445,13 +428,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
         if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
             raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
                                      f"after it was saved. {divergence_causes(cfg)}")
-        if (log or save) and (blown := [s for s in accelerator.gather(state.divergence.diverged_at[None]).tolist()
-                                        if s]):
-            best = best_checkpoint(out / "checkpoints") if cfg.train.keep_best else None
-            kept = f"; the checkpoint of lowest validation loss is kept: {best}" if best is not None else ""
-            raise FloatingPointError(f"the training loss diverged (finite): "
-                                     f"{state.divergence.report() or f'from step {min(blown)} on'}; nothing after step "
-                                     f"{done - 1} was saved{kept}. {divergence_causes(cfg)}")
         if log:
             progress.log(done, metrics, routed)
         val = None
@@ -495,8 +471,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
         if initial is not None:
             before_ppl, after_ppl = perplexity(initial), perplexity(after)
             say(f"[train] validation perplexity: {format_perplexity(before_ppl)} before training -> "
-                f"{format_perplexity(after_ppl)} after ({perplexity_change(before_ppl, after_ppl)}; measured on the "
-                "reloaded model)")
+                f"{format_perplexity(after_ppl)} after (measured on the reloaded model)")
         else:
             say("[train] validation perplexity after training (reloaded model): "
                 f"{format_perplexity(perplexity(after))}")
@@ -506,17 +481,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
-
-
-def interrupted(cfg, state: TrainerState | None) -> str:
-    """What a Ctrl-C (SIGINT) stopped, and how to go on: the steps done and the newest checkpoint (a checkpoint
-    being written when it came is deleted: only complete ones are listed)."""
-    if cfg is None or state is None:
-        return "interrupted before training started; nothing was written"
-    newest = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")[-1:]
-    where = (f"the newest checkpoint is {newest[0][1]} (step {newest[0][0]}); continue from it with --resume"
-             if newest else "no checkpoint was written yet: start over with --train.overwrite=true")
-    return f"interrupted after step {state.step}; {where}"
 
 
 def main(argv=None) -> int:
@@ -533,11 +497,7 @@ def main(argv=None) -> int:
     # The progress lines of this script are the output; the libraries' per-file bars are noise.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
-    cfg, state = None, None
-    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
-        if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            # from here a Ctrl-C is a KeyboardInterrupt, reported below with what it stopped
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, non-finite losses 3
         args, rest = parser.parse_known_args(argv)
         if args.resume is not None and args.resume != "latest":
             args.resume = os.path.expanduser(args.resume)
@@ -546,14 +506,10 @@ def main(argv=None) -> int:
             print(describe(cfg))
             return 0
         with output_lock(Path(cfg.train.output_dir), enabled=os.environ.get("RANK", "0") == "0"):
-            state = TrainerState(cfg.to_dict())
-            train(cfg, args.resume, state)
+            train(cfg, args.resume, TrainerState(cfg.to_dict()))
     except (ConfigError, CheckpointError, FloatingPointError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 3 if isinstance(error, FloatingPointError) else 2
-    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), and what to do next
-        print(f"error: {interrupted(cfg, state)}", file=sys.stderr, flush=True)
-        return 130
     return 0
 
 

@@ -143,18 +143,6 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
     return "\n".join(lines) + "\n"
 
 
-TABLE_SUFFIXES = (".md", ".markdown", ".txt")
-
-
-def check_table_suffix(path: Path) -> None:
-    """An :class:`EvalError` when ``--output`` ends in a suffix that names another format than the Markdown table
-    written there (``.json``, ``.csv``, ...): a reader of ``x.json`` would parse it as JSON. A Markdown or text
-    suffix, or none, is fine."""
-    if path.suffix and path.suffix.lower() not in TABLE_SUFFIXES:
-        raise EvalError(f"--output {str(path)!r} ends in {path.suffix}, but compare.py writes a Markdown table: end it "
-                        "in .md, .markdown or .txt")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="[NAME=]PATH",
@@ -164,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", help="comma-separated tasks to show, in this order (default: all)")
     parser.add_argument("--raw", action="store_true", help="show accuracies as stored (0-1), not in percent")
     parser.add_argument("--stderr", action="store_true", help="append ± standard error where known")
-    parser.add_argument("--digits", type=int, default=1, help="decimals for percentages (default 1)")
+    parser.add_argument("--digits", type=int, choices=range(16), default=1, metavar="0..15", help="decimals for percentages (default 1)")
     parser.add_argument("--output", type=user_path, metavar="MD",
-                        help="also write the table to this file (.md, .markdown or .txt; another suffix is refused)")
+                        help="also write the table to this file (Markdown)")
     return parser
 
 
@@ -175,11 +163,8 @@ def main(argv: list[str] | None = None) -> str:
     overrides = dict(spec.partition("=")[::2] for spec in args.metric)
     if not all(task and metric for task, metric in overrides.items()):
         raise EvalError(f"--metric expects TASK=METRIC, got {args.metric}")
-    if not 0 <= args.digits <= 15:  # a negative precision is a format error deep in the table
-        raise EvalError(f"--digits must be an integer in [0, 15], got {args.digits}")
     if args.output:
         check_writable(args.output, "--output", inputs=input_files(args.inputs))
-        check_table_suffix(args.output)  # after: an input file named as --output is the worse mistake to name
     tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
     table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr,
                         digits=args.digits)

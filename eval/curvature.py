@@ -27,10 +27,9 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_window, check_writable, data_files,
+    MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_window, check_writable, data_files,
     load_checkpoint, load_texts, model_names, run_script, token_stream, user_path, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
-from helm.nn.validation import integer, optional  # noqa: E402
 
 
 def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> np.ndarray:
@@ -163,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
     parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
     parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
-    parser.add_argument("--max-points", type=int, default=1000, help="token embeddings in the graph (default 1000)")
-    parser.add_argument("--knn", type=int, default=10, help="neighbours per point (default 10)")
+    parser.add_argument("--max-points", type=at_least(3), default=1000, help="token embeddings in the graph (default 1000)")
+    parser.add_argument("--knn", type=at_least(1), default=10, help="neighbours per point (default 10)")
     parser.add_argument("--alpha", type=float, default=0.5, help="idleness: mass kept at the node (default 0.5)")
     parser.add_argument("--distance", choices=["auto", "euclidean", "lorentz"], default="auto",
                         help="lorentz: geodesic on the hyperboloid <x, x>_L = -1/|K| (the model's curvature K), "
@@ -173,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "auto (default): lorentz for HELM models, euclidean otherwise")
     parser.add_argument("--edge-weights", choices=["unit", "distance"], default="unit",
                         help="kNN edge lengths: unit (hop count, default) or the embedding distance")
-    parser.add_argument("--seq-len", type=int, help="window length (default: min(max_position_embeddings, 512))")
+    parser.add_argument("--seq-len", type=at_least(1), help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
     add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=user_path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
@@ -183,14 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.max_points < 3:
-        raise EvalError(f"--max-points must be at least 3, got {args.max_points}")
-    if not 1 <= args.knn < args.max_points:  # duplicates dropped later may lower the bound again (knn_graph)
+    if not args.knn < args.max_points:  # duplicates dropped later may lower the bound again (knn_graph)
         raise EvalError(f"--knn must lie in [1, --max-points - 1 = {args.max_points - 1}], got {args.knn}")
     if not 0.0 <= args.alpha < 1.0:
         raise EvalError(f"--alpha must lie in [0, 1), got {args.alpha}")
-    # 0 would silently mean the default length, a negative one fail after the model has loaded
-    check_argument(args.seq_len, "--seq-len", optional(integer(1)))
     models = model_names(args.model)
     if slashed := [name for name, _ in models if "/" in name or "\\" in name]:
         raise EvalError(f"--model name {slashed[0]!r} names the file curvature_NAME.csv, so it cannot hold a slash")

@@ -22,11 +22,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments,  # noqa: E402
-                             check_argument, check_window, check_writable, data_files, format_perplexity,
+from helm.evaluation import (MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments, at_least,  # noqa: E402
+                             check_window, check_writable, data_files, format_perplexity,
                              load_checkpoint, load_texts, model_names, perplexity, rows_nll, run_script,
                              sliding_windows, token_stream, user_path, with_rope_scaling, write_json)
-from helm.nn.validation import integer, optional  # noqa: E402
 
 OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
@@ -97,13 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
     parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
     parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
-    parser.add_argument("--train-length", type=int, metavar="L",
+    parser.add_argument("--train-length", type=at_least(1), metavar="L",
                         help="training sequence length (default: each model's max_position_embeddings)")
-    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="length factors (default 1 2 4 8)")
-    parser.add_argument("--max-tokens", type=int, metavar="N", help="use only the first N tokens of the text")
+    parser.add_argument("--factors", type=at_least(1), nargs="+", default=[1, 2, 4, 8], help="length factors (default 1 2 4 8)")
+    parser.add_argument("--max-tokens", type=at_least(1), metavar="N", help="use only the first N tokens of the text")
     parser.add_argument("--rope-scaling", nargs="+", choices=ROPE_SCALINGS, default=["none"],
                         help="RoPE scalings applied at evaluation to rotary models, each its own line (default none)")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=at_least(1), default=1)
     add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=user_path, default=Path("length_extrapolation"),
                         help="where the CSV, PNG and JSON go")
@@ -113,11 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    args.factors = sorted({check_argument(factor, "--factors", integer(1)) for factor in args.factors})
-    check_argument(args.train_length, "--train-length", optional(integer(1)))  # None: each model's own length
-    # a negative count would be used as a slice end, dropping tokens from the end of the text
-    check_argument(args.max_tokens, "--max-tokens", optional(integer(1)))
-    check_argument(args.batch_size, "--batch-size", integer(1))
+    args.factors = sorted(set(args.factors))
     models = model_names(args.model)
     check_writable(args.output_dir, "--output-dir", folder=True, files=OUTPUT_FILES,
                    inputs=data_files(args.data, args.split), models=[path for _, path in models])

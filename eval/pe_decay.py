@@ -31,12 +31,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (EvalError, check_argument, check_distinct, check_suffix,  # noqa: E402
-                             check_writable, run_script, user_path)
+from helm.evaluation import EvalError, at_least, check_distinct, check_writable, run_script, user_path  # noqa: E402
 from helm.manifold.math import curvature_to_k, lift  # noqa: E402
 from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
                                 build_positional_encoding)
-from helm.nn.validation import integer, negative  # noqa: E402
 
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
           ("random", "mean", "random Gaussian q, k: mean over draws"),
@@ -70,30 +68,13 @@ def scores_by_distance(pe, q_s: torch.Tensor, k_s: torch.Tensor, *, max_distance
 
 
 def check_arguments(args) -> None:
-    """Every numeric option, refused as one line before anything is computed."""
-    check_argument(args.head_dim, "--head-dim", integer(2))
+    """The options argparse's types cannot check alone, refused as one line before anything is computed."""
     if args.head_dim % 2:
         raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {args.head_dim}")
-    check_argument(args.num_heads, "--num-heads", integer(1))
-    check_argument(args.max_distance, "--max-distance", integer(1))
-    check_argument(args.samples, "--samples", integer(2))  # a standard deviation needs two draws
-    check_argument(args.rope3d_chunk_size, "--rope3d-chunk-size", integer(1))
     if args.alibi_head is not None and not 0 <= args.alibi_head < args.num_heads:
         raise EvalError(f"--alibi-head must lie in [0, {args.num_heads}), got {args.alibi_head}")
-    check_argument(args.curvature, "--curvature", negative)
-
-
-def check_figure_format(path, option: str) -> None:
-    """An :class:`EvalError` unless ``path`` ends in a suffix matplotlib writes (``.png``, ``.pdf``, ``.svg``, ...),
-    checked before anything is computed: savefig infers the format from it and would refuse only at the end."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix not in formats:
-        problem = f"ends in .{suffix}, a format matplotlib does not write" if suffix else "has no suffix"
-        raise EvalError(f"{option} {str(path)!r} {problem}; its suffix names the figure's format: end it in one of "
-                        f"{', '.join('.' + name for name in formats)}")
+    if not args.curvature < 0:
+        raise EvalError(f"--curvature must be negative (the paper's K < 0), got {args.curvature}")
 
 
 def decay_curves(args) -> dict:
@@ -102,7 +83,6 @@ def decay_curves(args) -> dict:
     ``mean``/``std`` are of the space score, ``time_mean`` of the time term ``q_t k_t``, over ``--samples``
     draws and all heads (alibi: every head's draws with the slope of head ``--alibi-head``).
     """
-    check_arguments(args)
     heads, dim, distance = args.num_heads, args.head_dim, args.max_distance
     alibi_head = heads - 1 if args.alibi_head is None else args.alibi_head
     k = curvature_to_k(args.curvature)
@@ -162,13 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(POSITIONAL_ENCODINGS), choices=POSITIONAL_ENCODINGS,
                         help="positional encodings to compare (default: all)")
-    parser.add_argument("--head-dim", type=int, default=64, help="space dims per head (default 64: a 65-dim head)")
-    parser.add_argument("--num-heads", type=int, default=8, help="heads (ALiBi slopes; more draws per sample)")
-    parser.add_argument("--max-distance", type=int, default=1024, help="largest relative distance D")
-    parser.add_argument("--samples", type=int, default=16, help="random draws per head")
+    parser.add_argument("--head-dim", type=at_least(2), default=64, help="space dims per head (default 64: a 65-dim head)")
+    parser.add_argument("--num-heads", type=at_least(1), default=8, help="heads (ALiBi slopes; more draws per sample)")
+    parser.add_argument("--max-distance", type=at_least(1), default=1024, help="largest relative distance D")
+    parser.add_argument("--samples", type=at_least(2), default=16, help="random draws per head")
     parser.add_argument("--curvature", type=float, default=-1.0, help="the paper's K < 0 (default -1)")
     parser.add_argument("--alibi-head", type=int, help="ALiBi head to show (default: the last, gentlest slope)")
-    parser.add_argument("--rope3d-chunk-size", type=int, default=512, help="rope3d chunk size (default 512)")
+    parser.add_argument("--rope3d-chunk-size", type=at_least(1), default=512, help="rope3d chunk size (default 512)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=user_path, default="pe_decay.png",
                         help="figure to write, its format taken from the suffix (.png, .pdf, .svg, ...; refused "
@@ -181,12 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     check_arguments(args)
-    check_figure_format(args.output, "--output")
     check_distinct({"--output": args.output, "--csv": args.csv})
     check_writable(args.output, "--output")
     if args.csv:
         check_writable(args.csv, "--csv")
-        check_suffix(args.csv, "--csv", ".csv", "pe_decay.py")
     curves = decay_curves(args)
     head = args.num_heads - 1 if args.alibi_head is None else args.alibi_head
     slope = alibi_slopes(args.num_heads)[head]

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, check_argument, check_suffix,
-                             check_window, check_writable, data_files, format_perplexity, load_checkpoint, load_texts,
-                             run_script, split_model_spec, text_perplexity, user_path, write_json)
-from helm.nn.validation import integer, optional
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_window, check_writable,
+                             data_files, format_perplexity, load_checkpoint, load_texts, run_script, split_model_spec,
+                             text_perplexity, user_path, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,18 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
     parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
     parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
-    parser.add_argument("--max-documents", type=int, metavar="N", help="read at most N documents")
-    parser.add_argument("--seq-len", type=int, metavar="L", help="window length (default: max_position_embeddings)")
-    parser.add_argument("--stride", type=int, metavar="S", help="window start spacing (default: --seq-len)")
+    parser.add_argument("--max-documents", type=at_least(1), metavar="N", help="read at most N documents")
+    parser.add_argument("--seq-len", type=at_least(2), metavar="L", help="window length (default: max_position_embeddings)")
+    parser.add_argument("--stride", type=at_least(1), metavar="S", help="window start spacing (default: --seq-len)")
     parser.add_argument("--keep-last", action="store_true", help="also score the trailing partial window")
     parser.add_argument("--no-eos", action="store_true", help="do not put an eos token after each document")
-    parser.add_argument("--max-tokens", type=int, metavar="N", help="use only the first N tokens of the stream")
-    parser.add_argument("--max-windows", type=int, metavar="N", help="score only the first N windows")
+    parser.add_argument("--max-tokens", type=at_least(1), metavar="N", help="use only the first N tokens of the stream")
+    parser.add_argument("--max-windows", type=at_least(1), metavar="N", help="score only the first N windows")
     parser.add_argument("--document-attention", action="store_true",
                         help="packed rows, attention and positions restricted to each document (train.py)")
     parser.add_argument("--mask-document-starts", action="store_true",
                         help="no targets at document starts (train.py's data.mask_document_starts)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=at_least(1), default=8)
     add_loading_arguments(parser)
     parser.add_argument("--label", help="task name in the result file (default: the text source)")
     parser.add_argument("--output", type=user_path, metavar="JSON",
@@ -50,15 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(args) -> None:
-    """The numeric options and their combinations, refused before any text or model is loaded (text_perplexity
-    checks them again, but only after the model has loaded)."""
-    check_argument(args.seq_len, "--seq-len", optional(integer(2)))  # one context token and one target
-    check_argument(args.stride, "--stride", optional(integer(1)))
+    """The combinations of options, refused before any text or model is loaded (text_perplexity checks them
+    again, but only after the model has loaded)."""
     if args.stride is not None and args.seq_len is not None and args.stride > args.seq_len:
         raise EvalError(f"--stride must lie in [1, --seq-len={args.seq_len}], got {args.stride}")
-    for option in ("max_documents", "max_tokens", "max_windows"):
-        check_argument(getattr(args, option), f"--{option.replace('_', '-')}", optional(integer(1)))
-    check_argument(args.batch_size, "--batch-size", integer(1))
     # a --stride without --seq-len is compared with the model's length once it has loaded
     strided = args.stride is not None and args.seq_len is not None and args.stride != args.seq_len
     if (args.document_attention or args.mask_document_starts) and (
@@ -75,7 +69,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output:
         check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
                        models=[path, *([args.tokenizer] if args.tokenizer else [])])
-        check_suffix(args.output, "--output", ".json", "perplexity.py")  # after: an input named as --output is worse
     texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
                        **({"name": args.dataset_config} if args.dataset_config else {}))
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,

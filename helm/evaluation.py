@@ -13,6 +13,7 @@ stream, so every way of cutting text is scored by :func:`rows_nll`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -27,12 +28,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from .data import packed_inputs
+from .data import check_path, packed_inputs
+from .data.paths import MODEL_FILES, TOKENIZER_FILES
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "add_loading_arguments", "check_argument", "check_checkpoint", "check_distinct",
-           "check_hub_model", "check_suffix", "check_tokenizer", "check_vocabulary", "check_window", "check_writable",
+__all__ = ["EvalError", "add_loading_arguments", "at_least", "check_distinct", "check_model_folder",
+           "check_vocabulary", "check_window", "check_writable",
            "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "perplexity",
            "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
@@ -96,17 +98,6 @@ def check_writable(path, name: str, *, folder: bool = False, files: Iterable[str
     except OSError as error:
         raise EvalError(f"{name} {str(path)!r} is not writable ({error}); choose another path") from None
     return path
-
-
-def check_suffix(path, name: str, suffix: str, writer: str) -> None:
-    """An :class:`EvalError` unless ``path`` ends in ``suffix`` (any case), the format ``writer`` writes there: a
-    result written under another format's name (CSV in ``x.json``, JSON in ``x.md``) misleads whoever reads it, and
-    ``eval/compare.py`` collects only the ``*.json`` files of a folder."""
-    actual = Path(os.fspath(path)).suffix
-    if actual.lower() != suffix:
-        ends = f"ends in {actual}" if actual else "has no suffix"
-        raise EvalError(f"{name} {os.fspath(path)!r} {ends}, but {writer} writes {suffix[1:].upper()} there: end it in "
-                        f"{suffix}")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -182,19 +173,17 @@ def model_names(specs: Iterable[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def check_argument(value, name: str, rule):
-    """``value`` if the :mod:`helm.nn.validation` ``rule`` accepts it, else an :class:`EvalError` naming ``name``.
+def at_least(low: int) -> Callable[[str], int]:
+    """An ``argparse`` ``type``: an integer that is at least ``low``; argparse names the option and exits 2
+    otherwise."""
+    def parse(text: str) -> int:
+        value = int(text)  # argparse reports the ValueError as an invalid value
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
 
-    Scripts check an argument with the library's own rule up front, rather than :func:`run_script` turning every
-    ``ValueError`` into a user error: a ``ValueError`` raised deeper down (torch, transformers, a bug of ours) is
-    not the user's fault and keeps its traceback. Only a rule's verdict on a value the user typed is.
-    """
-    from helm.nn.validation import check
-
-    try:
-        return check(value, name, rule)
-    except ValueError as error:
-        raise EvalError(str(error)) from None
+    parse.__name__ = "integer"
+    return parse
 
 
 def perplexity(mean_nll: float) -> float:
@@ -372,9 +361,31 @@ def check_window(model, length: int, option: str) -> None:
 def add_loading_arguments(parser) -> None:
     """The ``eval/`` scripts' options of :func:`load_checkpoint`: ``--device``, ``--dtype``, ``--trust-remote-code``."""
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64 or auto")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64", "auto"),
+                        help="weights' dtype (default float32)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the code saved with a checkpoint of a model type neither helm nor transformers has")
+
+
+def check_model_folder(path: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> tuple[str, str]:
+    """``(model, tokenizer)`` paths (``~`` expanded; a hub id unchanged) once ``path`` is a folder with a
+    config.json and the tokenizer folder (``tokenizer``, else ``path``) one with tokenizer files: checked before
+    the weights load, which can take minutes. An :class:`EvalError` naming the option otherwise."""
+    path = check_path(path, "--model", EvalError, needs=MODEL_FILES, hub=True)
+    if tokenizer is not None:
+        return path, check_path(tokenizer, "--tokenizer", EvalError, needs=TOKENIZER_FILES, hub=True)
+    return path, check_path(path, "--model (its tokenizer; or pass --tokenizer)", EvalError, needs=TOKENIZER_FILES,
+                            hub=True)
+
+
+def loaded(option: str, name: str, load: Callable):
+    """``load(name)``, or an :class:`EvalError` naming ``option`` and ``name`` for what the loader raises for a
+    folder or hub id it cannot read (``OSError``, ``ValueError``)."""
+    try:
+        return load(name)
+    except (OSError, ValueError) as error:
+        hint = f" ({REMOTE_CODE_HINT})" * ("trust_remote_code" in str(error))
+        raise EvalError(f"{option} {name!r}: {' '.join(str(error).split())}{hint}") from None
 
 
 def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.PathLike] = None,
@@ -386,31 +397,13 @@ def load_checkpoint(path: str | os.PathLike, *, tokenizer: Optional[str | os.Pat
     with ``trust_remote_code``. ``dtype``: ``float32``, ``bfloat16``, ``float16``, ``float64`` or ``auto``.
     A tokenizer with more tokens than the model's vocabulary is refused (:func:`check_vocabulary`).
     """
-    from helm.data.tokenizer import no_vocabulary_hint
-
-    path = check_checkpoint(path, trust_remote_code)
-    check_hub_model(path)
+    path, tokenizer = check_model_folder(path, tokenizer)
     device = check_device(device)
-    if dtype not in ("float32", "bfloat16", "float16", "float64", "auto"):
-        raise EvalError(f"dtype must be float32, bfloat16, float16, float64 or auto, got {dtype!r}")
-    source = f"--tokenizer {os.fspath(tokenizer)!r}" if tokenizer is not None else \
-        f"the tokenizer saved with --model {path!r}"
-    # the tokenizer's files are checked before the weights load, which can take minutes
-    tokenizer = check_tokenizer(tokenizer, "--tokenizer") if tokenizer is not None else check_tokenizer(
-        path, "--model", f"pass --tokenizer and {TOKENIZER_ADVICE}")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        hint = f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in str(error) else ""
-        raise EvalError(f"could not load checkpoint {path!r}: {' '.join(str(error).split())}{hint}") from error
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        text = " ".join(str(error).split())
-        hint = (f" ({REMOTE_CODE_HINT})" if "trust_remote_code" in text else no_vocabulary_hint(tokenizer) or
-                " (save one next to the model with tokenizer.save_pretrained, or name its folder)")
-        raise EvalError(f"could not load a tokenizer from {tokenizer!r}: {text}{hint}") from error
-    check_vocabulary(model, tok, source)
+    model = loaded("--model", path, lambda name: AutoModelForCausalLM.from_pretrained(
+        name, dtype=dtype, trust_remote_code=trust_remote_code))
+    tok = loaded("--tokenizer", tokenizer, lambda name: AutoTokenizer.from_pretrained(
+        name, trust_remote_code=trust_remote_code))
+    check_vocabulary(model, tok, f"the tokenizer {tokenizer!r}")
     return model.to(device).eval(), tok
 
 
@@ -485,84 +478,6 @@ def check_device(device: Optional[str]) -> torch.device:
     if device.type not in ("cpu", "cuda") and not getattr(torch, device.type).is_available():
         raise EvalError(f"--device {device}: not available on this machine")
     return device
-
-
-def check_checkpoint(path: str | os.PathLike, trust_remote_code: bool = False) -> str:
-    """``path`` (a str) if it is a folder with ``config.json`` or a str that looks like a hub id (``name``,
-    ``owner/name``); a folder whose model type neither helm nor ``transformers`` knows, which would run the code
-    saved with it, is refused unless ``trust_remote_code``."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from helm.training.checkpoint import model_folder_problem
-
-    local = isinstance(path, os.PathLike)  # a Path names a folder, never a hub id
-    path = os.fspath(path)
-    if not path.strip():
-        raise EvalError("checkpoint path is empty: pass a folder written by save_pretrained (config.json and the "
-                        "weights) or a hub model id")
-    folder = Path(path).expanduser()
-    if folder.is_dir():
-        if problem := model_folder_problem(folder, path, "--model "):
-            raise EvalError(f"checkpoint {problem}")
-        try:
-            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise EvalError(f"checkpoint {path!r}: config.json is unreadable ({error})") from None
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        if kind not in CONFIG_MAPPING and "auto_map" in config and not trust_remote_code:
-            raise EvalError(f"checkpoint {path!r} has model_type {kind!r}, which neither helm nor transformers "
-                            f"knows, so loading it would run the code saved with it; {REMOTE_CODE_HINT}")
-        return str(folder)
-    if folder.is_file():
-        raise EvalError(f"checkpoint not found: {path!r} is a file; give the folder that holds it (written by "
-                        "save_pretrained, with config.json and the weights)")
-    if local or folder.exists() or looks_like_local_path(path):
-        raise EvalError(f"checkpoint not found: {path!r} is not a folder (expected a folder written by "
-                        "save_pretrained, holding config.json and the weights, or a hub model id)")
-    return path
-
-
-def check_hub_model(path: str) -> None:
-    """For a ``path`` that :func:`check_checkpoint` took for a hub id (no such local folder): an :class:`EvalError`
-    when the hub model's config.json cannot be had (not a valid id, no such repository, offline and not cached),
-    saying that there is no such folder either. Only config.json is fetched, no code; loading the model would
-    instead say "Repo id must be in the form ..." or "couldn't connect", over several lines, for a mistyped
-    path."""
-    from transformers.utils import cached_file
-
-    if Path(path).expanduser().is_dir():
-        return
-    try:
-        cached_file(path, "config.json")
-    except (OSError, ValueError) as error:
-        raise EvalError(f"checkpoint not found: {path!r} is neither a local folder (no such folder) nor a model on "
-                        f"the Hugging Face Hub ({' '.join(str(error).split())}); expected a folder written by "
-                        "save_pretrained, holding config.json and the weights, or a hub model id") from None
-
-
-TOKENIZER_ADVICE = "name the folder its tokenizer was saved to (tokenizer.save_pretrained), e.g. the data.tokenizer "\
-    "of the train.py run"
-
-
-def check_tokenizer(path: str | os.PathLike, option: str = "--tokenizer", advice: str = TOKENIZER_ADVICE) -> str:
-    """``path`` (a str) if it is a folder holding a tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ...;
-    a tokenizer-only folder, as ``tokenizer.save_pretrained`` writes and ``train.py`` takes as ``data.tokenizer``,
-    needs no ``config.json``) or a str that looks like a hub id; ``option`` names where it came from in the error,
-    ``advice`` says what to do.
-    Whether code saved with it may run is left to ``AutoTokenizer.from_pretrained(..., trust_remote_code=...)``."""
-    from helm.data.tokenizer import tokenizer_files_problem
-
-    local = isinstance(path, os.PathLike)
-    path = os.fspath(path)
-    folder = Path(path).expanduser()
-    if folder.is_dir():
-        if problem := tokenizer_files_problem(folder):
-            raise EvalError(f"{option} {problem}: {advice}")
-        return str(folder)
-    if local or folder.exists() or looks_like_local_path(path):
-        raise EvalError(f"tokenizer not found: {path!r} is not a folder (expected a folder written by "
-                        "tokenizer.save_pretrained, or a hub id)")
-    return path
 
 
 def load_texts(source: str | os.PathLike | list, split: str = "test", *, text_column: str = "text",

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="[helm.data] %(message)s", level=logging.WARNING if args.quiet else logging.INFO)
     try:
+        if args.out.is_file():
+            raise ValueError(f"--out {str(args.out)!r} is a file, not a folder")
         out = data.build_default_data(args.out, vocab_size=args.vocab_size, sources=args.sources,
                                       validation_fraction=args.validation_fraction, seed=args.seed, force=args.force)
     except (data.MissingSourceError, ValueError) as error:

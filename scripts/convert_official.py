@@ -20,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helm.convert import MODELS, convert_official_checkpoint  # noqa: E402
+from helm.data import check_path  # noqa: E402
+from helm.data.paths import TOKENIZER_FILES  # noqa: E402
 from helm.evaluation import user_path  # noqa: E402
 
 
@@ -46,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the code a --tokenizer folder or hub tokenizer names in its auto_map (default: "
                              "refuse it)")
     args = parser.parse_args(argv)
-    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
-        print(f"error: --output {str(args.output)!r} exists and is not an empty folder", file=sys.stderr)
-        return 2
-    try:
+    try:  # the paths first, before the checkpoint is read
+        check_path(args.checkpoint, "--checkpoint", folder=False)
+        if args.tokenizer:
+            args.tokenizer = check_path(args.tokenizer, "--tokenizer", needs=TOKENIZER_FILES, hub=True)
+        if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())):
+            raise ValueError(f"--output {str(args.output)!r} exists and is not an empty folder")
         model = convert_official_checkpoint(args.checkpoint, model=args.model, **dict(args.set))
         tokenizer = None
         if args.tokenizer:

@@ -39,24 +39,20 @@ class CheckpointError(RuntimeError):
 
 class TrainerState:
     """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``), the
-    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`)
-    and the divergence monitor's state; registered with ``accelerator.register_for_checkpointing``."""
+    recipe it was trained with and the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`);
+    registered with ``accelerator.register_for_checkpointing``."""
 
-    def __init__(self, config: dict, step: int = 0, data: dict | None = None, divergence=None):
-        self.config, self.step, self.data, self.divergence = config, step, data, divergence
+    def __init__(self, config: dict, step: int = 0, data: dict | None = None):
+        self.config, self.step, self.data = config, step, data
 
     def state_dict(self) -> dict:
         state = {"step": self.step, "config": self.config}
         if self.data is not None:
             state["data"] = self.data
-        if self.divergence is not None:
-            state["divergence"] = self.divergence.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
-        if self.divergence is not None:
-            self.divergence.load_state_dict(state.get("divergence"))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -128,9 +124,6 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
                               f"({kept[0]}) is intact: free space, then continue with --resume") from None
-    except KeyboardInterrupt:  # Ctrl-C while writing: the half-written folder goes (it was never listed)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if accelerator.is_main_process:
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
