@@ -423,7 +423,6 @@ def test_inconsistent_mice_settings_raise_at_config_time(kw, match):
     ("rms_norm_eps", 0.0, "positive"),
     ("rope_theta", float("inf"), "positive finite"),
     ("curvature", float("nan"), "negative"),
-    ("attn_impl", "flash", "one of"),
     ("lm_head_mode", "mlr", "one of"),
     ("hidden_act", "swish-ish", "one of"),
     ("positional", "rope", "one of"),
@@ -435,15 +434,16 @@ def test_inconsistent_mice_settings_raise_at_config_time(kw, match):
     ("tau_init", -1.0, "positive"),
 ])
 def test_config_validators_name_the_bad_field(field, value, accepted):
-    with pytest.raises(ValueError, match=rf"^{field} must be .*{accepted}") as err:
+    """The culprit is named: the field and the value (the wording of what is accepted is free)."""
+    with pytest.raises(ValueError, match=field) as err:
         HelmDConfig(**{field: value})
     assert repr(value) in str(err.value)
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(head_dim=1 + 15), r"head_dim must be 1 \+ an even number for positional='hope'"),
-    (dict(positional="hope_boost", hope_boost_theta_prime=1.0), "hope_boost_theta_prime must exceed"),
-    (dict(hidden_size=3, num_attention_heads=4), "head_dim must be an integer >= 2, got 1"),
+    (dict(head_dim=1 + 15), "head_dim.*hope"),
+    (dict(positional="hope_boost", hope_boost_theta_prime=1.0), "hope_boost_theta_prime"),
+    (dict(hidden_size=3, num_attention_heads=4), "head_dim"),
     (dict(tie_word_embeddings=True), "tie_word_embeddings"),
 ])
 def test_cross_field_checks_name_the_fields(kw, match):
