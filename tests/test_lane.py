@@ -105,7 +105,7 @@ WITHOUT_HELM = RECORDER + textwrap.dedent("""
     for family in ("helm_d", "helm_mice"):
         model = AutoModelForCausalLM.from_pretrained(family, trust_remote_code=True)
         model.generate(ids, max_new_tokens=3, do_sample=False)
-    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    peft.get_peft_model(model, peft.LoraConfig(r=2))
     assert "helm" not in sys.modules, "the child imported helm"
     print("CHANGES", json.dumps(changes(before)))
 """)

@@ -1,7 +1,9 @@
 """Packaging hazards: no top-level ``kernels`` package of ours to clash with the PyPI ``kernels`` package (which
 ``transformers`` probes for), ``import helm`` without triton (the kernels in ``helm/ops/lorentz_attention_triton`` are
-loaded lazily, ARCHITECTURE.md), and a saved model's remote code that needs neither triton nor the kernel files."""
+loaded lazily, ARCHITECTURE.md), and a saved model's remote code that needs neither triton nor the kernel files and
+patches nothing."""
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -55,6 +57,66 @@ def test_remote_code_needs_neither_triton_nor_the_kernel_files(tmp_path):
     assert not [f.name for f in files if "lorentz_attention_triton" in f.name]
     needed = set().union(*(get_imports(f) for f in files))
     assert not needed & {"triton", "helm", "kernels"}, needed
+
+
+def _foreign_methods() -> set[str]:
+    """The names of the methods of transformers' and PEFT's base classes (and ``torch.nn.Module``'s)."""
+    import peft
+    import torch
+    from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    owners = (PreTrainedModel, PreTrainedConfig, PreTrainedTokenizerBase, GenerationConfig, peft.PeftModel,
+              peft.PeftConfig, torch.nn.Module)
+    return {name for owner in owners for klass in owner.__mro__ if klass is not object
+            for name, value in vars(klass).items() if callable(value) or isinstance(value, (classmethod, staticmethod))}
+
+
+def _patches(source: str) -> list[str]:
+    """The lines of ``source`` that change something another package owns: an assignment to an attribute of a name
+    bound by an absolute import (``transformers.X.y = ...``, ``PreTrainedModel.save_pretrained = ...``), one to a
+    method of transformers', PEFT's or torch's base classes on anything but ``self`` (``cls.load_adapter = ...``),
+    a ``setattr`` / ``delattr`` call on an imported name, or any mention of ``sys.meta_path``."""
+    methods = _foreign_methods()
+    tree = ast.parse(source)
+    foreign = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+               for alias in node.names}
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        if any(isinstance(t, ast.Attribute) and (root(t) in foreign or t.attr in methods and root(t) != "self")
+               for t in targets):
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and root(node.args[0]) in foreign:
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+        if isinstance(node, ast.Attribute) and node.attr == "meta_path":
+            found.append(f"line {node.lineno}: sys.meta_path")
+    return found
+
+
+def test_the_remote_code_bundle_patches_nothing(tmp_path):
+    """Issue 33: a saved folder's code replaces no method of transformers, PEFT or torch and installs no import hook
+    (its one registration, PEFT's default LoRA targets, adds two keys to PEFT's tables: tests/test_lane.py)."""
+    import helm
+    from transformers import AutoModelForCausalLM
+
+    for family in ("tiny-helm-d", "tiny-helm-mice"):
+        AutoModelForCausalLM.from_config(helm.load_config(family)).save_pretrained(tmp_path / family)
+        found = {f.name: problems for f in sorted((tmp_path / family).glob("*.py"))
+                 if (problems := _patches(f.read_text()))}
+        assert found == {}, found
+    assert _patches("import transformers\ntransformers.PreTrainedModel.save_pretrained = None\n")
+    assert _patches("from peft import PeftModel\nsetattr(PeftModel, 'load_adapter', None)\n")
+    assert _patches("def hook(module):\n    cls = module.PeftModel\n    cls.load_adapter = None\n")
 
 
 def test_import_helm_without_triton():
