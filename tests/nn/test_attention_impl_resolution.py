@@ -1,41 +1,55 @@
-"""The attention implementation is chosen once (issue 22 item 3C): when the layer's ``attn_impl`` is set (at build,
-or by ``set_attn_implementation``) and on the first call on each device, not on every call."""
+"""One function decides what each attention call runs (issue 33 item 2): :func:`helm.ops.resolve_attention`, from the
+requested name (``config._attn_implementation``), the device and what the call needs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import helm.nn.attention as layers
-from helm.ops.attention import resolve_attention_impl
-from tests.helpers import tiny_model
+import helm.ops.attention as ops
+from helm.ops.attention import AttentionMask, resolve_attention
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def test_resolution_of_each_name():
-    cpu = torch.device("cpu")
-    assert [resolve_attention_impl(n, cpu) for n in ("eager", "sdpa", "triton", "auto")] == \
-        ["eager", "sdpa", "triton", "sdpa"]
-    with pytest.raises(ValueError, match="impl must be one of"):
-        resolve_attention_impl("flash", cpu)
+@pytest.fixture
+def kernel_loads(monkeypatch):
+    """The Triton kernel importable and the interpreter on, without importing it into this process."""
+    monkeypatch.setattr(ops, "_load_kernel", lambda: (object(), None))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
-def test_impl_is_resolved_once_per_device_and_again_after_a_change(family, monkeypatch):
-    calls = []
-    resolve = layers.resolve_attention_impl
-    monkeypatch.setattr(layers, "resolve_attention_impl", lambda impl, device: calls.append(impl) or resolve(impl, device))
-    model = tiny_model(family, attn_impl="auto")
-    attention = [m for m in model.modules() if isinstance(m, layers.LorentzAttentionBase)]
-    assert len(attention) == model.config.num_hidden_layers
-    ids = torch.randint(0, model.config.vocab_size, (1, 6))
-    for _ in range(3):
-        model(input_ids=ids, use_cache=False)
-    assert calls == ["auto"] * len(attention)
-    assert all(m.attention_impl_for(torch.device("cpu")) == "sdpa" for m in attention)
-    model.set_attn_implementation("eager")
-    assert all(m.attn_impl == "eager" and not m._resolved_impl for m in attention)
-    model(input_ids=ids, use_cache=False)
-    model(input_ids=ids, use_cache=False)
-    assert calls == ["auto"] * len(attention) + ["eager"] * len(attention)
-    with pytest.raises(ValueError, match="attn_impl"):
-        attention[0].attn_impl = "flash"
+def test_each_name_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert [resolve_attention(n, CPU) for n in ("eager", "sdpa", "auto", None)] == ["eager", "sdpa", "sdpa", "sdpa"]
+    with pytest.raises(ValueError, match="'triton'.*'cpu'.*'sdpa'.*'auto'"):
+        resolve_attention("triton", CPU)
+    with pytest.raises(ValueError, match="'flash'"):
+        resolve_attention("flash", CPU)
+
+
+def test_auto_takes_the_kernel_on_cuda_only_where_it_takes_the_call(kernel_loads):
+    assert resolve_attention("auto", CUDA) == "triton"
+    assert resolve_attention("auto", CPU) == "sdpa"
+    assert resolve_attention("auto", CUDA, dense_bias=True) == "sdpa"
+    assert resolve_attention("auto", CUDA, mask=AttentionMask(1, 1, 8, q_offset=3)) == "sdpa"
+
+
+def test_triton_falls_back_to_sdpa_where_the_kernel_cannot_take_the_call(kernel_loads):
+    static = AttentionMask(1, 1, 8, q_offset=3)  # a static cache: queries not bottom-right
+    four_d = AttentionMask(1, 2, 8, dense=torch.ones(1, 1, 2, 8, dtype=torch.bool))
+    assert resolve_attention("triton", CPU) == "triton"
+    assert resolve_attention("triton", CPU, mask=AttentionMask(2, 8, 8, padding=torch.ones(2, 8))) == "triton"
+    for mask, bias in ((static, False), (four_d, False), (None, True)):
+        assert resolve_attention("triton", CPU, mask=mask, dense_bias=bias) == "sdpa"
+
+
+def test_hmla_absorbed_decode_is_a_path_of_every_name_but_eager(kernel_loads):
+    assert [resolve_attention(n, CUDA, absorbable=True) for n in ("auto", "sdpa", "triton", None)] == ["absorbed"] * 4
+    assert resolve_attention("eager", CUDA, absorbable=True) == "eager"
+    assert resolve_attention("sdpa", CUDA, absorbable=False) == "sdpa"
+
+
+def test_the_registry_names_every_implementation():
+    assert set(ops.ATTENTION_FUNCTIONS) == {"eager", "sdpa", "triton"}
+    assert set(ops.ATTENTION_IMPLEMENTATIONS) == {"eager", "sdpa", "triton", "auto"}
