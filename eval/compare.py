@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", help="comma-separated tasks to show, in this order (default: all)")
     parser.add_argument("--raw", action="store_true", help="show accuracies as stored (0-1), not in percent")
     parser.add_argument("--stderr", action="store_true", help="append ± standard error where known")
-    parser.add_argument("--digits", type=int, choices=range(16), default=1, metavar="0..15", help="decimals for percentages (default 1)")
+    parser.add_argument("--digits", type=int, choices=range(16), default=1, metavar="0..15",
+                        help="decimals for percentages (default 1)")
     parser.add_argument("--output", type=user_path, metavar="MD",
                         help="also write the table to this file (Markdown)")
     return parser

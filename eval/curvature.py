@@ -27,8 +27,8 @@ from scipy.sparse.csgraph import dijkstra  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from helm.evaluation import (  # noqa: E402
-    MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_window, check_writable, data_files,
-    load_checkpoint, load_texts, model_names, run_script, token_stream, user_path, write_json)
+    MODEL_SPEC_HELP, EvalError, add_loading_arguments, add_text_arguments, at_least, check_window, check_writable,
+    data_files, load_checkpoint, model_names, run_script, texts_of, token_stream, user_path, write_json)
 from helm.manifold.math import curvature_to_k  # noqa: E402
 
 
@@ -157,12 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                         help=f"checkpoint folder (repeat to overlay several models); {MODEL_SPEC_HELP}")
-    parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
-                        help="text files, a folder holding {split}.jsonl, or a datasets name")
-    parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
-    parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
-    parser.add_argument("--max-points", type=at_least(3), default=1000, help="token embeddings in the graph (default 1000)")
+    add_text_arguments(parser)
+    parser.add_argument("--max-points", type=at_least(3), default=1000,
+                        help="token embeddings in the graph (default 1000)")
     parser.add_argument("--knn", type=at_least(1), default=10, help="neighbours per point (default 10)")
     parser.add_argument("--alpha", type=float, default=0.5, help="idleness: mass kept at the node (default 0.5)")
     parser.add_argument("--distance", choices=["auto", "euclidean", "lorentz"], default="auto",
@@ -172,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "auto (default): lorentz for HELM models, euclidean otherwise")
     parser.add_argument("--edge-weights", choices=["unit", "distance"], default="unit",
                         help="kNN edge lengths: unit (hop count, default) or the embedding distance")
-    parser.add_argument("--seq-len", type=at_least(1), help="window length (default: min(max_position_embeddings, 512))")
+    parser.add_argument("--seq-len", type=at_least(1),
+                        help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
     add_loading_arguments(parser)
     parser.add_argument("--output-dir", type=user_path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
@@ -192,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_writable(args.output_dir, "--output-dir", folder=True, inputs=data_files(args.data, args.split),
                    files=["curvature.png", "curvature.json", *(f"curvature_{name}.csv" for name, _ in models)],
                    models=[path for _, path in models])
-    texts = load_texts(args.data, args.split, text_column=args.text_column,
-                       **({"name": args.dataset_config} if args.dataset_config else {}))
+    texts = texts_of(args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     curvatures, runs = {}, []
     # every model's sample (and its check) before the first graph, whose optimal transport takes the time

@@ -22,10 +22,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from helm.evaluation import (MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments, at_least,  # noqa: E402
-                             check_window, check_writable, data_files, format_perplexity,
-                             load_checkpoint, load_texts, model_names, perplexity, rows_nll, run_script,
-                             sliding_windows, token_stream, user_path, with_rope_scaling, write_json)
+from helm.evaluation import (  # noqa: E402
+    MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments, add_text_arguments, at_least, check_window,
+    check_writable, data_files, format_perplexity, load_checkpoint, model_names, perplexity, rows_nll, run_script,
+    sliding_windows, texts_of, token_stream, user_path, with_rope_scaling, write_json)
 
 OUTPUT_FILES = ("extrapolation.csv", "extrapolation.png", "extrapolation.json")
 CSV_FIELDS = ["model", "path", "positional", "train_length", "factor", "seq_len", "windows", "scored_tokens",
@@ -91,14 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
                         help=f"checkpoint folder (repeat for several); {MODEL_SPEC_HELP}")
-    parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
-                        help="text files, a folder holding {split}.jsonl, or a datasets name")
-    parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
-    parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
+    add_text_arguments(parser)
     parser.add_argument("--train-length", type=at_least(1), metavar="L",
                         help="training sequence length (default: each model's max_position_embeddings)")
-    parser.add_argument("--factors", type=at_least(1), nargs="+", default=[1, 2, 4, 8], help="length factors (default 1 2 4 8)")
+    parser.add_argument("--factors", type=at_least(1), nargs="+", default=[1, 2, 4, 8],
+                        help="length factors (default 1 2 4 8)")
     parser.add_argument("--max-tokens", type=at_least(1), metavar="N", help="use only the first N tokens of the text")
     parser.add_argument("--rope-scaling", nargs="+", choices=ROPE_SCALINGS, default=["none"],
                         help="RoPE scalings applied at evaluation to rotary models, each its own line (default none)")
@@ -116,8 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     models = model_names(args.model)
     check_writable(args.output_dir, "--output-dir", folder=True, files=OUTPUT_FILES,
                    inputs=data_files(args.data, args.split), models=[path for _, path in models])
-    texts = load_texts(args.data, args.split, text_column=args.text_column,
-                       **({"name": args.dataset_config} if args.dataset_config else {}))
+    texts = texts_of(args)
     rows = []
     for name, path in tqdm(models, desc="checkpoints", disable=args.no_progress):
         for scaling in args.rope_scaling:

@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(POSITIONAL_ENCODINGS), choices=POSITIONAL_ENCODINGS,
                         help="positional encodings to compare (default: all)")
-    parser.add_argument("--head-dim", type=at_least(2), default=64, help="space dims per head (default 64: a 65-dim head)")
+    parser.add_argument("--head-dim", type=at_least(2), default=64,
+                        help="space dims per head (default 64: a 65-dim head)")
     parser.add_argument("--num-heads", type=at_least(1), default=8, help="heads (ALiBi slopes; more draws per sample)")
     parser.add_argument("--max-distance", type=at_least(1), default=1024, help="largest relative distance D")
     parser.add_argument("--samples", type=at_least(2), default=16, help="random draws per head")

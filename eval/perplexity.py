@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_window, check_writable,
-                             data_files, format_perplexity, load_checkpoint, load_texts, run_script, split_model_spec,
-                             text_perplexity, user_path, write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, add_text_arguments, at_least,
+                             check_window, check_writable, data_files, format_perplexity, load_checkpoint, run_script,
+                             split_model_spec, text_perplexity, texts_of, user_path, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,14 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, metavar="[NAME=]PATH",
                         help=f"checkpoint folder (save_pretrained) or hub id; {MODEL_SPEC_HELP}")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder if not saved with the model")
-    parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
-                        help="text files (.jsonl: one document per record; .txt: one per file), a folder holding "
-                             "{split}.jsonl, or a datasets name such as wikitext")
-    parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
-    parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
+    add_text_arguments(parser)
     parser.add_argument("--max-documents", type=at_least(1), metavar="N", help="read at most N documents")
-    parser.add_argument("--seq-len", type=at_least(2), metavar="L", help="window length (default: max_position_embeddings)")
+    parser.add_argument("--seq-len", type=at_least(2), metavar="L",
+                        help="window length (default: max_position_embeddings)")
     parser.add_argument("--stride", type=at_least(1), metavar="S", help="window start spacing (default: --seq-len)")
     parser.add_argument("--keep-last", action="store_true", help="also score the trailing partial window")
     parser.add_argument("--no-eos", action="store_true", help="do not put an eos token after each document")
@@ -69,8 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output:
         check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
                        models=[path, *([args.tokenizer] if args.tokenizer else [])])
-    texts = load_texts(args.data, args.split, text_column=args.text_column, max_documents=args.max_documents,
-                       **({"name": args.dataset_config} if args.dataset_config else {}))
+    texts = texts_of(args, max_documents=args.max_documents)
     model, tokenizer = load_checkpoint(path, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                                        trust_remote_code=args.trust_remote_code)
     if args.seq_len is not None:  # the default is the model's max_position_embeddings, which fits

@@ -33,12 +33,13 @@ from .data.paths import MODEL_FILES, TOKENIZER_FILES
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "add_loading_arguments", "at_least", "check_distinct", "check_model_folder",
+__all__ = ["EvalError", "add_loading_arguments", "add_text_arguments", "at_least", "check_distinct",
+           "check_model_folder",
            "check_vocabulary", "check_window", "check_writable",
            "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "perplexity",
            "rows_nll", "run_script", "shifted_nll", "sliding_windows", "split_model_spec", "text_perplexity",
-           "token_stream", "with_rope_scaling", "write_json"]
+           "texts_of", "token_stream", "with_rope_scaling", "write_json"]
 REMOTE_CODE_HINT = "pass --trust-remote-code to run it, if you trust it"
 
 
@@ -478,6 +479,22 @@ def check_device(device: Optional[str]) -> torch.device:
     if device.type not in ("cpu", "cuda") and not getattr(torch, device.type).is_available():
         raise EvalError(f"--device {device}: not available on this machine")
     return device
+
+
+def add_text_arguments(parser) -> None:
+    """The ``eval/`` scripts' options of :func:`texts_of`: the text, its split, field and hub configuration."""
+    parser.add_argument("--files", "--dataset", dest="data", nargs="+", required=True, metavar="SOURCE",
+                        help="text files (.jsonl: one document per record; .txt: one per file), a folder holding "
+                             "{split}.jsonl, or a datasets name such as wikitext")
+    parser.add_argument("--dataset-config", help="datasets configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("--split", default="test", help="split of a folder or dataset (default: test)")
+    parser.add_argument("--text-column", default="text", help="field holding the text (default: text)")
+
+
+def texts_of(args, **options) -> list[str]:
+    """:func:`load_texts` of the options :func:`add_text_arguments` added; ``options`` go to it."""
+    hub = {"name": args.dataset_config} if args.dataset_config else {}
+    return load_texts(args.data, args.split, text_column=args.text_column, **options, **hub)
 
 
 def load_texts(source: str | os.PathLike | list, split: str = "test", *, text_column: str = "text",

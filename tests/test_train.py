@@ -169,7 +169,8 @@ def test_overrides_are_typed(tmp_path, run_data):
     for bad, culprit in ((["--train.max_steps=many"], "train.max_steps"), (["--optim.betas=0.9"], "optim.betas"),
                          (["--optim.warmup_ratio=1.5"], "optim.warmup_ratio"),
                          (["--train.mixed_precision=fp8"], "train.mixed_precision"),
-                         (["--train.max_step=3"], "'train.max_step'.*'train.max_steps'"), (["--trian.max_steps=3"], "'trian'"),
+                         (["--train.max_step=3"], "'train.max_step'.*'train.max_steps'"),
+                         (["--trian.max_steps=3"], "'trian'"),
                          (["--model.preset=null"], "model.preset.*model.pretrained"),
                          (["--train.output_dir=''"], "train.output_dir")):
         with pytest.raises(ConfigError, match=culprit):

@@ -268,7 +268,8 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     logger.info("tokenizer: %d tokens -> %s", len(tokenizer), out / "tokenizer")
     paths = [out / name for name in FILES] + sorted(p for p in (out / "tokenizer").rglob("*") if p.is_file())
     counts = {name: (out / name).read_bytes().count(b"\n") for name in FILES}
-    manifest = {**expected, "documents": counts, "files": {p.relative_to(out).as_posix(): hash_file(p)[0] for p in paths}}
+    files = {p.relative_to(out).as_posix(): hash_file(p)[0] for p in paths}
+    manifest = {**expected, "documents": counts, "files": files}
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(out / "manifest.json")

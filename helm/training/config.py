@@ -344,7 +344,8 @@ def validate(c: RunConfig) -> None:
 # Keys that may change on resume (they do not change what is computed up to the saved step; train.max_steps past
 # it, which re-plans the learning-rate schedule from there on); any other difference is refused.
 RESUMABLE_CHANGES = frozenset({
-    "model.attn_implementation", "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps", "train.log_every",
+    "model.attn_implementation", "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps",
+    "train.log_every",
     "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
     "train.logger",
