@@ -34,7 +34,6 @@ import transformers
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
@@ -104,9 +103,7 @@ def ensure_default_data(cfg, accelerator) -> None:
     builds the default), is used as it is: building there would overwrite its train.jsonl, validation.jsonl and
     tokenizer/."""
     root = Path(cfg.data.dataset)
-    if not cfg.data.build_default or (root / "manifest.json").is_file():
-        return
-    if root.is_file() or root.is_dir() and any(root.iterdir()):
+    if not cfg.data.build_default or root.is_file() or root.is_dir() and any(root.iterdir()):
         return
     if accelerator.is_main_process:
         print(f"[train] {root} has no built corpus; building the offline default data (seconds)", flush=True)
@@ -256,9 +253,8 @@ def divergence_causes(cfg) -> str:
     """The settings to look at when training diverges, with their values (both learning rates: either can be it)."""
     manifold = cfg.optim.manifold_lr if cfg.optim.manifold_lr is not None else "null (= optim.lr)"
     clip = "null" if cfg.optim.grad_clip is None else cfg.optim.grad_clip
-    return (f"Likely causes: too high a learning rate (optim.lr={cfg.optim.lr:g} for the Euclidean parameters, "
-            f"optim.manifold_lr={manifold} for the manifold points; optim.warmup_ratio={cfg.optim.warmup_ratio:g}, "
-            f"optim.grad_clip={clip}) or precision (train.mixed_precision={cfg.train.mixed_precision})")
+    return (f"Likely causes: optim.lr={cfg.optim.lr:g}, optim.manifold_lr={manifold}, optim.warmup_ratio="
+            f"{cfg.optim.warmup_ratio:g}, optim.grad_clip={clip} or train.mixed_precision={cfg.train.mixed_precision}")
 
 
 def validation_loss(model, validation, accelerator, batch_size: int, distributed: bool = True) -> float:
@@ -274,15 +270,12 @@ def validation_loss(model, validation, accelerator, batch_size: int, distributed
 
 
 class Progress:
-    """Training metrics since the last log line, summed on the device and read (a sync) only when logged; a live
-    progress bar on a terminal, or, in a log file (CI, nohup), one line per log_every steps, which reads better."""
+    """Training metrics since the last log line, summed on the device and read (a sync) only when logged, then
+    logged to the trackers and printed as one line."""
 
     def __init__(self, cfg, accelerator, start_step: int, tokens_per_step: int, say):
         self.accelerator, self.say, self.start_step, self.max_steps = accelerator, say, start_step, cfg.train.max_steps
         self.tokens_per_step, self.run_start = tokens_per_step, time.perf_counter()
-        self.live = accelerator.is_main_process and cfg.train.progress_bar and sys.stderr.isatty()
-        self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not self.live, mininterval=1.0)
         self.loss, self.aux_loss = (torch.zeros((), device=accelerator.device) for _ in range(2))
         self.steps, self.window_start = 0, time.perf_counter()
 
@@ -290,7 +283,6 @@ class Progress:
         self.loss += metrics.loss
         self.aux_loss += metrics.aux_loss
         self.steps += 1
-        self.bar.update(1)
 
     def log(self, done: int, metrics: StepMetrics, routed: bool) -> None:
         """Log the means since the last log and the last step's learning rate and gradient norm; start over."""
@@ -302,18 +294,11 @@ class Progress:
         if routed:
             values["aux_loss"] = self.accelerator.reduce(self.aux_loss, "mean").item() / self.steps
         self.accelerator.log(values, step=done)
-        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics.lr:.2e}", tok_s=f"{speed:,.0f}", refresh=False)
-        if not self.live:
-            eta = (now - self.run_start) / (done - self.start_step) * (self.max_steps - done)
-            self.say(f"[train] step {done}/{self.max_steps} loss {loss:.4f} lr {metrics.lr:.3e} {speed:,.0f} tok/s "
-                     f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        eta = (now - self.run_start) / (done - self.start_step) * (self.max_steps - done)
+        self.say(f"[train] step {done}/{self.max_steps} loss {loss:.4f} lr {metrics.lr:.3e} {speed:,.0f} tok/s "
+                 f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
         self.loss.zero_(), self.aux_loss.zero_()
         self.steps, self.window_start = 0, time.perf_counter()
-
-    def close(self) -> float:
-        """Close the bar; returns the seconds since training started."""
-        self.bar.close()
-        return time.perf_counter() - self.run_start
 
 
 def demo_sample(cfg, model, tokenizer) -> str:
@@ -333,7 +318,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
     checkpoint = find_checkpoint(resume, out)
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
     accelerator = make_accelerator(cfg, out, saved["step"] if saved else None)
-    say = (lambda *a: tqdm.write(" ".join(str(x) for x in a))) if accelerator.is_main_process else (lambda *a: None)
+    say = (lambda *a: print(*a, flush=True)) if accelerator.is_main_process else (lambda *a: None)
     world = accelerator.num_processes
     if saved is not None:
         check_resumable(cfg, checkpoint, saved, world)
@@ -387,10 +372,8 @@ def train(cfg, resume, state: TrainerState) -> dict:
         accelerator.wait_for_everyone()
         if (was := saved["config"]["train"]["max_steps"]) != cfg.train.max_steps:
             before, now = replan_schedule(optimizer, scheduler, start_step)
-            say(f"[train] train.max_steps changed from {was} to {cfg.train.max_steps}: the learning-rate schedule "
-                f"(warmup {round(cfg.optim.warmup_ratio * cfg.train.max_steps)} steps, cosine to step "
-                f"{cfg.train.max_steps}) is recomputed for the new length, so the learning rate of step "
-                f"{start_step + 1} is {now:.3e} (the old schedule's: {before:.3e})")
+            say(f"[train] train.max_steps changed from {was} to {cfg.train.max_steps}: the schedule is re-planned, the "
+                f"learning rate of step {start_step + 1} is {now:.3e} (the old schedule's: {before:.3e})")
     accelerator.init_trackers("tensorboard", init_kwargs={
         "tensorboard": {"purge_step": start_step + 1} if checkpoint is not None else {}})
     # every run and resume reads the same rows in the same order from start_step on: the data position is the step
@@ -430,17 +413,13 @@ def train(cfg, resume, state: TrainerState) -> dict:
                                      f"after it was saved. {divergence_causes(cfg)}")
         if log:
             progress.log(done, metrics, routed)
-        val = None
         if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
             val = validation_loss(unwrapped, validation, accelerator, B)
             accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
             say(f"[train] step {done}: validation loss {val:.4f}, perplexity {format_perplexity(perplexity(val))}")
         if save:
-            if cfg.train.keep_best and val is None:  # the best checkpoint is chosen by validation loss
-                val = validation_loss(unwrapped, validation, accelerator, B)
-            save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last, val_loss=val,
-                            keep_best=cfg.train.keep_best)
-    train_time, trained = progress.close(), cfg.train.max_steps - start_step
+            save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
+    train_time, trained = time.perf_counter() - progress.run_start, cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
     final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP

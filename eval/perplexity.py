@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, add_text_arguments, at_least,
+from helm.evaluation import (MODEL_SPEC_HELP, add_loading_arguments, add_text_arguments, at_least,
                              check_window, check_writable, data_files, format_perplexity, load_checkpoint, run_script,
                              split_model_spec, text_perplexity, texts_of, user_path, write_json)
 
@@ -44,24 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_arguments(args) -> None:
-    """The combinations of options, refused before any text or model is loaded (text_perplexity checks them
-    again, but only after the model has loaded)."""
-    if args.stride is not None and args.seq_len is not None and args.stride > args.seq_len:
-        raise EvalError(f"--stride must lie in [1, --seq-len={args.seq_len}], got {args.stride}")
-    # a --stride without --seq-len is compared with the model's length once it has loaded
-    strided = args.stride is not None and args.seq_len is not None and args.stride != args.seq_len
-    if (args.document_attention or args.mask_document_starts) and (
-            strided or args.keep_last or args.max_tokens is not None or args.no_eos):
-        raise EvalError("--document-attention / --mask-document-starts score packed rows: they do not combine with "
-                        "--stride, --keep-last, --max-tokens or --no-eos")
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     name, path = split_model_spec(args.model)
     name = name or Path(path.rstrip("/")).name
-    check_arguments(args)
     if args.output:
         check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
                        models=[path, *([args.tokenizer] if args.tokenizer else [])])

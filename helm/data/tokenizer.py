@@ -31,9 +31,6 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_
     from transformers import PreTrainedTokenizerFast
 
     files = [Path(files)] if isinstance(files, (str, os.PathLike)) else [Path(f) for f in files]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"tokenizer training files not found: {missing}")
     if vocab_size < 258:
         raise ValueError(f"vocab_size must be at least 258 (256 bytes + 2 special tokens), got {vocab_size}")
     texts = load_text_dataset(files, text_column=text_column, allow_hub=False)

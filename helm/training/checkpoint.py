@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -105,10 +104,9 @@ def read_trainer_state(checkpoint: Path) -> dict:
     return state
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int, val_loss: float | None = None,
-                    keep_best: bool = False) -> None:
-    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last (with ``val_loss``), rename into place,
-    prune old ones: all but the last ``keep_last`` and, with ``keep_best``, the one of lowest validation loss."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
+    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, delete all but the
+    last ``keep_last``."""
     root = output_dir / "checkpoints"
     tmp, final = root / f".tmp-step-{step:08d}", root / f"step-{step:08d}"
     if accelerator.is_main_process:
@@ -118,33 +116,17 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         accelerator.save_state(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            finalize(tmp, final, step, val_loss=val_loss)
+            finalize(tmp, final, step)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
                               f"({kept[0]}) is intact: free space, then continue with --resume") from None
     if accelerator.is_main_process:
-        best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
-            if path != best:
-                shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
         remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
-
-
-def best_checkpoint(root: Path) -> Path | None:
-    """The checkpoint under ``root`` whose manifest records the lowest finite validation loss (the newest of equal
-    ones), or None when none records one."""
-    scored = []
-    for step, path in list_checkpoints(root):
-        try:
-            loss = read_manifest(path).get("val_loss")
-        except (OSError, ValueError):  # unreadable: not a candidate; --resume reports it when it is chosen
-            continue
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            scored.append((loss, -step, path))
-    return min(scored)[2] if scored else None
 
 
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
@@ -249,11 +231,11 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, 
     return final
 
 
-def finalize(tmp: Path, final: Path, step: int, val_loss: float | None = None, manifest: bool = True) -> None:
+def finalize(tmp: Path, final: Path, step: int, manifest: bool = True) -> None:
     """Write the manifest of a fully written folder last (unless ``manifest`` is false: written already), then
     rename it into place (replacing an older one of the same name)."""
     if manifest:
-        write_manifest(tmp, step, val_loss=val_loss)
+        write_manifest(tmp, step)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -152,17 +152,10 @@ class TrainConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0 = only at the end); written atomically."""
     keep_last: int = 2
-    """Checkpoints kept (older ones are deleted), besides the best one (keep_best)."""
-    keep_best: bool = True
-    """Also keep the checkpoint with the lowest validation loss (measured on eval_rows rows at every checkpoint and
-    recorded in its manifest.json), as Lightning's ModelCheckpoint does: a run that went wrong after its best
-    point keeps that point whatever keep_last deletes. false: only the last keep_last."""
+    """Checkpoints kept (older ones are deleted)."""
     logger: str = "jsonl"
     """accelerate trackers: jsonl (output_dir/metrics.jsonl), tensorboard (output_dir/tensorboard; needs
     ``pip install tensorboard``), or both."""
-    progress_bar: bool = True
-    """Show a tqdm progress bar (loss, tokens/s, ETA) when writing to a terminal; otherwise (or when false, or
-    when the output goes to a file) print a line with loss, tokens/s and ETA every log_every steps."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them: less activation memory
     for about one more forward pass of compute (``model.gradient_checkpointing_enable()``)."""
@@ -347,9 +340,8 @@ RESUMABLE_CHANGES = frozenset({
     "model.attn_implementation", "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps",
     "train.log_every",
     "train.eval_every",
-    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
-    "train.logger",
-    "train.progress_bar", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
+    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last",
+    "train.logger", "train.gradient_checkpointing", "train.compile", "train.compile_backend",
     "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens",
     "demo.do_sample",
     "demo.temperature", "demo.top_k",

@@ -95,9 +95,6 @@ def load_splits(data: DataConfig, *, rank: int = 0, world_size: int = 1):
         validation = _load_split(data, data.validation_split, streaming, "data.validation_split")
     elif streaming:
         validation, train = train.take(data.holdout_documents), train.skip(data.holdout_documents)
-    elif data.holdout_documents >= len(train):
-        raise ConfigError(f"data.holdout_documents={data.holdout_documents} would hold out all {len(train)} "
-                          "training documents")
     else:
         validation = train.select(range(data.holdout_documents))
         train = train.select(range(data.holdout_documents, len(train)))

@@ -82,9 +82,6 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: Sequence
                 if scheduler is not None:
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-    if not accelerator.sync_gradients:
-        raise RuntimeError("the accelerator's accumulation counter is out of step with train_step: its last "
-                           "micro-batch did not synchronise the gradients (was accelerator.accumulate used elsewhere?)")
     if routed:
         for layer, layer_load in zip(routed, accelerator.reduce(load, "sum")):
             layer.last_expert_load.copy_(layer_load)
