@@ -1,7 +1,7 @@
-"""A model built on the CPU with ``attn_impl="triton"`` is a valid model (issue 22 item 3B): it builds, saves and
-reloads there; its forward on CPU tensors without the Triton interpreter raises one clear error naming
-``attn_impl``, the device and the alternatives.
-(With the interpreter it runs: tests/ops/lorentz_attention_triton/test_triton_model_on_cpu.py.)"""
+"""A model built on the CPU with ``attn_implementation="triton"`` is a valid model: it builds, saves and reloads
+there; its forward on CPU tensors without the Triton interpreter raises one clear error naming the implementation,
+the device and the alternatives. (With the interpreter it runs:
+tests/ops/lorentz_attention_triton/test_triton_model_on_cpu.py.)"""
 
 from __future__ import annotations
 
@@ -15,22 +15,18 @@ from tests.helpers import tiny_model
 @pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
 def test_triton_model_builds_saves_reloads_and_refuses_cpu_forward_clearly(family, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    model = tiny_model(family, attn_impl="triton")
-    assert model.config.attn_impl == "triton"
+    model = tiny_model(family, model_kwargs={"attn_implementation": "triton"})
+    assert model.config._attn_implementation == "triton"
     model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert reloaded.config.attn_impl == "triton"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="triton")
     state, again = model.state_dict(), reloaded.state_dict()
     assert state.keys() == again.keys() and all(torch.equal(state[n], again[n]) for n in state)
     ids = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError) as caught:  # no cache: HMLA's absorbed cached path computes its own attention
+    with pytest.raises(ValueError) as caught:
         reloaded(input_ids=ids, use_cache=False)
     message = str(caught.value)
     assert "\n" not in message
-    for part in ("attn_impl='triton'", "device 'cpu'", "TRITON_INTERPRET=1", "attn_impl='sdpa'", "'auto'"):
+    for part in ("'triton'", "device 'cpu'", "TRITON_INTERPRET=1", "'sdpa'", "'auto'"):
         assert part in message, message
-    reloaded.config.attn_impl = "auto"  # auto falls back to sdpa on the CPU
-    for module in reloaded.modules():
-        if hasattr(module, "attn_impl"):
-            module.attn_impl = "auto"
+    reloaded.set_attn_implementation("auto")  # auto falls back to sdpa on the CPU
     assert torch.isfinite(reloaded(input_ids=ids, use_cache=False).logits).all()

@@ -1,8 +1,7 @@
 """SDPA's backends on the ``sdpa`` attention implementation (issue 22 item 3A).
 
 ``sdpa`` pads ``q``, ``k`` and the centred values ``[w | e]`` to one head width, a multiple of 8
-(:func:`helm.ops.attention._pad_heads`), so the flash kernel is eligible, on the CPU too
-(:func:`helm.ops.attention._pad_sdpa_heads`). The tolerance is
+(:func:`helm.ops.attention._pad_heads`), so the flash kernel is eligible, on the CPU too. The tolerance is
 FlashAttention's rule (:data:`tests.helpers.LOW_PRECISION_FACTOR`) with the fp32 math path as the baseline: flash's
 error against the fp64 model is at most twice the largest error the fp32 math path makes on any of the model's
 outputs (logits, loss, the gradient of every parameter). Applied per output it does not hold: flash's gradients are
@@ -38,7 +37,7 @@ def _step(model, ids, backend) -> dict:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("family", ["helm_d", "helm_mice"])
 def test_flash_backend_runs_and_matches_math(family, seed):
-    model = tiny_model(family, attn_impl="sdpa", seed=seed)
+    model = tiny_model(family, seed=seed, model_kwargs={"attn_implementation": "sdpa"})
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
     reference = _step(copy.deepcopy(model).double(), ids, SDPBackend.MATH)
     math = _step(model, ids, SDPBackend.MATH)
@@ -52,15 +51,6 @@ def test_flash_backend_runs_and_matches_math(family, seed):
         assert err <= bound, f"{name}: flash vs fp64 {err:.2e} > {bound:.2e}"
         diff = relative_error(flash[name], math[name])
         assert diff <= bound, f"{name}: flash vs math {diff:.2e} > {bound:.2e}"
-
-
-def test_sdpa_pads_on_every_device_unless_told_not_to(monkeypatch):
-    """By default the operands are padded, so SDPA picks flash on the CPU as it does for Llama's equal widths."""
-    assert attention_ops.SDPA_PAD_HEADS is None
-    for device in ("cpu", "meta"):
-        assert attention_ops._pad_sdpa_heads(torch.device(device))
-    monkeypatch.setattr(attention_ops, "SDPA_PAD_HEADS", False)
-    assert not attention_ops._pad_sdpa_heads(torch.device("cpu"))
 
 
 def test_padded_heads_are_multiples_of_eight_and_exact():

@@ -1,7 +1,7 @@
 """The kernels as ``torch.library`` custom ops (issue 22 item 4): ``opcheck`` of ``helm::lorentz_attention_fwd``,
 ``_bwd`` and ``_decode`` (schema, fake implementations against the real outputs, autograd registration, AOT
-dispatch), a ``torch.compile(fullgraph=True)`` training step of a tiny model with ``attn_impl="triton"`` against
-eager, the sm90 autotuning configurations and their pruning, and decoding from a cache's centred value norms.
+dispatch), a ``torch.compile(fullgraph=True)`` training step of a tiny model with ``attn_implementation="triton"``
+against eager, the sm90 autotuning configurations and their pruning, and decoding from a cache's centred value norms.
 
 On CPU the kernels run in the Triton interpreter (conftest.py), so shapes are small and ragged (T = 63, 1+16 and a
 value head 1+32 against key heads 1+17 where it matters).
@@ -87,7 +87,8 @@ def test_compiled_training_step_with_the_kernel_matches_eager(lk, monkeypatch, a
         monkeypatch.setattr(lk.fwd_bwd, name,
                             lambda p, *a, _real=real, _name=name, **kw: launched.append((_name, p.q.dtype))
                             or _real(p, *a, **kw))
-    model = tiny_model("helm_d", train=True, attn_impl="triton", num_hidden_layers=1, vocab_size=64)
+    model = tiny_model("helm_d", train=True, num_hidden_layers=1, vocab_size=64,
+                       model_kwargs={"attn_implementation": "triton"})
     ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     documents = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
     loss_e, grads_e = _step(model, model, ids, documents, autocast)
@@ -243,13 +244,13 @@ def test_decoding_with_bf16_products_matches_the_forward_kernel(lk):
 
 
 def test_model_decoding_reads_the_cached_norms(lk, monkeypatch):
-    """A HELM-D model generating with ``attn_impl="triton"`` and a dynamic cache hands the kernel the cache's
+    """A HELM-D model generating with ``attn_implementation="triton"`` and a dynamic cache hands the kernel the cache's
     ``[v | e]`` and centre on every decoding step (no re-centring of the cache) and gives the sdpa model's logits."""
     seen = []
     kernel = lk.lorentz_flash_attention
     monkeypatch.setattr("helm.ops.lorentz_attention_triton.lorentz_flash_attention",
                         lambda *a, **kw: seen.append(kw.get("value_centre") is not None) or kernel(*a, **kw))
-    model = tiny_model("helm_d", attn_impl="triton", num_hidden_layers=1, vocab_size=64)
+    model = tiny_model("helm_d", num_hidden_layers=1, vocab_size=64, model_kwargs={"attn_implementation": "triton"})
     ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
               return_dict_in_generate=True)

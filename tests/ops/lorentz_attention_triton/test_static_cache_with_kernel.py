@@ -1,6 +1,6 @@
-"""Issue 14, item 1 with ``attn_impl="triton"``: the kernel aligns queries bottom-right, which a static cache's
-slots do not satisfy, so those calls run through sdpa (``helm.ops.attention.triton_attention``); generation with a
-static cache still gives the tokens of the dynamic cache, whose decoding steps use the kernel."""
+"""Issue 14, item 1 with ``attn_implementation="triton"``: the kernel aligns queries bottom-right, which a static
+cache's slots do not satisfy, so those calls run through sdpa (``helm.ops.attention.resolve_attention``); generation
+with a static cache still gives the tokens of the dynamic cache, whose decoding steps use the kernel."""
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ def test_static_cache_generation_with_the_triton_impl(lk, monkeypatch, family):
     torch.manual_seed(0)
     # HMLA's absorbed decoding attends in the latent space without the kernel: the plain path here
     plain = {"hmla_absorb": False} if family == "helm_mice" else {}
-    model = AutoModelForCausalLM.from_config(tiny_config(family, attn_impl="triton", **plain)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **plain), attn_implementation="triton").eval()
     ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0

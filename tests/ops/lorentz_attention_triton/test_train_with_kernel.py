@@ -8,8 +8,8 @@ import helm
 
 def _train(impl, state, ids, steps):
     cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
-                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_impl=impl)
-    model = AutoModelForCausalLM.from_config(cfg)
+                           intermediate_size=65, vocab_size=64, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
     model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -26,8 +26,8 @@ def test_tiny_helm_d_trains_identically_with_triton_and_sdpa(lk, monkeypatch):
     from helm.ops import attention
 
     calls = []
-    kernel = attention.ATTENTION_IMPLS["triton"]
-    monkeypatch.setitem(attention.ATTENTION_IMPLS, "triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = attention.ATTENTION_FUNCTIONS["triton"]
+    monkeypatch.setitem(attention.ATTENTION_FUNCTIONS, "triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     torch.manual_seed(0)
     cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
                            intermediate_size=65, vocab_size=64, max_position_embeddings=64)

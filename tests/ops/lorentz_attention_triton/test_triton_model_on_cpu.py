@@ -1,5 +1,5 @@
-"""A model built on the CPU with ``attn_impl="triton"``, saved and reloaded, runs there in the Triton interpreter
-(on CUDA when there is a GPU) and gives the sdpa model's logits (issue 22 item 3B)."""
+"""A model built on the CPU with ``attn_implementation="triton"``, saved and reloaded with it, runs there in the Triton
+interpreter (on CUDA when there is a GPU) and gives the sdpa model's logits."""
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -13,14 +13,14 @@ def test_triton_model_built_on_cpu_saves_reloads_and_runs(lk, tmp_path, monkeypa
     from helm.ops import attention
 
     calls = []
-    kernel = attention.ATTENTION_IMPLS["triton"]
-    monkeypatch.setitem(attention.ATTENTION_IMPLS, "triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = attention.ATTENTION_FUNCTIONS["triton"]
+    monkeypatch.setitem(attention.ATTENTION_FUNCTIONS, "triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     torch.manual_seed(0)
     cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
-                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_impl="triton")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path).to(DEVICE).eval()
-    assert model.config.attn_impl == "triton"
+                           intermediate_size=65, vocab_size=64, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="triton").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="triton").to(DEVICE).eval()
+    assert model.config._attn_implementation == "triton"
     ids = torch.randint(0, 64, (2, 16), device=DEVICE)
     with torch.no_grad():
         triton = model(input_ids=ids).logits
