@@ -61,7 +61,7 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                                              streaming=bool(streaming), cache_dir=cache,
                                              **({"sample_by": "document"} if builder == "text" else {}))
             except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as error:
-                raise ValueError(f"{file}: not valid UTF-8 {builder} data ({error.__cause__ or error})") from None
+                raise ValueError(f"{file}: not valid {builder} data ({error.__cause__ or error})") from None
             if builder == "text" and text_column != "text":
                 part = part.rename_column("text", text_column)
             if part.column_names is not None and text_column not in part.column_names:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..data.paths import path_problem
 from ..manifest import MANIFEST, RUN_MARKER, STATE_FILE, fsync_dir, manifest_problem, read_manifest, write_manifest
 from .config import ConfigError
 
@@ -66,8 +67,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     """The manifest of a complete, intact checkpoint at ``path`` (``~`` expanded); :class:`CheckpointError` saying what
     is wrong otherwise."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"--resume {str(path)!r}: no such checkpoint folder")
+    if problem := path_problem(path):
+        raise CheckpointError(f"--resume {str(path)!r}: {problem}")
     try:
         manifest = read_manifest(path)
     except FileNotFoundError:

@@ -12,10 +12,8 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from helm.training import list_checkpoints, verify_checkpoint
-from helm.training.checkpoint import foreign_run_entries
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
 
 
@@ -94,21 +91,6 @@ def _user_folder(tmp_path, run_data):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(text)
     return []
-
-
-def _run_folder_with(*names):
-    """A run folder (the marker train.py writes, its config.yaml) with files of the user's inside checkpoints/ or
-    final/."""
-    def setup(tmp_path, run_data):
-        run = tmp_path / "run"
-        _legacy_config(run)
-        (run / ".helm-train-run").write_text('{"written_by": "train.py"}\n')
-        (run / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
-        for name in names:
-            (run / name).parent.mkdir(parents=True, exist_ok=True)
-            (run / name).write_text("mine")
-        return []
-    return setup
 
 
 def _run_folder_as_pretrained(tmp_path, run_data):
@@ -197,153 +179,91 @@ def _remote_code_tokenizer(tmp_path, run_data):
     return [f"--data.tokenizer={folder}"]
 
 
-# id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, message (regex)
+# id, recipe base, setup(tmp_path, run_data) -> extra arguments, extra arguments, exit status, culprit the one
+# error line names (regex)
 CASES = [
-    ("pretrained-corrupted", "tiny-helm-d", _corrupted_pretrained, [], 2,
-     r"model\.pretrained: .*the checkpoint is corrupted: the SHA-256 of model\.safetensors does not match"),
-    ("recipe-malformed-yaml", "tiny-helm-d", _recipe_text("model: [1, 2\n"), [], 2,
-     r"--config .*recipe.yaml' or an override is not a valid recipe: while parsing a flow sequence"),
-    ("recipe-is-a-list", "tiny-helm-d", _recipe_text("[1, 2]\n"), [], 2,
-     r"--config .*recipe.yaml' or an override is not a valid recipe"),
-    ("override-malformed-yaml", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[0.9"], 2,
-     r"or an override is not a valid recipe"),
-    # re-probe: '???' (what --print-config shows for a required key) as an override was dropped by the merge, and
-    # the run went on with the recipe's value
+    ("pretrained-corrupted", "tiny-helm-d", _corrupted_pretrained, [], 2, r"model\.pretrained.*model\.safetensors"),
+    ("recipe-malformed-yaml", "tiny-helm-d", _recipe_text("model: [1, 2\n"), [], 2, r"--config .*recipe\.yaml"),
+    ("recipe-is-a-list", "tiny-helm-d", _recipe_text("[1, 2]\n"), [], 2, r"--config .*recipe\.yaml"),
+    ("override-malformed-yaml", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[0.9"], 2, r"override"),
+    # '???' (what --print-config shows for a required key) as an override would be dropped by the merge
     ("override-is-the-missing-marker", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=???"], 2,
-     r"^error: --train\.output_dir=\?\?\?: '\?\?\?' marks a required key in --print-config, it is not a value; "
-     r"give train\.output_dir a value or drop the override$"),
-    ("override-without-a-value", "tiny-helm-d", lambda t, r: [], ["--train.output_dir="], 2,
-     r"^error: --train\.output_dir= has no value; give train\.output_dir a value \(or drop the override\)$"),
-    ("seed-too-large", "tiny-helm-d", lambda t, r: [], ["--train.seed=4294967296"], 2,
-     r"train\.seed must be < 2\*\*32 \(numpy's seed range\), got 4294967296"),
-    ("recipe-invalid-utf8", "tiny-helm-d", _bad_utf8_recipe, [], 2, r"--config .*recipe.yaml.*utf-8"),
+     r"train\.output_dir=\?\?\?"),
+    ("override-without-a-value", "tiny-helm-d", lambda t, r: [], ["--train.output_dir="], 2, r"train\.output_dir"),
+    ("seed-too-large", "tiny-helm-d", lambda t, r: [], ["--train.seed=4294967296"], 2, r"train\.seed.*4294967296"),
+    ("recipe-invalid-utf8", "tiny-helm-d", _bad_utf8_recipe, [], 2, r"--config .*recipe\.yaml.*utf-8"),
     ("data-invalid-utf8", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "caf\xe9"}\n' * 50), [], 2,
-     r"data\.dataset: .*train\.jsonl.*(UTF-8|utf-8)"),
-    ("data-empty-file", "tiny-helm-d", lambda t, r: _data_folder(t, r, b""), [], 2,
-     r"data\.dataset: .*train\.jsonl: the file is empty"),
+     r"data\.dataset.*train\.jsonl.*utf-8"),
+    ("data-empty-file", "tiny-helm-d", lambda t, r: _data_folder(t, r, b""), [], 2, r"data\.dataset.*train\.jsonl"),
     ("data-malformed-json", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{not json\n'), [], 2,
-     r"data\.dataset: .*train\.jsonl: line 2 is not valid JSON \(Expecting property name"),
+     r"data\.dataset.*train\.jsonl"),
     ("data-text-not-strings", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": 5}\n' * 50), [], 2,
-     r"data\.dataset: .*train\.jsonl: field 'text' must hold strings"),
-    ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
-     r"train\.output_dir .*run' is not a writable folder"),
-    ("output-dir-unwritable", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=/sys/helm-run"], 2,
-     r"train\.output_dir '/sys/helm-run' is not a writable folder"),
-    ("preset-without-model_type", "tiny-helm-d", _preset_without_model_type, [], 2, r"model\.preset: .*model_type"),
-    ("negative-seed", "tiny-helm-d", lambda t, r: [], ["--train.seed=-1"], 2, r"train\.seed must be >= 0, got -1"),
-    ("override-bad-in-config", "tiny-llama", lambda t, r: [], ["--model.overrides.num_attention_heads=5"], 2,
-     r"model\.preset: .*hidden size"),
-    ("override-fails-building", "tiny-llama", lambda t, r: [], ["--model.overrides.hidden_act=nope"], 2,
-     r"model\.overrides: .*'nope'"),
-    ("override-fails-in-forward", "tiny-llama", lambda t, r: [], ["--model.overrides.num_key_value_heads=3"], 2,
-     r"model\.overrides: .*forward"),
-    ("batch-larger-than-data", "tiny-helm-d", lambda t, r: [], ["--train.batch_size=5000"], 2,
-     r"train\.batch_size=5000 x grad_accum x processes = 5000 rows per step, but the training data packs into only \d+ rows"),
-    ("fp16-without-cuda", "tiny-helm-d", lambda t, r: [], ["--train.mixed_precision=fp16"], 2,
-     r"train\.mixed_precision=fp16 needs a GPU"),
-    ("reused-output-dir", "tiny-helm-d", _previous_run, [], 2,
-     r"already holds a run .*--resume.*train\.overwrite"),
-    ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"in use by another training run \(pid {os.getppid()}"),
-    # issue 25 item 10: messages that say what is wrong
-    # reliability probe, item 7: the first such record is named by its line
+     r"data\.dataset.*train\.jsonl.*'text'"),
     ("data-text-null", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{"text": null}\n' * 50), [], 2,
-     r"^error: data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got null on line 2 \(50 record\(s\) "
-     r"hold null or lack it\); give every record a text or remove those lines$"),
+     r"data\.dataset.*train\.jsonl.*'text'"),
     ("data-text-missing", "tiny-helm-d",
      lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n' * 3 + b'{"body": "x"}\n' + b'{"text": "ok"}\n' * 50), [], 2,
-     r"data\.dataset: .*/train\.jsonl: line 4 has no field 'text' \(1 record\(s\) hold null or lack it\)"),
+     r"data\.dataset.*train\.jsonl.*'text'"),
+    ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
+     r"train\.output_dir .*run'"),
+    ("output-dir-unwritable", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=/sys/helm-run"], 2,
+     r"train\.output_dir '/sys/helm-run'"),
+    ("preset-without-model_type", "tiny-helm-d", _preset_without_model_type, [], 2, r"model\.preset: .*model_type"),
+    ("negative-seed", "tiny-helm-d", lambda t, r: [], ["--train.seed=-1"], 2, r"train\.seed.*-1"),
+    ("override-bad-in-config", "tiny-llama", lambda t, r: [], ["--model.overrides.num_attention_heads=5"], 2,
+     r"model\.preset: "),
+    ("override-fails-building", "tiny-llama", lambda t, r: [], ["--model.overrides.hidden_act=nope"], 2,
+     r"model\.overrides=.*'nope'"),
+    ("override-fails-in-forward", "tiny-llama", lambda t, r: [], ["--model.overrides.num_key_value_heads=3"], 2,
+     r"model\.overrides=.*num_key_value_heads"),
+    ("batch-larger-than-data", "tiny-helm-d", lambda t, r: [], ["--train.batch_size=5000"], 2,
+     r"train\.batch_size=5000"),
+    ("fp16-without-cuda", "tiny-helm-d", lambda t, r: [], ["--train.mixed_precision=fp16"], 2,
+     r"train\.mixed_precision=fp16"),
+    ("reused-output-dir", "tiny-helm-d", _previous_run, [], 2, r"train\.output_dir .*run'"),
+    ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"train\.output_dir .*pid {os.getppid()}"),
     ("pretrained-missing-local-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
-     ["--model.pretrained=./no-such-model"], 2,
-     r"model\.pretrained: no such folder './no-such-model' \(a save_pretrained folder"),
+     ["--model.pretrained=./no-such-model"], 2, r"model\.pretrained './no-such-model'"),
     ("pretrained-is-a-training-checkpoint", "tiny-helm-d", _training_checkpoint_as_pretrained, [], 2,
-     r"model\.pretrained: .*step-00000002' is a training checkpoint .*final/.*--resume"),
-    # reliability probe, item 4: whatever the path looks like, never transformers' "Repo id must ..." / "couldn't
-    # connect" / "should have a `model_type` key" for a path that is not a model folder
+     r"model\.pretrained '.*step-00000002'.*config\.json"),
+    # whatever the path looks like, one line naming the key and the path
     ("pretrained-missing-hub-like-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
      ["--model.pretrained=no-such-owner-xyz/no-such-model-xyz"], 2,
-     r"^error: model\.pretrained: 'no-such-owner-xyz/no-such-model-xyz' is neither a local folder \(no such folder\) "
-     r"nor a model on the Hugging Face Hub \(.*\); give a save_pretrained folder such as a run's final/, or a hub "
-     r"model id$"),
+     r"model\.pretrained.*no-such-owner-xyz/no-such-model-xyz"),
     ("pretrained-invalid-repo-id", "tiny-helm-d", lambda t, r: ["--model.preset=null"], ["--model.pretrained=my run/x"],
-     2, r"model\.pretrained: 'my run/x' is neither a local folder \(no such folder\) nor a model on the Hugging Face"),
+     2, r"model\.pretrained.*my run/x"),
     ("pretrained-is-the-checkpoints-folder", "tiny-helm-d", _checkpoints_folder_as_pretrained, [], 2,
-     r"model\.pretrained: '.*old-run/checkpoints' is the checkpoints/ folder of a train\.py run, not a "
-     r"save_pretrained folder: use the run's final/ model, --model\.pretrained=.*old-run/final \(it has none yet: "
-     r"finish the run with train\.py --resume\), or continue training with train\.py --resume .*step-00000002$"),
-    ("pretrained-is-a-file", "tiny-helm-d", _file_as_pretrained, [], 2,
-     r"model\.pretrained: '.*model\.safetensors' is a file; give the folder that holds it"),
-    # item 3: a tokenizer folder without tokenizer files, before transformers blames sentencepiece
-    ("tokenizer-is-a-model-folder", "tiny-helm-d", _model_folder_as_tokenizer, [], 2,
-     r"^error: data\.tokenizer: '.*model-without-tokenizer' has no tokenizer files \(looked for tokenizer\.json, "
-     r"tokenizer_config\.json, tokenizer\.model, vocab\.json, merges\.txt, vocab\.txt, spiece\.model, "
-     r"sentencepiece\.bpe\.model, \*\.tiktoken\); it is a model folder \(config\.json\) saved without its tokenizer: "
-     r"set data\.tokenizer to the folder a tokenizer was saved to"),
-    # item 6: preset and pretrained, both or neither, in one sentence
-    ("preset-and-pretrained-both-set", "tiny-helm-d", lambda t, r: [], ["--model.pretrained=runs/x/final"], 2,
-     r"^error: model\.preset \('tiny-helm-d'\) and model\.pretrained \('runs/x/final'\) are both set; set exactly "
-     r"one: model\.preset to train a new model from scratch, model\.pretrained to continue from trained weights "
-     r"\(e\.g\. --model\.preset=null --model\.pretrained=PATH\)$"),
-    ("preset-and-pretrained-neither-set", "tiny-helm-d", lambda t, r: [], ["--model.preset=null"], 2,
-     r"^error: neither model\.preset nor model\.pretrained is set; set exactly one: model\.preset \(a preset name"),
-    ("resume-without-checkpoint-in-a-used-folder", "tiny-helm-d", _metrics_but_no_checkpoint, ["--resume"], 2,
-     r"--resume: train\.output_dir .* holds no checkpoint to resume from .*--train\.overwrite=true"),
-    ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2,
-     r"model\.pretrained: .*custom code.*--model\.trust_remote_code=true"),
-    ("tokenizer-remote-code-not-trusted", "tiny-helm-d", _remote_code_tokenizer, [], 2,
-     r"data\.tokenizer: .*custom-tokenizer.*trust_remote_code.*--model\.trust_remote_code=true to run it"),
-    ("optim-eps-inf", "tiny-helm-d", lambda t, r: [], ["--optim.eps=inf"], 2, r"optim\.eps must be a finite number, got inf"),
-    ("optim-weight-decay-nan", "tiny-helm-d", lambda t, r: [], ["--optim.weight_decay=nan"], 2,
-     r"optim\.weight_decay must be a finite number, got nan"),
-    ("divergence-factor-below-1", "tiny-helm-d", lambda t, r: [], ["--train.divergence_factor=0.5"], 2,
-     r"train\.divergence_factor must be >= 1"),
-    # issue 25 item 4: booleans only, in the recipe's own keys and in model overrides
-    ("recipe-boolean-quoted-string", "tiny-helm-d", lambda t, r: [], ['--train.overwrite="false"'], 2,
-     r"train\.overwrite must be true or false, got 'false'"),
-    ("recipe-boolean-integer", "tiny-helm-d", lambda t, r: [], ["--data.shuffle=0"], 2,
-     r"data\.shuffle must be true or false, got 0"),
-    ("override-boolean-string", "tiny-helm-d", lambda t, r: [], ['--model.overrides.attention_bias="false"'], 2,
-     r"model\.preset: ValueError: attention_bias must be a bool, got 'false'"),
-    ("baseline-override-boolean-string", "tiny-llama", lambda t, r: [], ['--model.overrides.mlp_bias="no"'], 2,
-     r"model\.preset: ValueError: mlp_bias must be a bool, got 'no'"),
-    ("pretrained-baseline-override-boolean-string", "tiny-llama", _pretrained_llama,
-     ['--model.overrides.attention_bias="false"'], 2,
-     r"model\.pretrained: .*'attention_bias'.* expected bool, got str \(value: 'false'\)"),  # transformers' check
-    ("override-tie-word-embeddings", "tiny-helm-d", lambda t, r: [], ["--model.overrides.tie_word_embeddings=true"],
-     2, r"model\.preset: ValueError: tie_word_embeddings must be False"),
-    # probe of the reliability review: messages in the recipe's own terms
-    ("optim-betas-a-number", "tiny-helm-d", lambda t, r: [], ["--optim.betas=0.9"], 2,
-     r"^error: optim\.betas must be a list of two numbers in \[0, 1\), e\.g\. --optim\.betas='\[0\.9,0\.95\]', got 0\.9$"),
-    ("optim-betas-a-mapping", "tiny-helm-d", lambda t, r: [], ["--optim.betas={a: 1}"], 2,
-     r"^error: optim\.betas must be a list of two numbers .*, got \{'a': 1\}$"),
-    ("optim-betas-strings", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[a,b]"], 2,
-     r"^error: optim\.betas must be a list of two numbers .*, got \['a', 'b'\]$"),
-    ("recipe-section-a-number", "tiny-helm-d", _recipe_text("model: {preset: tiny-helm-d}\ntrain: 5\n"), [], 2,
-     r"^error: train must be a mapping of its keys \(e\.g\. train: \{\.\.\.\} in a recipe, --train\.KEY=VALUE on the "
-     r"command line\), got 5$"),
-    ("model-overrides-a-number", "tiny-helm-d", lambda t, r: [], ["--model.overrides=5"], 2,
-     r"^error: model\.overrides must be a mapping of config fields, e\.g\. --model\.overrides\.num_hidden_layers=2"),
-    ("data-text-a-number", "tiny-helm-d", lambda t, r: _data_folder(t, r, b'{"text": 123}\n' * 50), [], 2,
-     r"data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got a number \(123\) on line 1$"),
-    ("data-text-a-number-after-strings", "tiny-helm-d",
-     lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n' * 3 + b'{"text": [1]}\n'), [], 2,
-     r"data\.dataset: .*/train\.jsonl: field 'text' must hold strings, got a list \(\[1\]\) on line 4$"),
-    ("data-unterminated-string", "tiny-helm-d",
-     lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n{"text": "unterminated\n'), [], 2,
-     r"data\.dataset: .*/train\.jsonl: line 2 is not valid JSON \(Unterminated string starting at, column 10\)$"),
+     r"model\.pretrained '.*old-run/checkpoints'.*config\.json"),
+    ("pretrained-is-a-file", "tiny-helm-d", _file_as_pretrained, [], 2, r"model\.pretrained '.*model\.safetensors'"),
     ("pretrained-is-a-run-folder", "tiny-helm-d", _run_folder_as_pretrained, [], 2,
-     r"model\.pretrained: .*old-run' is a run folder of train\.py .*--model\.pretrained=.*old-run/final"),
+     r"model\.pretrained '.*old-run'.*config\.json"),
+    ("tokenizer-is-a-model-folder", "tiny-helm-d", _model_folder_as_tokenizer, [], 2,
+     r"data\.tokenizer '.*model-without-tokenizer'.*tokenizer\.json"),
+    ("preset-and-pretrained-both-set", "tiny-helm-d", lambda t, r: [], ["--model.pretrained=runs/x/final"], 2,
+     r"model\.preset.*model\.pretrained"),
+    ("preset-and-pretrained-neither-set", "tiny-helm-d", lambda t, r: [], ["--model.preset=null"], 2,
+     r"model\.preset.*model\.pretrained"),
+    ("resume-without-checkpoint-in-a-used-folder", "tiny-helm-d", _metrics_but_no_checkpoint, ["--resume"], 2,
+     r"train\.output_dir .*run'"),
+    # custom code runs only with model.trust_remote_code, never on a terminal's "y"
+    ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2, r"model\.pretrained.*trust_remote_code"),
+    ("tokenizer-remote-code-not-trusted", "tiny-helm-d", _remote_code_tokenizer, [], 2,
+     r"data\.tokenizer .*custom-tokenizer.*trust_remote_code"),
+    ("optim-eps-inf", "tiny-helm-d", lambda t, r: [], ["--optim.eps=inf"], 2, r"optim\.eps.*inf"),
+    ("optim-weight-decay-nan", "tiny-helm-d", lambda t, r: [], ["--optim.weight_decay=nan"], 2,
+     r"optim\.weight_decay.*nan"),
+    ("override-boolean-string", "tiny-helm-d", lambda t, r: [], ['--model.overrides.attention_bias="false"'], 2,
+     r"model\.preset: .*attention_bias"),
+    ("override-tie-word-embeddings", "tiny-helm-d", lambda t, r: [], ["--model.overrides.tie_word_embeddings=true"],
+     2, r"model\.preset: .*tie_word_embeddings"),
+    ("optim-betas-a-number", "tiny-helm-d", lambda t, r: [], ["--optim.betas=0.9"], 2, r"optim\.betas"),
+    ("optim-betas-strings", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[a,b]"], 2, r"optim\.betas"),
+    ("optim-betas-three", "tiny-helm-d", lambda t, r: [], ["--optim.betas=[0.9,0.9,0.9]"], 2, r"optim\.betas"),
+    ("recipe-section-a-number", "tiny-helm-d", _recipe_text("model: {preset: tiny-helm-d}\ntrain: 5\n"), [], 2,
+     r"TrainConfig"),
+    ("model-overrides-a-number", "tiny-helm-d", lambda t, r: [], ["--model.overrides=5"], 2, r"model\.overrides"),
     ("overwrite-a-user-folder", "tiny-helm-d", _user_folder, ["--train.overwrite=true"], 2,
-     r"train\.output_dir .*/run' already holds files \(checkpoints, config\.yaml, final, metrics\.jsonl\) but is not "
-     r"a run folder of train\.py"),
-    ("overwrite-unknown-file-in-checkpoints", "tiny-helm-d", _run_folder_with("checkpoints/mine/k.txt"),
-     ["--train.overwrite=true"], 2, r"train\.overwrite: the run folder .*/run' holds files train\.py did not write "
-                                    r"inside its checkpoints/ or final/ \(checkpoints/mine\); nothing was deleted"),
-    ("overwrite-unknown-file-in-final", "tiny-helm-d",
-     _run_folder_with("final/config.json", "final/thesis.txt", "checkpoints/step-00000002/model.safetensors"),
-     ["--train.overwrite=true"], 2, r"train\.overwrite: .* did not write .*\(final/thesis\.txt\)"),
-    ("overwrite-user-file-in-tensorboard", "tiny-helm-d",
-     _run_folder_with("final/config.json", "tensorboard/mylog.txt", "checkpoints/step-00000002/model.safetensors"),
-     ["--train.overwrite=true"], 2, r"train\.overwrite: .* did not write .*\(tensorboard/mylog\.txt\)"),
+     r"train\.output_dir .*/run'.*no run folder"),
 ]
 
 
@@ -424,15 +344,12 @@ def _nan_validation_of_the_saved_model(checkpoint, monkeypatch):
 
 
 # A finished run whose newest checkpoint holds non-finite weights (its manifest re-hashed to match), resumed: it
-# trains 0 steps. Non-finite weights are refused as soon as the checkpoint is loaded, naming it; finite weights
-# with a NaN validation loss reach the final save. (case, damage(checkpoint, monkeypatch), message)
+# trains 0 steps and reaches the final save, where the reloaded model's validation loss is not finite; or finite
+# weights whose validation loss is NaN. (case, damage(checkpoint, monkeypatch), culprit named)
 NON_FINITE_FINAL = [
-    ("nan-weights", _poison_weights(float("nan")),
-     r"the checkpoint .* has non-finite weights \(NaN or inf\) in 1 tensor\(s\).*nothing was trained or written"),
-    ("inf-weights", _poison_weights(float("inf")),
-     r"the checkpoint .* has non-finite weights \(NaN or inf\) in 1 tensor\(s\).*nothing was trained or written"),
-    ("nan-validation-loss", _nan_validation_of_the_saved_model,
-     r"the validation loss of the model to be saved is nan.*was not written"),
+    ("nan-weights", _poison_weights(float("nan")), r"validation loss"),
+    ("inf-weights", _poison_weights(float("inf")), r"validation loss"),
+    ("nan-validation-loss", _nan_validation_of_the_saved_model, r"validation loss.*nan"),
 ]
 
 
@@ -460,83 +377,6 @@ def test_final_is_never_replaced_by_a_non_finite_model(case, damage, message, tm
     assert "Traceback" not in captured.err
     assert {p.name: p.read_bytes() for p in final.iterdir()} == kept
     assert not (tmp_path / "run" / ".tmp-final").exists()
-
-
-def _resume_damaged_checkpoint(tmp_path, run_data, capsys, damage) -> str:
-    """Train 4 steps keeping every checkpoint, ``damage(step-00000002)``, re-hash its manifest (so the damage passes
-    the hash check) and ``--resume`` from it: asserts exit 3, no traceback, no step trained and every checkpoint file
-    unchanged; returns the ``error:`` line."""
-    from helm.manifest import write_manifest
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 1, "keep_last": 4},
-                          demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
-    damage(checkpoint)
-    (checkpoint / "manifest.json").unlink()
-    write_manifest(checkpoint, 2)
-
-    def checkpoint_files():
-        return {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and "checkpoints" in p.parts}
-
-    kept = checkpoint_files()
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
-    captured = capsys.readouterr()
-    assert code == 3, captured.out + captured.err
-    assert "Traceback" not in captured.err and "[train] step 3/" not in captured.out
-    assert checkpoint_files() == kept
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    return error
-
-
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_resume_from_a_checkpoint_with_non_finite_weights_names_the_checkpoint(value, tmp_path, run_data, capsys,
-                                                                               monkeypatch):
-    """--resume of a checkpoint whose model.safetensors holds NaN/inf (manifest re-hashed, so it passes the hash
-    check) with steps left to train: exit 3 with one line naming the checkpoint and its non-finite weights and
-    suggesting an earlier checkpoint, checked once after loading, never blamed on the recipe as a non-finite loss at
-    the next step; nothing is trained or written."""
-    error = _resume_damaged_checkpoint(tmp_path, run_data, capsys, lambda c: _poison_weights(value)(c, monkeypatch))
-    assert re.search(r"the checkpoint .*step-00000002 has non-finite weights \(NaN or inf\)", error), error
-    assert "earlier checkpoint" in error and "step-00000001" in error, error
-    assert "non-finite loss" not in error and "learning rate" not in error, error
-
-
-def _poison_optimizer(key, value):
-    """Set one entry of optimizer.bin to ``value``: a moment tensor of the first parameter with state, or (``key``
-    "lr") the learning rate of the first parameter group."""
-    def damage(checkpoint):
-        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
-        if key == "lr":
-            state["param_groups"][0]["lr"] = value
-        else:
-            moments = next(entry for entry in state["state"].values() if key in entry)
-            moments[key] = torch.full_like(moments[key], value)
-        torch.save(state, checkpoint / "optimizer.bin")
-    return damage
-
-
-# (case, damage, what the error names)
-NON_FINITE_OPTIMIZER = [
-    ("nan-first-moment", _poison_optimizer("exp_avg", float("nan")), r"1 entry, e\.g\. exp_avg of model\.\S+"),
-    ("inf-second-moment", _poison_optimizer("exp_avg_sq", float("inf")), r"1 entry, e\.g\. exp_avg_sq of model\.\S+"),
-    ("nan-learning-rate", _poison_optimizer("lr", float("nan")), r"1 entry, e\.g\. lr of param group 0"),
-]
-
-
-@pytest.mark.parametrize("case, damage, named", NON_FINITE_OPTIMIZER, ids=[c[0] for c in NON_FINITE_OPTIMIZER])
-def test_resume_from_a_checkpoint_with_a_non_finite_optimizer_state_names_the_file(case, damage, named, tmp_path,
-                                                                                   run_data, capsys):
-    """Reliability probe item 2: finite weights but NaN/inf in optimizer.bin (manifest re-hashed, so it passes the
-    hash check) would make the first resumed step NaN, reported as a non-finite loss blamed on the learning-rate
-    settings. Checked once after loading: exit 3, one line naming the checkpoint, optimizer.bin and the entry,
-    suggesting an earlier checkpoint; nothing trained or written."""
-    error = _resume_damaged_checkpoint(tmp_path, run_data, capsys, damage)
-    assert re.search(r"the checkpoint .*step-00000002 has a non-finite optimizer state: its optimizer\.bin holds NaN "
-                     rf"or inf in {named} \(its weights are finite", error), error
-    assert "nothing was trained or written" in error and "--resume" in error and "step-00000001" in error, error
-    assert "non-finite loss" not in error and "optim.lr" not in error, error
 
 
 def _schedule(config, max_steps: int) -> dict[int, float]:
@@ -593,7 +433,6 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
         "abandoned-step-00000004", "abandoned-step-00000006", "abandoned-step-00000008"]
     assert "step-00000008 is later than the checkpoint resumed from" in out and "set aside as" in out, out
     assert json.loads((run / "checkpoints" / "abandoned-step-00000008" / "manifest.json").read_text())["step"] == 8
-    assert foreign_run_entries(run) == []
     # a length not past the checkpoint's step: refused, naming both
     six_steps = str(run / "checkpoints" / "step-00000006")
     for steps in (5, 3):
@@ -601,8 +440,7 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
         captured = capsys.readouterr()
         assert code == 2, captured.out + captured.err
         [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-        assert re.search(rf"with train\.max_steps={steps}: the checkpoint is at step 6, and a changed train\.max_steps "
-                         r"must lie past it \(it was 6\)", error), error
+        assert re.search(rf"train\.max_steps={steps}.*step 6", error), error
     # unchanged (6, as step-00000006 was saved with): a finished run, resumed as before
     assert train_script.main(["--config", str(recipe), "--resume", six_steps, "--train.max_steps=6"]) == 0
 
@@ -768,103 +606,6 @@ def test_disk_full_while_writing_the_final_model(tmp_path, run_data, capsys, mon
     assert (run / "final" / "manifest.json").is_file()
 
 
-class _Payload:
-    """Unpickling this runs code: it would create the marker file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-@pytest.mark.parametrize("target", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
-def test_a_checkpoint_file_replaced_by_a_code_pickle_is_refused(target, tmp_path, run_data, capsys):
-    """Even with the manifest rewritten to match, --resume loads nothing that is not tensors and plain data: exit 2
-    naming the checkpoint, and the payload never runs."""
-    from helm.manifest import write_manifest
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
-    marker = tmp_path / "payload-ran"
-    torch.save({"state": _Payload(str(marker))}, checkpoint / target)
-    (checkpoint / "manifest.json").unlink()
-    write_manifest(checkpoint, 2)
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
-    captured = capsys.readouterr()
-    assert code == 2 and not marker.exists(), captured.out + captured.err
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert "step-00000002" in error and "not plain tensors and data" in error, error
-    assert "Traceback" not in captured.err
-
-
-def test_finite_divergence_stops_with_exit_3_and_keeps_the_best_checkpoint(tmp_path, run_data, capsys):
-    """Issue 25 item 2: lr 10 without clipping drives the loss from 5.8 to ~1000 while every number stays finite.
-    The divergence rule (train.divergence_factor / divergence_patience) stops the run with exit 3 naming the step the
-    blow-up began and both learning rates; no final/ is written, and keep_last=1 does not delete the checkpoint of
-    lowest validation loss, written before the blow-up (keep_best)."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 30, "save_every": 2, "keep_last": 1,
-                                                     "log_every": 1}, demo={"prompt": None})
-    code = train_script.main(["--config", str(recipe), "--optim.lr=10", "--optim.grad_clip=null"])
-    captured = capsys.readouterr()
-    assert code == 3, captured.out + captured.err
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert re.search(r"training loss diverged \(finite\): from step \d+ on the training loss stayed above 3 x", error)
-    assert "optim.lr=10 " in error and "optim.manifold_lr=" in error and "step-00000002" in error, error
-    run = tmp_path / "run"
-    steps = [s for s, _ in list_checkpoints(run / "checkpoints")]
-    assert steps[0] == 2 and len(steps) == 2 and steps[1] < 30 and not (run / "final").exists(), steps
-    losses = [json.loads((path / "manifest.json").read_text())["val_loss"]
-              for _, path in list_checkpoints(run / "checkpoints")]
-    assert losses[0] < losses[1], losses
-
-
-def test_finite_divergence_check_can_be_turned_off(tmp_path, run_data, capsys):
-    """train.divergence_factor=null: only NaN/inf stop a run (the behaviour before issue 25), and the perplexity
-    of the wrecked model is printed in scientific notation once it passes 1e6."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 0, "log_every": 4},
-                          demo={"prompt": None})
-    code = train_script.main(["--config", str(recipe), "--optim.lr=10", "--optim.grad_clip=null",
-                              "--train.divergence_factor=null"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.out + captured.err
-    [line] = [line for line in captured.out.splitlines() if "before training ->" in line]
-    after = re.search(r"-> (\S+) after", line).group(1)
-    assert re.fullmatch(r"\d\.\d{3}e\+\d+", after), line  # the loss ends in the hundreds: e^hundreds
-
-
-# (loss per step, factor, patience, step the divergence is reported from; 0 = none)
-DIVERGENCE_RULE = [
-    ("learning", [6.0 - 0.2 * i for i in range(20)], 3.0, 5, 0),
-    ("one-spike", [6.0, 5.0, 4.0, 3.0, 40.0, 3.0, 3.0, 3.0], 3.0, 5, 0),
-    ("spike-shorter-than-patience", [6.0, 5.0, 4.0] + [50.0] * 4 + [3.0] * 5, 3.0, 5, 0),
-    ("blow-up", [6.0, 5.0, 4.0] + [50.0, 900.0, 13224.0, 800.0, 700.0, 600.0], 3.0, 5, 4),
-    ("above-running-level-but-below-first-loss", [9.0] + [1.0] * 40 + [8.0] * 10, 3.0, 5, 0),
-    ("back-above-first-loss", [9.0] + [1.0] * 40 + [9.5] * 10, 3.0, 5, 42),
-    ("patience-1", [6.0, 5.0, 40.0], 3.0, 1, 3),
-    ("off", [6.0, 5.0] + [1e4] * 10, None, 5, 0),
-]
-
-
-@pytest.mark.parametrize("losses, factor, patience, expected", [c[1:] for c in DIVERGENCE_RULE],
-                         ids=[c[0] for c in DIVERGENCE_RULE])
-def test_divergence_rule(losses, factor, patience, expected):
-    """The documented rule of helm/training/divergence.py: above factor x the lowest running level and above the
-    first step's loss, for patience consecutive steps; one spike is not a divergence."""
-    from helm.training.divergence import DivergenceMonitor
-
-    monitor = DivergenceMonitor(factor, patience, "cpu")
-    for step, loss in enumerate(losses, start=1):
-        monitor.update(torch.tensor(loss), step)
-    assert int(monitor.diverged_at) == expected, monitor.report()
-    assert (monitor.report() is None) == (expected == 0)
-    restored = DivergenceMonitor(factor, patience, "cpu")
-    restored.load_state_dict(monitor.state_dict())
-    assert json.dumps(restored.state_dict()) == json.dumps(monitor.state_dict())  # NaN before the first step
-
-
 @pytest.mark.parametrize("value, text", [(1.0, "1.0"), (234.17, "234.2"), (999_999.0, "999,999.0"),
                                          (1e6, "1.000e+06"), (math.exp(700), "1.014e+304")])
 def test_perplexities_above_1e6_are_printed_in_scientific_notation(value, text):
@@ -889,26 +630,22 @@ def _other_tokenizer(folder):
     (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-# (case, change to the data folder between the run and --resume, extra resume arguments, exit status, message)
+# (case, change to the data folder between the run and --resume, extra resume arguments, exit status, culprit)
 CHANGED_DATA = [
-    ("train-file-shortened", _shortened, [], 2, r"data file .*train\.jsonl changed \([\d,]+ bytes in the checkpoint, "
-                                                 r"[\d,]+ now\).*--data\.resume_on_changed_data=true"),
-    ("train-file-reshuffled", _reshuffled, [], 2, r"train\.jsonl changed \(.*same size, other content\)"),
+    ("train-file-shortened", _shortened, [], 2, r"data file .*train\.jsonl.*--data\.resume_on_changed_data=true"),
+    ("train-file-reshuffled", _reshuffled, [], 2, r"data file .*train\.jsonl"),
     ("validation-file-changed", lambda f: (f / "validation.jsonl").write_text(
-        (f / "validation.jsonl").read_text()[:-300] + "\n"), [], 2, r"validation\.jsonl changed"),
-    ("tokenizer-changed", _other_tokenizer, [], 2, r"the tokenizer's vocabulary, rules or special tokens changed"),
+        (f / "validation.jsonl").read_text()[:-300] + "\n"), [], 2, r"data file .*validation\.jsonl"),
+    ("tokenizer-changed", _other_tokenizer, [], 2, r"tokenizer"),
     ("allowed-explicitly", _shortened, ["--data.resume_on_changed_data=true"], 0, None),
     ("unchanged", lambda f: None, [], 0, None),
-    # re-probe 8 Q024: the recipe comparison refused a changed data.seq_len even with the flag, never naming it
     ("seq-len-changed", lambda f: None, ["--data.seq_len=16"], 2,
-     r"data\.seq_len: 32 in the checkpoint, 16 now\n  \(data\.seq_len defines the data stream: continue on the new "
-     r"stream knowingly with --data\.resume_on_changed_data=true\)$"),
+     r"data\.seq_len: 32 in the checkpoint, 16 now.*--data\.resume_on_changed_data=true"),
     ("seq-len-allowed-explicitly", lambda f: None, ["--data.seq_len=16", "--data.resume_on_changed_data=true"], 0,
      None),
     ("other-keys-still-refused", lambda f: None, ["--data.seq_len=16", "--optim.lr=0.5",
                                                   "--data.resume_on_changed_data=true"], 2,
-     r"different setup, because the run would no longer continue where it stopped:\n  optim\.lr: 0\.01 in the "
-     r"checkpoint, 0\.5 now$"),
+     r"optim\.lr: 0\.01 in the checkpoint, 0\.5 now"),
 ]
 
 
@@ -938,53 +675,6 @@ def test_resume_on_a_changed_data_stream_is_refused_naming_the_change(case, chan
         assert "[train] data:" not in captured.out, "the data was read before the refusal"
 
 
-# Issue 25 item 7: (case, first run before the link is planted?, name in the run folder, link target is a folder,
-# extra arguments of the second run). Every case exits 2 naming the link and leaves its target as it was.
-SYMLINKS = [
-    ("metrics-on-resume", True, "metrics.jsonl", False, ["--resume"]),
-    ("tmp-final-on-overwrite", True, ".tmp-final", True, ["--train.overwrite=true"]),
-    ("final-on-resume", True, "final", True, ["--resume"]),
-    ("config-yaml-fresh-run", False, "config.yaml", False, []),
-    ("checkpoint-folder-on-resume", True, "checkpoints/step-00000002", True, ["--resume"]),
-    ("tensorboard-fresh-run", False, "tensorboard", True, []),
-]
-
-
-@pytest.mark.parametrize("case, first_run, name, folder, extra", SYMLINKS, ids=[c[0] for c in SYMLINKS])
-def test_a_symlink_in_the_run_folder_is_never_written_through(case, first_run, name, folder, extra, tmp_path,
-                                                              run_data, capsys):
-    import shutil
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
-    run = tmp_path / "run"
-    if first_run:
-        assert train_script.main(["--config", str(recipe), "--train.max_steps=2"]) == 0, capsys.readouterr()
-    run.mkdir(exist_ok=True)
-    outside = tmp_path / "outside"
-    if folder:
-        outside.mkdir()
-        (outside / "keep.txt").write_text("precious")
-    else:
-        outside.write_text("precious\n")
-    link = run / name
-    if link.is_dir() and not link.is_symlink():
-        shutil.rmtree(link)
-    elif link.exists():
-        link.unlink()
-    link.symlink_to(outside, target_is_directory=folder)
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--train.max_steps=2", *extra])
-    captured = capsys.readouterr()
-    assert code == 2, captured.out + captured.err
-    [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert f"{str(link)!r} is a symbolic link" in error and "Traceback" not in captured.err, error
-    assert link.is_symlink()
-    if folder:
-        assert [p.name for p in outside.iterdir()] == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
-    else:
-        assert outside.read_text() == "precious\n"
-
-
 def test_an_output_dir_that_is_itself_a_link_is_fine(tmp_path, run_data, capsys):
     """The user's choice of where the run folder lives (a link to scratch space) is not refused."""
     real = tmp_path / "scratch-run"
@@ -995,83 +685,16 @@ def test_an_output_dir_that_is_itself_a_link_is_fine(tmp_path, run_data, capsys)
     assert (real / "final" / "manifest.json").is_file()
 
 
-def _truncate(name):
-    def damage(checkpoint):
-        data = (checkpoint / name).read_bytes()
-        (checkpoint / name).write_bytes(data[: len(data) // 2])
-    return damage
-
-
-def _other_model_weights(checkpoint):
-    weights = load_file(checkpoint / "model.safetensors")
-    key = next(iter(weights))
-    weights[key] = torch.cat([weights[key], weights[key]])
-    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
-
-
-def _other_optimizer_groups(checkpoint):
-    state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
-    state["param_groups"] = state["param_groups"][:1]
-    torch.save(state, checkpoint / "optimizer.bin")
-
-
-def _extra_custom_checkpoint(checkpoint):
-    (checkpoint / "custom_checkpoint_1.pkl").write_bytes((checkpoint / "custom_checkpoint_0.pkl").read_bytes())
-
-
-# Issue 25 item 8: (case, damage, manifest rewritten after the damage?, message). Every case is one line, exit 2,
-# naming the file; a file the manifest does not list is refused whether or not it could be loaded.
-UNREADABLE = [
-    ("optimizer-truncated", _truncate("optimizer.bin"), True, r"optimizer\.bin matches its manifest but cannot be read"),
-    ("model-truncated", _truncate("model.safetensors"), True,
-     r"model\.safetensors matches its manifest but cannot be read \(.*incomplete metadata"),
-    ("rng-garbage", lambda c: (c / "random_states_0.pkl").write_bytes(b"not a pickle"), True,
-     r"random_states_0\.pkl matches its manifest but cannot be read"),
-    ("scheduler-empty", lambda c: (c / "scheduler.bin").write_bytes(b""), True, r"scheduler\.bin matches its manifest"),
-    ("another-models-weights", _other_model_weights, True,
-     r"model\.safetensors cannot be loaded into this run \(RuntimeError: .*size mismatch"),
-    ("another-optimizer-state", _other_optimizer_groups, True,
-     r"optimizer\.bin cannot be loaded into this run \(ValueError: .*parameter groups"),
-    ("extra-custom-checkpoint-listed", _extra_custom_checkpoint, True,
-     r"holds custom_checkpoint_1\.pkl, which train\.py never writes"),
-    ("extra-file-unlisted", _extra_custom_checkpoint, False,
-     r"holds custom_checkpoint_1\.pkl, which its manifest does not list"),
-    ("notes-file-unlisted", lambda c: (c / "notes.txt").write_text("mine"), False,
-     r"holds notes\.txt, which its manifest does not list"),
-]
-
-
-@pytest.mark.parametrize("case, damage, rehash, message", UNREADABLE, ids=[c[0] for c in UNREADABLE])
-def test_checkpoint_files_that_cannot_be_loaded_are_named(case, damage, rehash, message, tmp_path, run_data, capsys):
-    from helm.manifest import write_manifest
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
-    damage(checkpoint)
-    if rehash:  # the damage happened before the manifest was written, so the manifest matches it
-        (checkpoint / "manifest.json").unlink()
-        write_manifest(checkpoint, 2)
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--resume", str(checkpoint)])
-    captured = capsys.readouterr()
-    assert code == 2, captured.out + captured.err
-    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(message, errors[0]) and "step-00000002" in errors[0], captured.err
-    assert "Traceback" not in captured.err
-
-
 def test_a_null_text_in_a_stream_is_one_error_line(tmp_path, run_data, capsys):
     """Issue 25 item 10: a stream is tokenised as it is read, so {"text": null} is met during training: still one
-    line, exit 2, naming the field, and (reliability probe item 7) the file and line."""
+    line, exit 2, naming the key and the field."""
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 0}, demo={"prompt": None})
     extra = _data_folder(tmp_path, run_data, b'{"text": "ok"}\n{"text": null}\n' * 50)
     code = train_script.main(["--config", str(recipe), *extra, "--data.streaming=true"])
     captured = capsys.readouterr()
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    assert re.search(r"^error: data\.dataset: .*/data/train\.jsonl: field 'text' must hold strings, got null on "
-                     r"line 2$", error), error
+    assert re.search(r"data\.dataset .*/data.*'text'", error), error
     assert "Traceback" not in captured.err and not (tmp_path / "run" / "final").exists()
 
 
@@ -1129,74 +752,6 @@ def _error_line(captured) -> str:
     return errors[0]
 
 
-def test_resume_refuses_files_of_the_users_that_rotation_or_final_would_delete(tmp_path, run_data, capsys):
-    """Reliability probe E109, E104, E105: a file of the user's in final/, in a step-XXXXXXXX folder without a
-    manifest, or in a checkpoint (not listed by its manifest) was deleted by the resumed run (final/ replaced,
-    rotation with keep_last=1). --resume refuses at start, as train.overwrite does, naming the file; nothing is
-    trained or deleted. A file in an abandoned-step-XXXXXXXX folder, which a resume never deletes, is no reason."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    capsys.readouterr()
-    run = tmp_path / "run"
-    resume = ["--config", str(recipe), f"--train.output_dir={run}", "--resume", "--train.max_steps=8",
-              "--train.keep_last=1", "--train.keep_best=false"]
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "metrics.jsonl"}
-    for mine in ("final/my_notes.txt", "checkpoints/step-00000001/my_analysis.txt",
-                 "checkpoints/step-00000002/notes.txt"):
-        (run / mine).parent.mkdir(exist_ok=True)
-        (run / mine).write_text("mine")
-        code = train_script.main(resume)
-        captured = capsys.readouterr()
-        assert code == 2, captured.out + captured.err
-        assert re.search(rf"^error: --resume: the run folder .*/run' holds files train\.py did not write inside its "
-                         rf"checkpoints or final/ \({re.escape(mine)}\), which checkpoint rotation or the new final/ "
-                         r"would delete; nothing was deleted", _error_line(captured)), captured.err
-        assert "[train] data:" not in captured.out
-        assert (run / mine).read_text() == "mine"
-        assert all(p.read_bytes() == data for p, data in before.items()), "a file of the run changed"
-        assert [s for s, _ in list_checkpoints(run / "checkpoints")][-2:] == [2, 4]
-        (run / mine).unlink()
-    (run / "checkpoints" / "step-00000001").rmdir()
-    (run / "checkpoints" / "abandoned-step-00000006").mkdir()
-    (run / "checkpoints" / "abandoned-step-00000006" / "kept.txt").write_text("mine")
-    assert train_script.main(resume) == 0, capsys.readouterr()
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [8]
-    assert (run / "checkpoints" / "abandoned-step-00000006" / "kept.txt").read_text() == "mine"
-
-
-def test_rotation_and_final_never_delete_a_file_that_appears_mid_run(tmp_path, run_data, capsys, monkeypatch,
-                                                                     caplog):
-    """A file put into a checkpoint or final/ while the run goes on (after the check at start) is not deleted
-    either: rotation keeps that checkpoint with a warning naming the file, and final/ is not replaced (exit 2
-    naming the file; the newest checkpoint is intact, so --resume writes final/ once the file is moved out)."""
-    import helm.training.checkpoint as checkpoint_module
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2, "keep_last": 1,
-                                                     "keep_best": False}, demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    capsys.readouterr()
-    run, real = tmp_path / "run", checkpoint_module.finalize
-
-    def user_writes_during_the_run(tmp, final, step, **kwargs):
-        if final.name == "step-00000006":  # the resumed run is under way: step-00000004 will be rotated out
-            (run / "checkpoints" / "step-00000004" / "notes.txt").write_text("mine")
-            (run / "final" / "my_notes.txt").write_text("mine")
-        return real(tmp, final, step, **kwargs)
-
-    monkeypatch.setattr(checkpoint_module, "finalize", user_writes_during_the_run)
-    code = train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=8"])
-    captured = capsys.readouterr()
-    assert code == 2, captured.out + captured.err
-    assert re.search(r"^error: '.*/run/final' holds my_notes\.txt, which its manifest does not list \(train\.py did "
-                     r"not write it\), so it was not replaced", _error_line(captured)), captured.err
-    assert (run / "final" / "my_notes.txt").read_text() == "mine" and not (run / ".tmp-final").exists()
-    assert json.loads((run / "final" / "manifest.json").read_text())["step"] == 4
-    assert (run / "checkpoints" / "step-00000004" / "notes.txt").read_text() == "mine"
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4, 8]
-    assert re.search(r"checkpoint rotation kept .*step-00000004: it holds notes\.txt, which its manifest does not "
-                     r"list", caplog.text), caplog.text
-
-
 def test_a_home_relative_path_means_the_home_folder(tmp_path, run_data, capsys, monkeypatch):
     """Reliability probe E075: --train.output_dir='~/x' (quoted, so the shell leaves it) wrote into a folder
     literally named '~' in the current directory. '~' is expanded in the path-valued recipe keys (output_dir, data
@@ -1220,161 +775,22 @@ def test_a_home_relative_path_means_the_home_folder(tmp_path, run_data, capsys, 
     assert (home / "second" / "final" / "manifest.json").is_file() and not (cwd / "~").exists()
 
 
-def test_an_empty_resume_value_is_one_line_saying_what_to_pass(tmp_path, run_data, capsys):
-    """Reliability probe E138: --resume= was read as the checkpoint '.', "incomplete: it has no manifest.json"."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2}, demo={"prompt": None})
-    for empty in (["--resume="], ["--resume", ""], ["--resume=  "]):
-        code = train_script.main(["--config", str(recipe), *empty])
-        captured = capsys.readouterr()
-        assert code == 2, captured.out + captured.err
-        assert _error_line(captured) == (
-            "error: --resume= has no value: pass --resume CHECKPOINT (a checkpoint folder, e.g. "
-            "OUTPUT_DIR/checkpoints/step-00000100), or --resume with no value to continue from the newest checkpoint "
-            "in train.output_dir")
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize("before, after, change", [(1.0, 1.03, "1.03x higher"), (2.0, 1.0, "2.72x lower"),
-                                                   (1.0, 1.0, "unchanged")], ids=["rose", "fell", "same"])
-def test_the_summary_says_whether_the_perplexity_rose_or_fell(before, after, change, tmp_path, run_data, capsys,
-                                                              monkeypatch):
-    """Reliability probe E130: with --data.seq_len=2 the summary read "7,666.8 before training -> 7,912.1 after
-    (1.0x lower; ...)": the perplexity rose, and the line said lower. The validation losses are set here: before
-    (step 0) and after (the reloaded final model)."""
-    real, calls = train_script.validation_loss, []
-
-    def losses(model, validation, accelerator, batch_size, distributed=True):
-        real(model, validation, accelerator, batch_size, distributed)
-        calls.append(distributed)
-        return after if not distributed else before if len(calls) == 1 else 3.0  # the final model's is local
-
-    monkeypatch.setattr(train_script, "validation_loss", losses)
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0, "eval_at_start": True},
-                          demo={"prompt": None})
-    code = train_script.main(["--config", str(recipe)])
-    captured = capsys.readouterr()
-    assert code == 0, captured.out + captured.err
-    [line] = [line for line in captured.out.splitlines() if "before training ->" in line]
-    assert line == (f"[train] validation perplexity: {math.exp(before):,.1f} before training -> {math.exp(after):,.1f} "
-                    f"after ({change}; measured on the reloaded model)"), line
-
-
-def test_resume_of_a_file_says_it_is_a_file_and_names_its_checkpoint_folder(tmp_path, run_data, capsys):
-    """Re-probe 8 Q030: --resume=<checkpoint>/model.safetensors was reported as a checkpoint that 'does not
-    exist'."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2}, demo={"prompt": None})
-    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
-    (tmp_path / "notes.txt").write_text("mine")
-    for path, hint in ((checkpoint / "model.safetensors", f"give its checkpoint folder: --resume {checkpoint}"),
-                       (tmp_path / "notes.txt", "give a checkpoint folder (OUTPUT_DIR/checkpoints/step-XXXXXXXX)")):
-        capsys.readouterr()
-        code = train_script.main(["--config", str(recipe), "--train.max_steps=4", f"--resume={path}"])
-        captured = capsys.readouterr()
-        assert code == 2, captured.out + captured.err
-        assert _error_line(captured) == f"error: --resume {str(path)!r} is a file, and a checkpoint is a folder; {hint}"
-    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
-
-
-def _interrupt(process: subprocess.Popen) -> str:
-    """Send SIGINT to a train.py ``process`` and return its one ``error:`` line, asserting exit 130 and no
-    traceback."""
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    out, err = out.decode(), err.decode()
-    assert process.returncode == 130, out + err
-    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
-    [line] = [line for line in err.splitlines() if line.startswith("error:")]
-    return line
-
-
-def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, run_data):
-    """Re-probe 8 Q901: SIGINT (Ctrl-C) printed a KeyboardInterrupt traceback and exited 1. Now: one line naming
-    the step and the newest complete checkpoint, exit 130, no half-written checkpoint, the lock released; the run
-    then resumes from that checkpoint."""
-    from tests.test_train import _wait_for, subprocess_env
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 100_000, "save_every": 2, "log_every": 1000},
-                          demo={"prompt": None})
-    # SIGINT at its default (a job started in the background inherits it ignored), in a session of its own (no
-    # terminal's Ctrl-C reaches it)
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(recipe)],
-                               env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    _wait_for(tmp_path / "run" / "checkpoints" / "step-00000002", process)
-    line = _interrupt(process)
-    found = list_checkpoints(tmp_path / "run" / "checkpoints")
-    step, newest = found[-1]
-    match = re.fullmatch(rf"error: interrupted after step (\d+); the newest checkpoint is {re.escape(str(newest))} "
-                         rf"\(step {step}\); continue from it with --resume", line)
-    assert match and int(match.group(1)) >= step, line
-    verify_checkpoint(newest)
-    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*")), "a half-written checkpoint was left"
-    assert not (tmp_path / "run" / "train.lock").exists()
-    assert train_script.main(["--config", str(recipe), "--resume", f"--train.max_steps={step + 1}"]) == 0
-
-
-def test_resume_of_a_run_folder_its_checkpoints_or_final_says_what_it_is_and_what_to_pass(tmp_path, run_data,
-                                                                                          capsys):
-    """Re-probe 9 J006-J008: --resume=<run folder>, <run>/checkpoints and <run>/final were each called an
-    incomplete checkpoint to delete, advice that would delete the run or its final model. Each is named for what it
-    is, with the option to pass instead; nothing is written. A half-written step folder keeps its advice."""
+def test_resume_of_what_is_no_checkpoint_names_it_and_changes_nothing(tmp_path, run_data, capsys):
+    """--resume of a file, a run folder, its checkpoints/ or final/, another folder or a half-written step folder:
+    exit 2, one line naming --resume and the path, never advice to delete it, and nothing written."""
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
     assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
     run = tmp_path / "run"
-    newest = run / "checkpoints" / "step-00000004"
     (other := tmp_path / "other").mkdir()
-    half = run / "checkpoints" / "step-00000006"
-    half.mkdir()
-    cases = [(run, f"error: --resume {str(run)!r} is a run folder of train.py, not a checkpoint: pass --resume with "
-                   f"no value to continue from its newest checkpoint, or --resume={newest}"),
-             (run / "checkpoints", f"error: --resume {str(run / 'checkpoints')!r} is the checkpoints/ folder of a "
-                                   f"train.py run, not a checkpoint: pass its newest checkpoint, --resume={newest}"),
-             (run / "final", f"error: --resume {str(run / 'final')!r} is the exported model (save_pretrained) of a "
-                             "train.py run, not a training checkpoint (which holds the optimiser and trainer state "
-                             f"too): resume the run from its newest checkpoint, --resume={newest}, or start a new run "
-                             f"from this model with --model.pretrained={run / 'final'}"),
-             (other, f"error: --resume {str(other)!r} is not a training checkpoint of train.py (no manifest.json, no "
-                     "trainer state): give a checkpoint folder, OUTPUT_DIR/checkpoints/step-XXXXXXXX"),
-             (half, f"error: checkpoint {str(half)!r} is incomplete: it has no manifest.json, so it was interrupted "
-                    "while being written; delete it and resume from an earlier checkpoint with --resume PATH, or "
-                    "start over")]
+    (half := run / "checkpoints" / "step-00000006").mkdir()
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for folder, message in cases:
+    for path in (run / "checkpoints" / "step-00000004" / "model.safetensors", run, run / "checkpoints",
+                 run / "final", other, half):
         capsys.readouterr()
-        code = train_script.main(["--config", str(recipe), "--train.max_steps=6", f"--resume={folder}"])
+        code = train_script.main(["--config", str(recipe), "--train.max_steps=6", f"--resume={path}"])
         captured = capsys.readouterr()
         assert code == 2, captured.out + captured.err
-        assert _error_line(captured) == message
+        error = _error_line(captured)
+        assert error.startswith(f"error: --resume {str(path)!r}") and "delete" not in error, error
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
-    capsys.readouterr()
-    code = train_script.main(["--config", str(recipe), "--train.max_steps=6", f"--train.output_dir={tmp_path / 'b'}",
-                              f"--resume={run}"])
-    assert code == 2 and re.search(rf"pass --resume with no value and --train\.output_dir={re.escape(str(run))} to "
-                                   "continue", _error_line(capsys.readouterr()))
 
-
-def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, run_data):
-    """Re-probe 9 J003: a SIGINT while train.py still imported its libraries (seconds) was a KeyboardInterrupt
-    traceback and exit -2. It is sent once torch's libraries are loaded (so the imports are under way); whatever
-    phase it reaches, it is one 'interrupted' line and exit 130."""
-    from tests.test_train import subprocess_env
-
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 100_000, "save_every": 2}, demo={"prompt": None})
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(recipe)],
-                               env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    maps, deadline = f"/proc/{process.pid}/maps", time.monotonic() + 60
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            with open(maps, encoding="utf-8", errors="replace") as handle:
-                if "libtorch" in handle.read():
-                    break
-        except OSError:  # no /proc (not Linux): a second is well inside the imports
-            time.sleep(1)
-            break
-        time.sleep(0.01)
-    line = _interrupt(process)
-    assert line.startswith("error: interrupted "), line
-    if line == "error: interrupted before training started; nothing was written":
-        assert not any((tmp_path / "run").rglob("*")), "files were written"
