@@ -11,8 +11,8 @@ from torch import nn
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import positive_exp
 from ..ops.lm_loss import linear_cross_entropy
-from ..precision import autocast_dtype, to_stat
-from .validation import LM_HEAD_MODES, check, check_choice, check_dim, check_k, init_std as init_std_rule, temperature
+from ..precision import autocast_dtype, compute_dtype, to_stat
+from .validation import LM_HEAD_MODES, check, check_choice, check_dim, temperature
 from .embedding import grown_table, replace_table, wrapped_normal_
 from .storage import RealignAfterLoading
 
@@ -30,20 +30,21 @@ class LorentzLMHead(RealignAfterLoading, nn.Module):
     ``ForCausalLMLoss``). ``head(x, targets=t)`` returns the summed cross-entropy instead, fused and chunked (no
     ``[..., V]`` logits; the training path of ``…ForCausalLM``).
 
-    Precision: the GEMM over the (space) coordinates runs in the compute dtype (bf16 under bf16 autocast); in
-    ``distance`` mode the time coordinates stay out of it: ``<x, p>_L = x_s·p_s - x_t p_t`` adds the fp32 product
-    ``x_t p_t`` to the upcast GEMM, and ``2k + 2<x, p>_L`` and the division by ``τ`` are fp32.
+    Precision: the GEMM over the (space) coordinates runs in :func:`~helm.precision.compute_dtype` (the autocast
+    dtype under autocast, else the weights'); in ``distance`` mode the time coordinates stay out of it:
+    ``<x, p>_L = x_s·p_s - x_t p_t`` adds the fp32 product ``x_t p_t`` to the upcast GEMM, and ``2k + 2<x, p>_L``
+    and the division by ``τ`` are fp32.
+
+    The config checks the sizes, ``k`` and ``init_std`` once; the layer checks only what would otherwise pass
+    silently or fail without naming the argument: ``mode`` (any other string was ``distance``) and ``tau``
+    (``log τ``). ``Lorentz`` checks ``k`` of the prototypes.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, k: float = 1.0, mode: str = "linear",
                  bias: bool = False, init_std: float = 0.02, tau: float = 1.0):
         super().__init__()
-        check_dim(hidden_size, "hidden_size", minimum=2)
-        check_dim(vocab_size, "vocab_size")
-        check_k(k, "k")
         check_choice(mode, "mode", LM_HEAD_MODES)
         check(tau, "tau", temperature)
-        check(init_std, "init_std", init_std_rule)
         self.k, self.mode, self.init_std, self.init_tau = float(k), mode, init_std, float(tau)
         if mode == "linear":
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
@@ -84,14 +85,13 @@ class LorentzLMHead(RealignAfterLoading, nn.Module):
         (same loss and gradients; ``distance`` mode drops the constant ``2k/τ``, which cancels in the softmax)."""
         if targets is not None:
             return self._cross_entropy(x, targets, ignore_index=ignore_index, chunk_size=chunk_size)
+        mm, w = compute_dtype(x, self.weight), self.weight
         if self.mode == "linear":
-            x = x.to(self.weight.dtype)
             if autocast_dtype(x.device.type) is not None:
-                return nn.functional.linear(x, self.weight, self.bias)  # the autocast dtype, as nn.Linear
-            logits = to_stat(nn.functional.linear(x, self.weight))
+                return nn.functional.linear(x.to(mm), w, self.bias)  # the autocast dtype, as nn.Linear
+            logits = to_stat(nn.functional.linear(x.to(mm), w.to(mm)))
         else:
-            w = self.weight.to(x.dtype)
-            inner = to_stat(x[..., 1:] @ w[:, 1:].T) - to_stat(x[..., :1]) * to_stat(w[:, 0])  # <x, p_c>_L
+            inner = to_stat(x[..., 1:].to(mm) @ w[:, 1:].to(mm).T) - to_stat(x[..., :1]) * to_stat(w[:, 0])  # <x, p>_L
             logits = (2 * self.k + 2 * inner) / positive_exp(self.log_tau.reshape(()))
         return logits if self.bias is None else logits + self.bias.to(logits.dtype)
 
@@ -99,11 +99,10 @@ class LorentzLMHead(RealignAfterLoading, nn.Module):
                        chunk_size: Optional[int]) -> torch.Tensor:
         """The head as the affine map ``s·(x Wᵀ) + b`` of :func:`helm.ops.linear_cross_entropy`: ``linear`` is
         ``s = 1``; ``distance`` is the Minkowski product ``<x, p_c>_L`` (``minkowski=True``: time coordinates in
-        fp32) with ``s = 2/τ``."""
-        x = x.reshape(-1, x.shape[-1])
+        fp32) with ``s = 2/τ``. The loss runs its GEMMs in the same compute dtype as the logits."""
+        x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
         if self.mode == "linear":
-            return linear_cross_entropy(x.to(self.weight.dtype), self.weight, targets.reshape(-1), bias=self.bias,
-                                        ignore_index=ignore_index, chunk_size=chunk_size)
-        return linear_cross_entropy(x, self.weight.to(x.dtype), targets.reshape(-1),
-                                    scale=2 / positive_exp(self.log_tau.reshape(())), bias=self.bias,
-                                    ignore_index=ignore_index, chunk_size=chunk_size, minkowski=True)
+            return linear_cross_entropy(x, self.weight, targets, bias=self.bias, ignore_index=ignore_index,
+                                        chunk_size=chunk_size)
+        return linear_cross_entropy(x, self.weight, targets, scale=2 / positive_exp(self.log_tau.reshape(())),
+                                    bias=self.bias, ignore_index=ignore_index, chunk_size=chunk_size, minkowski=True)

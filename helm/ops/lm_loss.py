@@ -22,7 +22,7 @@ multiplies them by the incoming scalar gradient. The gradients are first-order o
 input requiring a gradient only the loss is computed.
 
 Precision (README, Conventions): the three chunk GEMMs (``x Wᵀ``, ``dl W``, ``dlᵀ x``) run in the compute dtype
-(:func:`compute_dtype`: the autocast dtype under autocast, else the inputs' common dtype), accumulating in fp32
+(:func:`helm.precision.compute_dtype`: the autocast dtype under autocast, else the weight's), accumulating in fp32
 inside the GEMM; the logits, ``logsumexp``, softmax and the ``dL/dW`` summed over chunks are fp32 (fp64 for fp64
 inputs; nothing is widened to fp64 otherwise). With ``minkowski`` the time coordinates never enter a half-precision
 GEMM: ``-x_0 p_0`` and its gradients (rank-1 products and matrix-vector products with the fp32 ``dl``) are fp32.
@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..precision import autocast_dtype, to_stat
+from ..precision import autocast_dtype, compute_dtype, stat_dtype, to_stat
 
 # logits per chunk: 2^25 fp32 = 128 MiB (261 tokens of a 128256-token vocabulary): larger chunks make the matmuls
 # faster but the chunk buffer bigger; see benchmarks/lm_head_loss.py
@@ -51,15 +51,6 @@ CHUNK_ELEMENTS = 1 << 25
 def default_chunk_size(vocab_size: int) -> int:
     """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits, at least one token."""
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
-
-
-def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype ``x @ weight.T`` computes in, as the plain path would: the autocast dtype under autocast (fp64
-    stays fp64, as autocast leaves it alone), else the common dtype of ``x`` and ``weight``."""
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    if dtype == torch.float64:
-        return dtype
-    return autocast_dtype(x.device.type) or dtype
 
 
 def _check(x, weight, targets, scale, bias, minkowski) -> None:
@@ -100,7 +91,7 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
     inputs). ``mm``: the GEMM dtype; ``autocast``: whether autocast is on (switched off here: every operand is
     cast explicitly)."""
     need_x, need_w, need_s, need_b = need
-    acc = torch.float64 if torch.promote_types(x.dtype, weight.dtype) == torch.float64 else torch.float32
+    acc = stat_dtype(mm)
     lo = 1 if minkowski else 0  # first column of the half-precision GEMMs
     no_autocast = torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext()
     with no_autocast, torch.no_grad():
@@ -207,8 +198,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         minkowski: ``x Wᵀ`` is the Minkowski product ``<x_i, w_c>_L = -x_i0 w_c0 + x_i,1: · w_c,1:`` (column 0
             the time coordinate, kept out of half-precision GEMMs).
 
-    The GEMMs run in :func:`compute_dtype` (the autocast dtype under autocast). Returns a 0-dim tensor, fp32 (fp64
-    for fp64 inputs); divide by the number of labelled tokens for the mean. Equal to
+    The GEMMs run in :func:`helm.precision.compute_dtype` (the autocast dtype under autocast, else the weight's).
+    Returns a 0-dim tensor, fp32 (fp64 for fp64 inputs); divide by the number of labelled tokens for the mean. Equal to
     :func:`linear_cross_entropy_reference` in loss and in the gradients of ``x``, ``weight``, ``scale`` and
     ``bias`` (gradients in the dtypes of those inputs).
     """
@@ -225,5 +216,4 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return _chunked(x, weight, scale, bias, targets, ignore_index, chunk, (False,) * 4, mm, autocast, minkowski)[0]
 
 
-__all__ = ["CHUNK_ELEMENTS", "autocast_dtype", "compute_dtype", "default_chunk_size", "linear_cross_entropy",
-           "linear_cross_entropy_reference"]
+__all__ = ["CHUNK_ELEMENTS", "default_chunk_size", "linear_cross_entropy", "linear_cross_entropy_reference"]

@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helm.manifold import lift
 from helm.nn.head import LorentzLMHead
-from helm.ops.lm_loss import compute_dtype, linear_cross_entropy
 from tests.helpers import RTOL, relative_error
 
 D, V, T, CHUNK = 33, 257, 63, 7  # rows 2·63 = 126 = 18 chunks of 7; no two sizes alike, so shapes name operands
@@ -120,15 +119,17 @@ def test_every_gemm_of_the_fused_loss_runs_in_the_autocast_dtype(mode, dtype):
         assert len(gemvs) == 2 * chunks and all(set(dtypes) == {torch.float32} for _, dtypes, _ in gemvs), gemvs
 
 
-def test_compute_dtype():
-    """The GEMM dtype is autocast's for fp32/bf16 inputs under autocast, the inputs' own otherwise; fp64 stays
-    fp64 (autocast leaves it alone)."""
-    f32, bf16, f64 = (torch.ones(2, 3, dtype=d) for d in (torch.float32, torch.bfloat16, torch.float64))
-    assert compute_dtype(f32, f32) == torch.float32 and compute_dtype(bf16, bf16) == torch.bfloat16
-    assert compute_dtype(f32, bf16) == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert compute_dtype(f32, f32) == torch.bfloat16 and compute_dtype(f64, f64) == torch.float64
-        assert compute_dtype(f32.to("meta"), f32.to("meta")) == torch.float32  # no autocast state on meta
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bf16_head_runs_logits_and_fused_loss_in_the_weights_dtype(mode):
+    """Without autocast the compute dtype is the weights' (helm.precision.compute_dtype): a head cast to bf16 takes
+    the fp32 points between layers and runs the GEMMs of its logits and of its fused loss in bf16 alike."""
+    head, x, t = head_and_points(mode)
+    head, x = head.bfloat16(), x.float()
+    with MatmulDtypes() as rec:
+        head(x)
+        head(x, targets=t, chunk_size=CHUNK)
+    gemms = [p for p in rec.products if p[0] in GEMMS]
+    assert gemms and all(set(dtypes) == {torch.bfloat16} for _, dtypes, _ in gemms), gemms
 
 
 @pytest.mark.parametrize("mode", MODES)
