@@ -1,11 +1,16 @@
-"""Issue 12, fair comparisons: the DeepSeek-V3 baseline trains with HELM-MiCE's balancing (paper App. C.2)."""
+"""Issue 12, fair comparisons: the DeepSeek-V3 baseline trains with HELM-MiCE's balancing (paper App. C.2); HELM-MiCE
+says when an optimiser step went by without a routing-bias update (issue 23), reading no tensor values for it."""
+
+import warnings
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import helm
+from helm.manifold import lift
 from helm.models.routing import attach_balancing
+from helm.nn.mice import MiCE
 from tests.helpers import tiny_config
 
 PAIRS = [("tiny-deepseek-v3", "tiny-helm-mice"), ("deepseek-v3-120m", "helm-mice-120m")]
@@ -69,3 +74,42 @@ def test_dense_models_have_no_routed_layers():
     assert attach_balancing(AutoModelForCausalLM.from_config(tiny_config("llama"))) == []
     mice = AutoModelForCausalLM.from_config(tiny_config("helm_mice"))
     assert attach_balancing(mice) == mice.mice_layers()
+
+
+def _mice_layer():
+    torch.manual_seed(0)
+    layer = MiCE(1 + 8, 1 + 8, n_routed_experts=4, num_experts_per_tok=2, k=1.0).train()
+    x = lift(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)), k=1.0)
+    return layer, x
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "adamw"])
+def test_mice_warns_after_the_first_step_without_a_bias_update(fused):
+    """The step is seen from the gate weight's version counter (AdamW) or, for fused AdamW, which writes without
+    bumping it, from a backward followed by zero_grad and changed values."""
+    layer, x = _mice_layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # micro-batches whose gradients are freed in between (FSDP2's way), no step
+            layer(x).sum().backward()
+            layer.gate.weight.grad = None
+        assert not caught
+        layer(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        layer(x)
+    assert [str(w.message) for w in caught if "routing-bias" in str(w.message)], "no warning after a step"
+
+
+def test_mice_with_bias_updates_is_silent():
+    layer, x = _mice_layer()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            layer(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            layer.update_bias()
+    assert not caught and layer.e_score_correction_bias.abs().sum() > 0
