@@ -169,7 +169,7 @@ def load_data(cfg, tokenizer, accelerator):
     try:
         validation = pack_split(validation_set, tokenizer, cfg.data, max_rows=cfg.train.eval_rows)
     except ValueError as error:  # a record whose text is not a string (a stream is checked as it is read)
-        raise ConfigError(f"data.validation_split: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"data.validation_split {cfg.data.validation_split!r}: {error}") from None
     if not validation:
         raise ConfigError(f"the validation data holds fewer than data.seq_len={cfg.data.seq_len} tokens; use a "
                           "larger validation split or data.holdout_documents")
@@ -178,7 +178,7 @@ def load_data(cfg, tokenizer, accelerator):
     try:
         rows = pack_split(train_set, tokenizer, cfg.data)
     except ValueError as error:
-        raise ConfigError(f"data.dataset: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"data.dataset {cfg.data.dataset!r}: {' '.join(str(error).split())}") from None
     if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
                           f"but the training data packs into only {len(rows['input_ids'])} rows of data.seq_len tokens")
