@@ -1,5 +1,5 @@
 """Issue 12, fair comparisons: the DeepSeek-V3 baseline trains with HELM-MiCE's balancing (paper App. C.2); HELM-MiCE
-says when an optimiser step went by without a routing-bias update (issue 23), reading no tensor values for it."""
+says when an optimiser step went by without a routing-bias update (issue 23), reading tensor values at most once."""
 
 import warnings
 
