@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedConfig
 
 import helm.nn.attention as attention_module
 from helm.manifold import lift, manifold_error
@@ -17,13 +17,18 @@ HIDDEN = 1 + 47
 ATTENTION_KINDS = [name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.absolute]
 
 
+def chosen(impl):
+    """A config that requests ``impl``, as a model's does (the layers read ``config._attn_implementation``)."""
+    return PreTrainedConfig(attn_implementation=impl)
+
+
 def make_layer(kind, impl="sdpa", k=1.0):
     torch.manual_seed(0)
     if kind == "mha":
-        layer = LorentzSelfAttention(HIDDEN, 3, 1 + 16, k=k, attn_impl=impl, layer_idx=0)
+        layer = LorentzSelfAttention(HIDDEN, 3, 1 + 16, k=k, config=chosen(impl), layer_idx=0)
     else:
         layer = HMLA(HIDDEN, 3, kv_lora_rank=1 + 20, qk_nope_head_dim=1 + 8, qk_rope_head_dim=1 + 8,
-                     v_head_dim=1 + 12, k=k, attn_impl=impl, layer_idx=0)
+                     v_head_dim=1 + 12, k=k, config=chosen(impl), layer_idx=0)
     with torch.no_grad():  # non-trivial projections (the default init is tiny)
         for p in layer.parameters():
             if p.dim() == 2:
@@ -157,12 +162,11 @@ def test_temperature_init_gradient_and_range(kind):
 
 
 BAD = [
-    (lambda: LorentzSelfAttention(HIDDEN, 3, 17, attn_impl="flash"), "attn_impl must be one of"),
     (lambda: LorentzSelfAttention(HIDDEN, 3, 17, tau_init=0.0), "tau_init"),
     (lambda: LorentzSelfAttention(HIDDEN, 3, 1), "head_dim"),
     (lambda: LorentzSelfAttention(1, 3, 17), "hidden_size"),
     (lambda: LorentzSelfAttention(HIDDEN, 0, 17), "num_heads"),
-    (lambda: LorentzSelfAttention(HIDDEN, 3, 17, k=-1.0), "k must be a positive"),
+    (lambda: LorentzSelfAttention(HIDDEN, 3, 17, k=-1.0), "k must be"),
     (lambda: HMLA(HIDDEN, 3, kv_lora_rank=21, qk_nope_head_dim=9, qk_rope_head_dim=1, v_head_dim=13),
      "qk_rope_head_dim"),
     (lambda: HMLA(HIDDEN, 3, kv_lora_rank=21, qk_nope_head_dim=9, qk_rope_head_dim=9, v_head_dim=13, tau_init=-1.0),
@@ -231,7 +235,7 @@ def test_hmla_matches_reference_from_its_weights(q_lora_rank, positional):
     at k = 0.6 with non-trivial RMSNorm gains and biases."""
     torch.manual_seed(0)
     layer = HMLA(HIDDEN, 3, kv_lora_rank=1 + 20, q_lora_rank=q_lora_rank, qk_nope_head_dim=1 + 8,
-                 qk_rope_head_dim=1 + 8, v_head_dim=1 + 12, k=0.6, attn_impl="eager").double()
+                 qk_rope_head_dim=1 + 8, v_head_dim=1 + 12, k=0.6, config=chosen("eager")).double()
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if name != "log_tau":

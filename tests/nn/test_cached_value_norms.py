@@ -5,7 +5,7 @@ the elementwise part): the cache keeps each value's centred norm ``e = <v - c, v
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import Cache, StaticLayer
 
 import helm.ops.attention as attention_ops
@@ -55,7 +55,8 @@ def test_value_centre_shape_is_checked():
 
 def make_layer(impl="sdpa", dtype=torch.float32):
     torch.manual_seed(0)
-    layer = LorentzSelfAttention(HIDDEN, HEADS, HEAD, k=1.0, attn_impl=impl, layer_idx=0)
+    layer = LorentzSelfAttention(HIDDEN, HEADS, HEAD, k=1.0, config=PreTrainedConfig(attn_implementation=impl),
+                                 layer_idx=0)
     with torch.no_grad():
         for p in layer.parameters():
             if p.dim() == 2:
@@ -109,7 +110,7 @@ def test_a_decode_step_does_not_recentre_the_cache(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a decode step re-centred the cached values")
 
-    monkeypatch.setattr(attention_ops, "_value_centres", refuse)
+    monkeypatch.setattr(attention_ops, "value_centres", refuse)
     pe = build_positional_encoding("hope", head_dim=HEAD - 1, num_heads=HEADS, max_position_embeddings=128)
     layer(x[:, 11:], position_embeddings=pe(torch.tensor([[11]]), kv_len=12), attention_mask=AttentionMask(1, 1, 12),
           past_key_values=cache)

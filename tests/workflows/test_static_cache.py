@@ -100,7 +100,7 @@ def test_forward_on_a_static_cache_matches_the_dynamic_cache(name, mask_form):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", ["helm_d", "helm_mice"])
 def test_static_cache_with_each_attention_implementation(name, impl):
-    model = tiny_model(**MODELS[name], attn_impl=impl)
+    model = tiny_model(**MODELS[name], model_kwargs={"attn_implementation": impl})
     assert torch.equal(greedy(model, cache_implementation="static").sequences, greedy(model).sequences)
 
 
