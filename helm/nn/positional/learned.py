@@ -39,14 +39,14 @@ class LearnedPositionalEncoding(PositionalEncoding):
         nn.init.normal_(self.weight, 0.0, self.init_std)
 
     def check_positions(self, position_ids: torch.Tensor) -> None:
-        """Validation helper (synchronises with the device once): every position must be in ``[0, max)``."""
+        """Every position must be in ``[0, max)`` (a negative one would index the table from its end): a
+        ``RuntimeError`` naming ``position_ids``, raised by ``torch._assert_async`` without a host synchronisation
+        on accelerators (on the CPU at once)."""
         if torch.compiler.is_compiling():
             return
-        lo, hi = torch.aminmax(position_ids.detach())
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= self.max_positions:
-            raise ValueError(f"position_ids must lie in [0, max_positions={self.max_positions}) for the learned "
-                             f"positional encoding (its table has {self.max_positions} rows), got range [{lo}, {hi}]")
+        inside = ((position_ids >= 0) & (position_ids < self.max_positions)).all()
+        torch._assert_async(inside, f"position_ids must lie in [0, max_positions={self.max_positions}) for the "
+                                    f"learned positional encoding (its table has {self.max_positions} rows)")
 
     def embed(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         check_position_ids(x_s, position_ids)
