@@ -118,7 +118,7 @@ def ensure_default_data(cfg, accelerator) -> None:
 
 def model_config(cfg):
     """The model's transformers config, read before any weights are built (for the input checks)."""
-    key = "model.preset" if cfg.model.preset is not None else "model.pretrained"
+    key = f"model.preset {cfg.model.preset!r}" if cfg.model.preset else f"model.pretrained {cfg.model.pretrained!r}"
     if cfg.model.pretrained is not None:
         check_path(cfg.model.pretrained, "model.pretrained", ConfigError, needs=MODEL_FILES, hub=True)
     try:
