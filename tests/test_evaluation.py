@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from helm.data import pack_documents
 from helm.evaluation import (
-    ROPE_SCALINGS, EvalError, check_checkpoint, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows,
+    ROPE_SCALINGS, EvalError, check_model_folder, load_checkpoint, load_texts, perplexity, rows_nll, sliding_windows,
     text_perplexity, token_stream, with_rope_scaling,
 )
 from tests.helpers import assert_close, synthetic_text
@@ -168,25 +168,23 @@ def test_load_texts_reads_txt_files_as_one_document_each(tmp_path):
     assert load_texts(files) == ["line one\nline two\n", "another\n"]
 
 
-def test_check_checkpoint_names_the_bad_path(tmp_path):
-    with pytest.raises(EvalError, match="checkpoint not found: .*missing"):
-        check_checkpoint(str(tmp_path / "missing"))
-    with pytest.raises(EvalError, match="has no config.json"):
-        check_checkpoint(str(tmp_path))
-    assert check_checkpoint("owner/model") == "owner/model"  # a hub id is left to from_pretrained
-
-
-def test_checkpoint_paths_may_be_path_objects(tmp_path):
-    """A ``Path`` gets the same checks and messages as a str; it always names a folder, never a hub id."""
-    for missing in (tmp_path / "missing", Path("owner/model")):
-        with pytest.raises(EvalError, match=f"checkpoint not found: '{missing}'"):
-            check_checkpoint(missing)
-    with pytest.raises(EvalError, match="checkpoint not found: .*missing"):
+def test_check_model_folder_names_the_option_and_the_path(tmp_path):
+    """A missing folder, a file, a folder without config.json or without tokenizer files: an EvalError naming the
+    option and the path, before any weights load; a hub id is left to from_pretrained."""
+    with pytest.raises(EvalError, match=r"--model '.*missing': no such folder"):
+        check_model_folder(str(tmp_path / "missing"))
+    with pytest.raises(EvalError, match=r"--model '.*missing'"):
         load_checkpoint(tmp_path / "missing")
-    with pytest.raises(EvalError, match="has no config.json"):
-        load_checkpoint(tmp_path)
+    with pytest.raises(EvalError, match=r"--model '.*': holds none of config\.json"):
+        check_model_folder(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert check_checkpoint(tmp_path) == str(tmp_path)
+    with pytest.raises(EvalError, match=r"--model.*tokenizer\.json"):
+        check_model_folder(tmp_path)
+    with pytest.raises(EvalError, match=r"--model '.*config\.json': is a file"):
+        check_model_folder(tmp_path / "config.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert check_model_folder(tmp_path) == (str(tmp_path), str(tmp_path))
+    assert check_model_folder("owner/model") == ("owner/model", "owner/model")
 
 
 @pytest.mark.parametrize("family", ["helm_d", "helm_mice", "llama"])

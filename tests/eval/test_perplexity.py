@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -71,7 +72,7 @@ def test_stream_options_cut_the_token_stream(make_checkpoint, text_file):
 
 
 def test_bad_stride_is_a_clear_error(make_checkpoint, text_file):
-    with pytest.raises(EvalError, match="--stride must lie in \\[1, --seq-len=16\\], got 17"):
+    with pytest.raises(EvalError, match="stride.*17"):
         run(make_checkpoint("helm_d"), text_file, "--seq-len", "16", "--stride", "17")
     with pytest.raises(EvalError, match="fewer than one window"):
         run(make_checkpoint("helm_d"), text_file, "--seq-len", "16", "--max-tokens", "10")
@@ -146,7 +147,7 @@ def test_cli_writes_result_json_and_reports_missing_inputs(make_checkpoint, text
 
     missing = subprocess.run([*cmd[:3], str(tmp_path / "no-such-checkpoint"), *cmd[4:]], env=offline_env,
                              capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 2 and "error: checkpoint not found" in missing.stderr
+    assert missing.returncode == 2 and re.search(r"error: --model '.*no-such-checkpoint'", missing.stderr)
     no_file = subprocess.run([*cmd[:5], str(tmp_path / "missing.txt"), *cmd[6:]], env=offline_env,
                              capture_output=True, text=True, timeout=300)
     assert no_file.returncode == 2 and "error: text file not found" in no_file.stderr
