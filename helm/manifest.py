@@ -1,11 +1,10 @@
 """SHA-256 manifests of folders written by the zoo (training checkpoints and ``train.py``'s ``final/``).
 
-``manifest.json`` = ``{"format": 2, "step": N, "files": {relative path: {"sha256", "bytes"}}}`` (plus ``"val_loss"``
-for training checkpoints validated when saved; ``"step": null`` and the weight files only for a ``save_pretrained``
-folder), written last and
+``manifest.json`` = ``{"format": 2, "step": N, "files": {relative path: {"sha256", "bytes"}}}`` (``"step": null``
+and the weight files only for a ``save_pretrained`` folder), written last and
 atomically, after every listed file has been flushed to disk: a folder with a manifest was written completely,
 and :func:`manifest_problem` detects any later truncation or corruption of the files it lists. Also how a run folder of
-``train.py`` is recognised (:func:`is_run_folder`, :func:`run_of`), for the loaders and for ``train.py`` alike.
+``train.py`` is recognised (:func:`is_run_folder`).
 """
 
 from __future__ import annotations
@@ -40,18 +39,6 @@ def is_run_folder(folder: Path) -> bool:
             and bool(recipe["train"].get("output_dir")))
 
 
-def run_of(folder: Path) -> Optional[Path]:
-    """The train.py run folder that ``folder`` is, or whose ``checkpoints/`` folder or checkpoint it is
-    (:func:`is_run_folder`; a checkpoint is also known by its :data:`STATE_FILE`); None for any other folder."""
-    folder = Path(folder)
-    for run in (folder, folder.parent, folder.parent.parent):
-        if is_run_folder(run):
-            return run
-    if (folder / STATE_FILE).is_file():
-        return folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
-    return None
-
-
 def hash_file(path: Path, fsync: bool = False) -> tuple[str, int]:
     """``(SHA-256 hex digest, size in bytes)`` of ``path``; ``fsync`` flushes it to disk as well."""
     digest, size = hashlib.sha256(), 0
@@ -73,11 +60,9 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def write_manifest(folder: Path, step: Optional[int], val_loss: Optional[float] = None,
-                   which: Optional[Callable[[str], bool]] = None) -> None:
+def write_manifest(folder: Path, step: Optional[int], which: Optional[Callable[[str], bool]] = None) -> None:
     """Hash (and flush to disk) every file in ``folder`` (those whose relative path ``which`` selects, when given),
-    then write ``manifest.json`` atomically, last; ``val_loss`` (a training checkpoint's validation loss, for keeping
-    the best one) is recorded when given. ``step`` is None for a folder written outside training
+    then write ``manifest.json`` atomically, last. ``step`` is None for a folder written outside training
     (``save_pretrained``, which lists only the weight files)."""
     folder = Path(folder)
     files = {}
@@ -87,8 +72,7 @@ def write_manifest(folder: Path, step: Optional[int], val_loss: Optional[float] 
         files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
     tmp = folder / (MANIFEST + ".tmp")
     with tmp.open("w", encoding="utf-8") as handle:
-        extra = {} if val_loss is None else {"val_loss": val_loss}
-        json.dump({"format": FORMAT, "step": step, "files": files, **extra}, handle, indent=1, sort_keys=True)
+        json.dump({"format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(folder / MANIFEST)
