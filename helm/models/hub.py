@@ -29,7 +29,8 @@ LEGACY_KEY_MAPPING = {r"\.(q|k|v|o|q_a|q_b|kv_a|kv_b|k_rope|gate|up|down)_proj\.
 
 
 class HelmHubMixin:
-    """``from_pretrained``, ``load_adapter`` and ``save_pretrained`` of HELM models (see the module docstring)."""
+    """``from_pretrained``, ``load_adapter`` and ``save_pretrained`` of HELM models (see the module docstring), and
+    ``post_init`` registering PEFT's default adapter targets for them (:mod:`.peft_support`)."""
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
