@@ -5,12 +5,14 @@ init, geometry), one decoder-stack forward (:class:`HelmDecoderModel`) and one c
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
@@ -44,6 +46,12 @@ class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
     # the forward has no graph break and no host read under torch.compile (a static cache's length stays a tensor):
     # tests/workflows/test_static_cache.py
     _can_compile_fullgraph = True
+
+    def __init__(self, config, *args, **kwargs):
+        # the cross-field rules again: a field assigned after the config was built passes its own rule only, and would
+        # build another model than the config describes (or one its save cannot reload)
+        config.validate_architecture()
+        super().__init__(config, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -139,6 +147,15 @@ class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
         (:func:`helm.ops.attention.check_attention_implementation`). What runs at each call is decided by
         :func:`helm.ops.attention.resolve_attention`."""
         return check_attention_implementation(requested_attention)
+
+    def create_masks_for_generate(self, config, **kwargs):
+        """``generate``'s 4-D mask for a compilable (static) cache, built as for ``attn_implementation="sdpa"`` (a
+        boolean keep-mask) whatever HELM implementation runs: :class:`helm.ops.AttentionMask` reads that form for
+        all of them, while ``transformers`` builds no mask at all for names it does not know (``auto``, ``triton``),
+        which would drop the padding."""
+        as_sdpa = copy.copy(config)
+        as_sdpa._attn_implementation_internal = "sdpa"
+        return create_masks_for_generate(as_sdpa, **kwargs)
 
 
 class HelmDecoderModel(HelmPreTrainedModel):
