@@ -327,7 +327,7 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     ``attn_implementation``.
     Returns the model in fp32, in eval mode; ``save_pretrained`` it to get a normal checkpoint folder.
     """
-    import helm  # noqa: F401  (registers the model types)
+    from .presets import load_config  # the presets register the model types (helm.models)
 
     state, stored_args = _read(path_or_state_dict)
     args = stored_args if official_args is None else dict(official_args)
@@ -352,7 +352,7 @@ def convert_official_checkpoint(path_or_state_dict: Union[str, os.PathLike, Mapp
     if unknown:
         raise ValueError(f"{len(unknown)} official keys have no counterpart in the zoo: {unknown[:8]}"
                          + (" ..." if len(unknown) > 8 else ""))
-    config = helm.load_config(f"helm-{'d-115m' if model == 'helm_d' else 'mice-120m'}", **{
+    config = load_config(f"helm-{'d-115m' if model == 'helm_d' else 'mice-120m'}", **{
         "curvature": -1.0 / k, "positional": "hope", "lm_head_mode": "linear", "tie_word_embeddings": False,
         "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-8, "head_merge": "flatten",
         "final_proj": "model.final_proj.linear.weight" in weights, **config_fields, **flags, **overrides})
