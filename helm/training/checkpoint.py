@@ -117,7 +117,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
         accelerator.save_state(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            finalize(tmp, final, step)
+            write_manifest(tmp, step)  # last: a folder with a manifest is complete
+            finalize(tmp, final)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
@@ -219,24 +220,22 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, 
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         write_manifest(tmp, step)
-        if check is not None:
-            check(tmp)
-        finalize(tmp, final, step, manifest=False)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write the final model to {str(final)!r}: {' '.join(str(error).split())}; "
                               "the checkpoints are intact: free space, then rerun with --resume") from None
+    try:  # what the check raises is not a full disk
+        if check is not None:
+            check(tmp)
+        finalize(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
-def finalize(tmp: Path, final: Path, step: int, manifest: bool = True) -> None:
-    """Write the manifest of a fully written folder last (unless ``manifest`` is false: written already), then
-    rename it into place (replacing an older one of the same name)."""
-    if manifest:
-        write_manifest(tmp, step)
+def finalize(tmp: Path, final: Path) -> None:
+    """Rename the fully written folder ``tmp`` into place, replacing an older ``final`` of the same name."""
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
