@@ -584,7 +584,7 @@ def lorentz_attention(
     segment_ids: Optional[torch.Tensor] = None,
     position_bias: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
-    impl: str = "auto",
+    impl: Optional[str] = "auto",
     mask: Optional[AttentionMask] = None,
     value_centre: Optional[torch.Tensor] = None,
     dtype: Optional[torch.dtype] = None,
@@ -602,7 +602,7 @@ def lorentz_attention(
         segment_ids: ``[B, Tk]`` document ids of packed rows; attention never crosses documents.
         position_bias: additive logits ``[B|1, H|1, Tq, Tk]`` (e.g. a positional encoding's score bias).
         alibi_slopes: ``[H]`` ALiBi slopes, bias ``-m_h (i - j)``; supported by every implementation.
-        impl: ``eager``, ``sdpa``, ``triton`` or ``auto`` (:func:`resolve_attention` decides what runs).
+        impl: ``eager``, ``sdpa``, ``triton`` or ``auto`` (None: ``auto``; :func:`resolve_attention` decides what runs).
         mask: a prebuilt :class:`AttentionMask` (models build one per forward for all layers); replaces
             ``causal``, ``attention_mask`` and ``segment_ids``.
         value_centre: ``[B, H, 1, 1+dv]``, a centre ``c`` of the values for which ``value`` carries one more
