@@ -303,6 +303,8 @@ CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distr
 
 def validate(c: RunConfig) -> None:
     """Range checks the types cannot express (``null`` passes where a key is optional)."""
+    if c.train.mixed_precision == "False":  # YAML 1.1 reads a bare no as false
+        c.train.mixed_precision = "no"
     def value(key):
         section, name = key.split(".")
         return getattr(getattr(c, section), name)
@@ -314,8 +316,6 @@ def validate(c: RunConfig) -> None:
     problems += [(k, f"must be >= {low}") for k, low in MINIMUM.items() if value(k) is not None and value(k) < low]
     problems += [(k, "must be positive") for k in POSITIVE if value(k) is not None and not value(k) > 0]
     problems += [(k, f"must be one of {options}") for k, options in CHOICES.items() if value(k) not in options]
-    if c.train.mixed_precision == "False":  # YAML 1.1 reads a bare no as false
-        c.train.mixed_precision = "no"
     problems += [(key, requirement) for key, ok, requirement in (
         ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas),
          "must be two numbers in [0, 1)"),
