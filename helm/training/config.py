@@ -305,6 +305,7 @@ def validate(c: RunConfig) -> None:
     """Range checks the types cannot express (``null`` passes where a key is optional)."""
     if c.train.mixed_precision == "False":  # YAML 1.1 reads a bare no as false
         c.train.mixed_precision = "no"
+
     def value(key):
         section, name = key.split(".")
         return getattr(getattr(c, section), name)
