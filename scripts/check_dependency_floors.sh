@@ -18,7 +18,8 @@
 # reload with AutoModelForCausalLM.from_pretrained and the same logits, generate; remote-code (the saved folders
 # loaded with trust_remote_code=True in a child process that cannot import helm, generating the same tokens);
 # peft (LoRA get_peft_model, forward and backward); data (helm.data trains a tokenizer through datasets and
-# tokenizers, AutoTokenizer reloads it); recipe (OmegaConf reads configs/train/tiny-helm-d.yaml); pip-check
+# tokenizers, AutoTokenizer reloads it); train (train.py, through accelerate, 4 steps with checkpoints,
+# final/ reloaded); recipe (OmegaConf reads configs/train/tiny-helm-d.yaml); pip-check
 # (the installed set satisfies pyproject's bounds). Exit status: the number of failed steps.
 set -uo pipefail
 
@@ -42,6 +43,7 @@ if [[ -z "$venv" ]]; then
     venv="$(mktemp -d /tmp/helm-floors.XXXXXX)"
 fi
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv" || exit 2
+venv="$(cd "$venv" && pwd)"
 [[ $keep == 1 ]] || trap 'rm -rf "$venv"' EXIT
 py="$venv/bin/python"
 # (the grep drops pip's warnings about this machine's local index folders, which list only some packages)
@@ -78,14 +80,17 @@ echo "versions: $("$py" -c 'import importlib.metadata as m; print(" ".join(f"{p}
      "huggingface_hub", "omegaconf")))')"
 
 work="$(mktemp -d /tmp/helm-floors-run.XXXXXX)"
-HF_HOME="$work/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-    HF_DATASETS_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONPATH= \
-    "$py" - "$src" "$work" <<'EOF'
-import os, subprocess, sys, tempfile, textwrap, traceback
+# run in $work, without PYTHONPATH: the helm imported is the one installed from --src, never a checkout in the
+# current folder
+cd "$work" && env -u PYTHONPATH HF_HOME="$work/hf" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+    HF_HUB_DISABLE_PROGRESS_BARS=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \
+    TRANSFORMERS_NO_ADVISORY_WARNINGS=1 "$py" - "$src" "$work" <<'EOF'
+import importlib.util, json, os, subprocess, sys, textwrap, traceback
 from pathlib import Path
 
 src, work = Path(sys.argv[1]), Path(sys.argv[2])
 failures = 0
+print("helm from", importlib.util.find_spec("helm").origin, flush=True)
 
 
 def step(name, fn):
@@ -171,7 +176,6 @@ def remote_code():
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=work, env=env,
                           stdin=subprocess.DEVNULL, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import json
     out = json.loads(proc.stdout.split("GENERATED ")[-1])
     assert out == generated, f"remote code generated {out}, helm {generated}"
 
@@ -190,14 +194,30 @@ def lora():
 def data():
     from transformers import AutoTokenizer
     from helm.data.tokenizer import train_tokenizer
-    corpus = work / "corpus"
-    corpus.mkdir()
-    for i in range(4):
-        (corpus / f"{i}.txt").write_text(" ".join(["the river runs slowly over the stone"] * 20 + [str(i)]))
-    train_tokenizer(sorted(corpus.glob("*.txt")), work / "tokenizer", vocab_size=300)
+    words = "the a one two red blue cat dog bird river stone tree runs sits sings flows over under and then".split()
+    texts = work / "text"
+    texts.mkdir()
+    for split, rows in (("train", 64), ("validation", 8)):
+        lines = (json.dumps({"text": " ".join(words[(i * j) % len(words)] for j in range(40))}) for i in range(rows))
+        (texts / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    train_tokenizer(texts / "train.jsonl", work / "tokenizer", vocab_size=300)
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
     text = "the river runs"
     assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def train():
+    """train.py (accelerate's Accelerator, checkpoints and tracker) for 4 steps on the data step's corpus and
+    tokenizer, then final/ reloaded."""
+    shapes = dict(SHAPES["helm_d"], num_hidden_layers=1, vocab_size=320, max_position_embeddings=64)
+    options = [f"--model.overrides.{k}={v}" for k, v in shapes.items()] + [
+        f"--data.dataset={work / 'text'}", f"--data.tokenizer={work / 'tokenizer'}", "--data.build_default=false",
+        "--data.seq_len=32", f"--train.output_dir={work / 'run'}", "--train.max_steps=4", "--train.batch_size=2",
+        "--train.eval_every=0", "--train.eval_rows=4", "--train.save_every=2", "--demo.max_new_tokens=4"]
+    proc = subprocess.run([sys.executable, str(src / "train.py"), "--config", str(src / "configs/train/tiny-helm-d.yaml"),
+                           *options], capture_output=True, text=True, cwd=work, stdin=subprocess.DEVNULL, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    AutoModelForCausalLM.from_pretrained(work / "run" / "final")
 
 
 def recipe():
@@ -213,12 +233,13 @@ if step("import", import_helm):
         step("remote-code", remote_code)
     if (work / "helm_d" / "config.json").exists():
         step("peft", lora)
-    step("data", data)
+    if step("data", data):
+        step("train", train)
     step("recipe", recipe)
 sys.exit(failures)
 EOF
 failed=$?
-rm -rf "$work"
+cd / && rm -rf "$work"
 if "$py" -m pip check >/dev/null 2>&1; then echo "PASS pip-check"; else
     echo "FAIL pip-check"; "$py" -m pip check | sed 's/^/    /'; failed=$((failed + 1)); fi
 echo "$([[ $failed == 0 ]] && echo PASS || echo FAIL) all ($failed failed)"
