@@ -362,6 +362,10 @@ def train(cfg, resume, state: TrainerState) -> dict:
     # only the training forward is compiled (one graph where the model allows); the rest uses the plain module
     forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
         if cfg.train.compile else model
+    if cfg.train.compile and cfg.train.gradient_checkpointing:
+        # checkpointed layers record side effects (the dense mask shared by layers, MiCE's loads) that the recompute
+        # repeats to no effect: dynamo may skip them there, a setting scoped to the compiled calls
+        forward = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(forward)
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))  # in place: ManifoldParameters stay ManifoldParameters
         say(f"[train] resumed from {checkpoint} at step {start_step}")

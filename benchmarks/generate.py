@@ -17,7 +17,7 @@ step (issue 13's target is <= 1.2 at 1k) and each HELM model / its Euclidean twi
 ``--device cuda`` runs the same models on the GPU (timed between ``torch.cuda.synchronize()`` calls); ``--dtype bf16``
 runs them under bf16 autocast over fp32 weights, the layout the training runs use (``helm.precision``: under
 autocast HELM keeps Llama's layout, where a model cast to bf16 would not). ``--attn-impl`` sets the HELM models'
-``attn_impl`` (default: the preset's ``auto``: the Triton kernel on CUDA where it can run, else SDPA).
+``attn_implementation`` (default ``auto``: the Triton kernel on CUDA where it can run, else SDPA).
 
 Usage: ``python benchmarks/generate.py [--device cpu|cuda] [--dtype fp32|bf16] [--attn-impl IMPL]
 [--contexts 256 1024 4096] [--new-tokens 32] [--steps 16] [--repeats 3] [--threads N] [--shapes tiny|paper]``
@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
 from cli import check_device  # noqa: E402
-from helm.ops import available_attention_impls  # noqa: E402
+from helm.ops import ATTENTION_IMPLEMENTATIONS  # noqa: E402
 
 MODELS = {"helm-d": ("helm-d", {}), "helm-mice": ("helm-mice", {"hmla_absorb": False}),
           "helm-mice-absorbed": ("helm-mice", {"hmla_absorb": True}),
@@ -57,10 +57,10 @@ def build(name: str, max_len: int, shapes: str = "tiny", device: torch.device = 
         return None  # this version of the zoo lacks the switch
     for key, value in options.items():
         setattr(config, key, value)
-    if attn_impl is not None and hasattr(config, "attn_impl"):  # HELM models; transformers' keep their own
-        config.attn_impl = attn_impl
+    helm_model = config.model_type.startswith("helm")  # transformers' models keep their own attention
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(device).eval()
+    return AutoModelForCausalLM.from_config(config, **({"attn_implementation": attn_impl} if attn_impl and helm_model
+                                                       else {})).to(device).eval()
 
 
 def synchronize(device: torch.device) -> None:
@@ -132,8 +132,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fp32, or bf16 autocast over fp32 weights")
-    parser.add_argument("--attn-impl", choices=available_attention_impls(), default=None,
-                        help="the HELM models' attn_impl (default: the preset's)")
+    parser.add_argument("--attn-impl", choices=ATTENTION_IMPLEMENTATIONS, default=None,
+                        help="the HELM models' attn_implementation (default: auto)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed repeat")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of issue 22 item 6, prepared for a session that is lent a GPU (H100/H200): the kernel tests on
 # CUDA, the attention kernel benchmark, the training benchmark at the paper's shapes (8 x 2048 tokens, bf16 autocast
-# over fp32 master weights; HELM with attn_impl sdpa and triton beside its twin; eager, then compiled) and a profile
+# over fp32 master weights; HELM with attn_implementation sdpa and triton beside its twin; eager, then compiled) and a profile
 # of one HELM-D training step.
 #
 # The GPU image has no network and lacks geoopt (which `import helm` needs), omegaconf and datasets (which

@@ -3,7 +3,8 @@ dispatch (each routed expert on the tokens that chose it), measured alternately 
 
 Shapes: tiny-helm-mice (ambient 129, experts 129) and helm-mice-120m (ambient 390, experts 780), 4 routed
 experts with 2 active and 1 shared, as the presets. Ratio = dense time / sparse time (above 1: sparse faster).
-``MiCE(dispatch="auto")`` picks sparse on the CPU from ``helm.nn.mice.SPARSE_MIN_TOKENS`` tokens per call.
+``MiCE(dispatch="auto")`` is dense (no host read in a step); ``"sparse"`` is opt-in and reads the per-expert
+counts once per layer forward.
 
 Usage: ``python benchmarks/mice_dispatch.py [--tokens 32 128 256 1024] [--repeats 5] [--threads 2]``
 """
@@ -16,7 +17,7 @@ import time
 import torch
 
 from helm.manifold import lift
-from helm.nn.mice import SPARSE_MIN_TOKENS, MiCE
+from helm.nn.mice import MiCE
 
 SHAPES = {"tiny": (129, 129), "120m": (390, 780)}
 
@@ -37,7 +38,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"sparse from {SPARSE_MIN_TOKENS} tokens under dispatch='auto'\n")
     print("| shape | tokens | dense ms | sparse ms | dense / sparse |\n| --- | --- | --- | --- | --- |")
     for name, (hidden, inter) in SHAPES.items():
         torch.manual_seed(0)

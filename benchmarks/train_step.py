@@ -16,7 +16,7 @@ restarting positions, so attention stays within documents), backward, gradient c
 ``helm.optim.build_optimizer`` (AdamW, plus RiemannianAdam for manifold points) and, for HELM-MiCE and DeepSeek-V3
 alike, the balance loss and the routing-bias update. ``--dtype bf16`` is ``train.py``'s
 ``train.mixed_precision=bf16``: the accelerator's bf16 autocast over fp32 master weights (CPU autocast on a CPU).
-``--attn-impl`` sets the HELM models' ``attn_impl`` (``sdpa``, ``triton``, ...; several values time one HELM model
+``--attn-impl`` sets the HELM models' ``attn_implementation`` (``sdpa``, ``triton``, ...; several values time one HELM model
 per value beside the same twin, so the kernel and SDPA are compared in one run).
 
 Measurements of the models of a pair alternate, so a change in machine load hits all of them. On a CPU the reported
@@ -66,7 +66,7 @@ import helm  # noqa: E402
 from cli import check_device  # noqa: E402
 from helm.data import pack_documents  # noqa: E402
 from helm.models.routing import attach_balancing  # noqa: E402
-from helm.ops import available_attention_impls  # noqa: E402
+from helm.ops import ATTENTION_IMPLEMENTATIONS  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
 from helm.training import train_step  # noqa: E402
 
@@ -197,7 +197,7 @@ class Trainer:
 def models_of(helm_preset: str, euclid_preset: str, attn_impls: list[str] | None) -> list[tuple[str, dict, str]]:
     """(preset, config overrides, label) of a pair's models: one HELM model per ``--attn-impl`` value, then the twin
     (transformers' models keep their own attention)."""
-    helms = [(helm_preset, {"attn_impl": impl}, f"{helm_preset} [{impl}]") for impl in attn_impls or []]
+    helms = [(helm_preset, {"attn_implementation": impl}, f"{helm_preset} [{impl}]") for impl in attn_impls or []]
     return (helms or [(helm_preset, {}, helm_preset)]) + [(euclid_preset, {}, euclid_preset)]
 
 
@@ -333,8 +333,8 @@ def main(argv=None) -> int:
                         help="tiny presets, and/or the paper's 115M/120M shapes (opt-in: minutes per pair on a CPU), "
                              "and/or those at 8 x 2048 tokens (gpu)")
     parser.add_argument("--pairs", nargs="+", choices=sorted(SHAPES["tiny"]), default=list(SHAPES["tiny"]))
-    parser.add_argument("--attn-impl", nargs="+", choices=available_attention_impls(), default=None,
-                        help="the HELM models' attn_impl (default: the preset's); several: one HELM model each")
+    parser.add_argument("--attn-impl", nargs="+", choices=ATTENTION_IMPLEMENTATIONS, default=None,
+                        help="the HELM models' attn_implementation (default: auto); several: one HELM model each")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per step (default: tiny 8, paper 1, gpu 8)")
     parser.add_argument("--seq-len", type=int, nargs="+", default=None,
                         help="tokens per row, one or more (default: tiny 256, paper 256 1024, gpu 2048)")

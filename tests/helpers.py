@@ -29,7 +29,7 @@ MANIFOLD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-5}
 CLAIMS = {
     "official_logits/helm_d": (3.05e-7, "fro"),
     "official_logits/helm_mice": (1.25e-6, "fro"),
-    # helm/ops/attention.py (_pad_sdpa_heads): fp32 sdpa on SDPA's flash kernel is within 2e-4 of fp64 on outputs
+    # helm/ops/attention.py (_pad_heads): fp32 sdpa on SDPA's flash kernel is within 2e-4 of fp64 on outputs
     # and gradients (measured up to 9.1e-5, on dq with ALiBi)
     "sdpa_flash_fp32": (2e-4, "max"),
 }

@@ -31,7 +31,7 @@ def converted(request, tmp_path_factory):
     model = request.param
     out = tmp_path_factory.mktemp(model)
     code = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_official.py"), "--checkpoint",
-                           str(FIXTURES / KINDS[model]), "--output", str(out), "--set", "attn_impl=\"eager\""],
+                           str(FIXTURES / KINDS[model]), "--output", str(out), "--set", "attn_implementation=\"eager\""],
                           capture_output=True, text=True, timeout=300)
     assert code.returncode == 0, code.stderr[-2000:]
     return model, out
@@ -201,7 +201,7 @@ def test_official_default_lorentz_token_table_converts_to_the_official_logits(tm
 
     data = torch.load(LORENTZ_MICE, weights_only=True)
     assert data["args"]["project_emb"] is False and "embed.embedding" in data["state_dict"]
-    convert_official_checkpoint(LORENTZ_MICE, attn_impl="eager").save_pretrained(tmp_path)
+    convert_official_checkpoint(LORENTZ_MICE, attn_implementation="eager").save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.embedding_mode == "lorentz"
     assert isinstance(loaded.model.embed_tokens.weight, geoopt.ManifoldParameter)
@@ -230,7 +230,7 @@ def test_layer_layouts_and_token_tables_convert(table, layout, keep, dense):
     converted model reads them (every tensor copied or mapped as documented), and it computes finite points."""
     data = torch.load(FIXTURES / table, weights_only=True)
     state = _layers(data["state_dict"], keep)
-    model = convert_official_checkpoint(state, attn_impl="eager")
+    model = convert_official_checkpoint(state, attn_implementation="eager")
     c = model.config
     assert (c.num_hidden_layers, c.first_k_dense_replace) == (len(keep), dense)
     assert c.embedding_mode == ("lorentz" if "embed.embedding" in state else "space")

@@ -50,7 +50,7 @@ def test_remote_code_needs_neither_triton_nor_the_kernel_files(tmp_path):
 
     torch.manual_seed(0)
     cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
-                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_impl="triton")
+                           intermediate_size=65, vocab_size=64, max_position_embeddings=64, attn_implementation="triton")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     files = sorted(tmp_path.glob("*.py"))
     assert any(f.name == "helm_ops_attention.py" for f in files), [f.name for f in files]

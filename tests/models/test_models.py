@@ -138,7 +138,7 @@ OFFICIAL_SWITCHES = [("hcat", False), ("flatten", False), ("hcat", True), ("flat
 def test_fidelity_switches_stay_on_the_manifold_and_causal(family, head_merge, final_proj):
     """Issue 12: every head merge and the official final projection give points on the manifold, finite
     gradients, and outputs at t that do not depend on tokens after t; cached decoding equals the full forward."""
-    model = tiny_model(family, head_merge=head_merge, final_proj=final_proj, attn_impl="eager", train=True)
+    model = tiny_model(family, head_merge=head_merge, final_proj=final_proj, attn_implementation="eager", train=True)
     assert (model.model.final_proj is not None) == final_proj
     c = model.config
     heads, value_dim = c.num_attention_heads, c.v_head_dim if family == "helm_mice" else c.head_dim  # 1 + d_v
@@ -168,7 +168,7 @@ def test_eager_and_sdpa_give_the_same_logits(family, positional):
     ids = torch.randint(0, 512, (2, 29))
     logits = {}
     for impl in ("eager", "sdpa"):
-        model = tiny_model(family, attn_impl=impl, positional=positional, rope3d_chunk_size=8)
+        model = tiny_model(family, attn_implementation=impl, positional=positional, rope3d_chunk_size=8)
         logits[impl] = model(ids).logits
     assert_close(logits["sdpa"], logits["eager"], rtol=1e-4)
 
@@ -507,7 +507,7 @@ def test_no_split_modules_name_the_familys_decoder_layer(family, layer):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mask_and_positional_tables_are_built_once_per_forward(family, monkeypatch):
     """Two layers share one AttentionMask (its dense form computed once) and one PositionalTables."""
-    model = tiny_model(family, num_hidden_layers=3, attn_impl="eager")
+    model = tiny_model(family, num_hidden_layers=3, attn_implementation="eager")
     counts = {"dense": 0, "tables": 0}
     dense = ops_attention._dense_keep
 
@@ -570,17 +570,15 @@ def test_a_registered_encoding_works_in_configs_and_models(tiny_config):
         POSITIONAL_ENCODINGS.pop("flip_test", None)
 
 
-def test_input_errors_are_clear():
+def test_input_errors_are_not_silent():
+    """Token ids outside the vocabulary fail in the embedding lookup (torch's error, as for Llama; no host read of
+    the ids in a step), and positions beyond a learned table fail naming position_ids (torch._assert_async)."""
     model = tiny_model("helm_d")
-    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=512\)"):
+    with pytest.raises(IndexError):
         model(torch.tensor([[1, 2, 512]]))
-    with pytest.raises(ValueError, match="vocab_size"):
-        model(torch.tensor([[-1, 2]]))
-    with pytest.raises(ValueError, match=r"attention_mask must be \[B, T_past\+T\]"):
-        model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
     learned = tiny_model("helm_d", positional="learned", max_position_embeddings=16)
     learned(torch.randint(0, 512, (1, 16)))
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings=16"):
+    with pytest.raises(RuntimeError, match="position_ids"):
         learned(torch.randint(0, 512, (1, 17)))
     # relative encodings extend beyond the configured maximum
     assert torch.isfinite(tiny_model("helm_d", max_position_embeddings=16)(
@@ -623,7 +621,7 @@ def test_attention_weights_of_a_decode_step_on_an_absorbed_mice_cache():
     """A decode step that returns attention weights on a cache written by absorbed HMLA decoding (latents plus
     per-token scalars): it attends on the plain path and extends the cache in its absorbed layout (it wrote
     plain-width latents before, which did not fit: a torch.cat error), with the logits of a step without weights."""
-    model = tiny_model("helm_mice", attn_impl="eager")
+    model = tiny_model("helm_mice", attn_implementation="eager")
     prompt, step = torch.randint(0, 512, (2, 5)), torch.randint(0, 512, (2, 1))
     with torch.no_grad():  # a cache without autograd history can be copied
         cache = model(prompt, use_cache=True).past_key_values

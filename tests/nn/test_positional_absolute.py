@@ -285,7 +285,7 @@ def test_bipe_config_fields_are_checked():
 
 
 def tiny(name, **overrides):
-    fields = dict(positional=name, max_position_embeddings=16, bipe_segment_length=5, attn_impl="sdpa")
+    fields = dict(positional=name, max_position_embeddings=16, bipe_segment_length=5, attn_implementation="sdpa")
     model = tiny_model("helm_d", train=True, **{**fields, **overrides})
     with torch.no_grad():  # intra tables as large as the sinusoid, so that positions visibly matter
         for name_, p in model.named_parameters():
@@ -329,7 +329,7 @@ def test_model_is_causal(name):
 def test_cached_decoding_equals_the_full_forward_past_the_table_and_across_segments(name, impl):
     """Prefill 7 tokens, then decode one at a time to 41: past ``max_position_embeddings = 16`` and across eight
     boundaries of segments of 5; every step's logits equal the full forward's."""
-    model = tiny(name, attn_impl=impl).eval()
+    model = tiny(name, attn_implementation=impl).eval()
     ids = torch.randint(0, 512, (2, 41))
     with torch.no_grad():
         full = model(ids).logits

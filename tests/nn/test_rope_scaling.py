@@ -262,11 +262,11 @@ def test_attention_factor_scales_the_logits_like_a_lower_temperature(tiny_config
     params = rope_dict("yarn_attention_factor", d, orig=16) | {"attention_factor": a}
     extra = {"hmla_absorb": absorb} if family == "helm_mice" else {}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, rope_parameters=params, attn_impl=impl,
+    model = AutoModelForCausalLM.from_config(tiny_config(family, rope_parameters=params, attn_implementation=impl,
                                                          **extra)).eval()
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(tiny_config(family, rope_parameters=params | {"attention_factor": 1.0},
-                                                       attn_impl=impl, **extra)).eval()
+                                                       attn_implementation=impl, **extra)).eval()
     state = model.state_dict()
     ref.load_state_dict({n: t - 2 * math.log(a) if n.endswith("log_tau") else t for n, t in state.items()})
     ids = torch.randint(2, 512, (2, 21))
