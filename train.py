@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ import transformers
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
@@ -49,9 +51,10 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
                            pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
                            training_batches)
-from helm.training.checkpoint import (OVERWRITTEN, remove_stale_tmp_checkpoints, set_aside_later_checkpoints,
-                                      write_run_marker)
+from helm.training.checkpoint import (OVERWRITTEN, best_checkpoint, list_checkpoints, remove_stale_tmp_checkpoints,
+                                      set_aside_later_checkpoints, write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
+from helm.training.divergence import DivergenceMonitor
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -269,13 +272,25 @@ def validation_loss(model, validation, accelerator, batch_size: int, distributed
     return float(nll / count.clamp_min(1))
 
 
+def say_line(*parts) -> None:
+    """Print a line of the run's output on stdout, above the progress bar when one is shown."""
+    tqdm.write(" ".join(str(part) for part in parts))
+    sys.stdout.flush()
+
+
 class Progress:
-    """Training metrics since the last log line, summed on the device and read (a sync) only when logged, then
-    logged to the trackers and printed as one line."""
+    """Training metrics since the last log line, summed on the device and read (a sync) only when logged; a live
+    progress bar over the optimiser steps where stdout and stderr are a terminal (train.progress_bar), or, in a
+    log file (CI, nohup), one line per log_every steps, which reads better."""
 
     def __init__(self, cfg, accelerator, start_step: int, tokens_per_step: int, say):
         self.accelerator, self.say, self.start_step, self.max_steps = accelerator, say, start_step, cfg.train.max_steps
         self.tokens_per_step, self.run_start = tokens_per_step, time.perf_counter()
+        # the bar (tqdm draws on stderr) stands in for the log lines (stdout): only when both reach a terminal
+        self.live = (accelerator.is_main_process and cfg.train.progress_bar and sys.stdout.isatty()
+                     and sys.stderr.isatty())
+        self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not self.live, mininterval=1.0)
         self.loss, self.aux_loss = (torch.zeros((), device=accelerator.device) for _ in range(2))
         self.steps, self.window_start = 0, time.perf_counter()
 
@@ -283,6 +298,7 @@ class Progress:
         self.loss += metrics.loss
         self.aux_loss += metrics.aux_loss
         self.steps += 1
+        self.bar.update(1)
 
     def log(self, done: int, metrics: StepMetrics, routed: bool) -> None:
         """Log the means since the last log and the last step's learning rate and gradient norm; start over."""
@@ -294,9 +310,11 @@ class Progress:
         if routed:
             values["aux_loss"] = self.accelerator.reduce(self.aux_loss, "mean").item() / self.steps
         self.accelerator.log(values, step=done)
-        eta = (now - self.run_start) / (done - self.start_step) * (self.max_steps - done)
-        self.say(f"[train] step {done}/{self.max_steps} loss {loss:.4f} lr {metrics.lr:.3e} {speed:,.0f} tok/s "
-                 f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics.lr:.2e}", tok_s=f"{speed:,.0f}", refresh=False)
+        if not self.live:
+            eta = (now - self.run_start) / (done - self.start_step) * (self.max_steps - done)
+            self.say(f"[train] step {done}/{self.max_steps} loss {loss:.4f} lr {metrics.lr:.3e} {speed:,.0f} tok/s "
+                     f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
         self.loss.zero_(), self.aux_loss.zero_()
         self.steps, self.window_start = 0, time.perf_counter()
 
@@ -313,12 +331,13 @@ def demo_sample(cfg, model, tokenizer) -> str:
 
 
 def train(cfg, resume, state: TrainerState) -> dict:
-    """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` holds the step reached."""
+    """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` (the caller's, so that it
+    can say after a Ctrl-C how far the run got) holds the step reached."""
     out = Path(cfg.train.output_dir)
     checkpoint = find_checkpoint(resume, out)
     saved = read_trainer_state(checkpoint) if checkpoint is not None else None
     accelerator = make_accelerator(cfg, out, saved["step"] if saved else None)
-    say = (lambda *a: print(*a, flush=True)) if accelerator.is_main_process else (lambda *a: None)
+    say = say_line if accelerator.is_main_process else (lambda *a: None)
     world = accelerator.num_processes
     if saved is not None:
         check_resumable(cfg, checkpoint, saved, world)
@@ -354,6 +373,8 @@ def train(cfg, resume, state: TrainerState) -> dict:
         optimizer, num_warmup_steps=round(cfg.optim.warmup_ratio * cfg.train.max_steps),
         num_training_steps=cfg.train.max_steps, min_lr_rate=cfg.optim.final_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state.divergence = DivergenceMonitor(cfg.train.divergence_factor, cfg.train.divergence_patience,
+                                         accelerator.device)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
     # MiCE layers, or DeepSeek-V3's routers with balancing hooks added now, before compiling, so they are traced;
@@ -400,29 +421,42 @@ def train(cfg, resume, state: TrainerState) -> dict:
 
     progress = Progress(cfg, accelerator, start_step, rows_per_step * L, say)
     first_bad = torch.zeros(1, dtype=torch.long, device=accelerator.device)  # first non-finite step, read when synced
-    for step in range(start_step, cfg.train.max_steps):
-        metrics = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accum)],
-                             grad_clip=cfg.optim.grad_clip, forward=forward)
-        done = state.step = step + 1
-        progress.add(metrics)
-        # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read when
-        # logging or saving (which sync anyway), so that no checkpoint is ever written after it.
-        finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
-        first_bad.masked_fill_(first_bad.eq(0) & ~finite, done)
-        last = done == cfg.train.max_steps
-        log = last or done % cfg.train.log_every == 0
-        save = last or bool(cfg.train.save_every and done % cfg.train.save_every == 0)
-        if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
-            raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
-                                     f"after it was saved. {divergence_causes(cfg)}")
-        if log:
-            progress.log(done, metrics, routed)
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
-            val = validation_loss(unwrapped, validation, accelerator, B)
-            accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
-            say(f"[train] step {done}: validation loss {val:.4f}, perplexity {format_perplexity(perplexity(val))}")
-        if save:
-            save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
+    with progress.bar:  # closed however the loop ends, so that an error line starts a line of its own
+        for step in range(start_step, cfg.train.max_steps):
+            metrics = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accum)],
+                                 grad_clip=cfg.optim.grad_clip, forward=forward)
+            done = state.step = step + 1
+            progress.add(metrics)
+            state.divergence.update(metrics.loss, done)
+            # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read
+            # when logging or saving (which sync anyway), so that no checkpoint is ever written after it.
+            finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
+            first_bad.masked_fill_(first_bad.eq(0) & ~finite, done)
+            last = done == cfg.train.max_steps
+            log = last or done % cfg.train.log_every == 0
+            save = last or bool(cfg.train.save_every and done % cfg.train.save_every == 0)
+            if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
+                raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
+                                         f"after it was saved. {divergence_causes(cfg)}")
+            if (log or save) and (blown := [s for s in accelerator.gather(state.divergence.diverged_at[None]).tolist()
+                                            if s]):
+                best = best_checkpoint(out / "checkpoints") if cfg.train.keep_best else None
+                kept = f"; the checkpoint of lowest validation loss is kept: {best}" if best is not None else ""
+                raise FloatingPointError(f"the training loss diverged (finite): "
+                                         f"{state.divergence.report() or f'from step {min(blown)} on'}; nothing after "
+                                         f"step {done - 1} was saved{kept}. {divergence_causes(cfg)}")
+            if log:
+                progress.log(done, metrics, routed)
+            val = None
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
+                val = validation_loss(unwrapped, validation, accelerator, B)
+                accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
+                say(f"[train] step {done}: validation loss {val:.4f}, perplexity {format_perplexity(perplexity(val))}")
+            if save:
+                if cfg.train.keep_best and val is None:  # the best checkpoint is chosen by validation loss
+                    val = validation_loss(unwrapped, validation, accelerator, B)
+                state.val_loss = val
+                save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last, keep_best=cfg.train.keep_best)
     train_time, trained = time.perf_counter() - progress.run_start, cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
@@ -466,6 +500,25 @@ def train(cfg, resume, state: TrainerState) -> dict:
     return result
 
 
+def interrupted(cfg, state: TrainerState | None) -> str:
+    """What a Ctrl-C (SIGINT) stopped, and how to go on: the step reached and the newest complete checkpoint (one
+    being written when it came is never listed, and goes at the next start)."""
+    if cfg is None or state is None:
+        return "interrupted before training started; nothing was written"
+    newest = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")[-1:]
+    where = (f"the newest checkpoint is {newest[0][1]} (step {newest[0][0]}); continue from it with --resume"
+             if newest else "no checkpoint was written yet: start over with --train.overwrite=true")
+    return f"interrupted after step {state.step}; {where}"
+
+
+def stop_on_first_interrupt(signum, frame):
+    """The first Ctrl-C stops the run (a KeyboardInterrupt, which main reports); later ones are ignored, so that
+    none breaks into the clean-up (lock, half-written folders) or the interpreter's atexit handlers with a
+    traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -480,7 +533,10 @@ def main(argv=None) -> int:
     # The progress lines of this script are the output; the libraries' per-file bars are noise.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
-    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, non-finite losses 3
+    cfg, state = None, None
+    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
+        if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, stop_on_first_interrupt)  # not when the caller ignores it (background job)
         args, rest = parser.parse_known_args(argv)
         if args.resume is not None and args.resume != "latest":
             args.resume = os.path.expanduser(args.resume)
@@ -489,10 +545,14 @@ def main(argv=None) -> int:
             print(describe(cfg))
             return 0
         with output_lock(Path(cfg.train.output_dir), enabled=os.environ.get("RANK", "0") == "0"):
-            train(cfg, args.resume, TrainerState(cfg.to_dict()))
+            state = TrainerState(cfg.to_dict())
+            train(cfg, args.resume, state)
     except (ConfigError, CheckpointError, FloatingPointError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 3 if isinstance(error, FloatingPointError) else 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), and how to go on
+        print(f"error: {interrupted(cfg, state)}", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -282,6 +282,40 @@ def test_train_end_to_end_then_resume_finished_run(tmp_path, run_data, capsys):
     assert again[0]["step"] == 0 and again[0]["val_loss"] == pytest.approx(val[-1]["val_loss"], abs=1e-5)
 
 
+def test_progress_bar_on_a_terminal_replaces_the_log_lines(tmp_path, run_data, capsys, monkeypatch):
+    """train.progress_bar (default true): where stdout and stderr are a terminal, a tqdm bar over the optimiser
+    steps (on stderr) replaces the log_every lines; train.progress_bar=false brings the lines back. (Output to a
+    file, as in every other test here, gets the lines.)"""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 3, "save_every": 0}, demo={"prompt": None})
+    for stream in (sys.stdout, sys.stderr):
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    assert train_script.main(["--config", str(recipe)]) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"train: 100%.*\b3/3 ", captured.err) and "[train] step 3/3 loss" not in captured.out, captured
+    assert train_script.main(["--config", str(recipe), "--train.overwrite=true", "--train.progress_bar=false"]) == 0
+    captured = capsys.readouterr()
+    assert "3/3 [" not in captured.err and "[train] step 3/3 loss" in captured.out, captured
+
+
+def test_build_model_probes_on_the_training_device(tmp_path, run_data, monkeypatch):
+    """build_model runs its two-token probe forward on the device it is given (the accelerator's, where a kernel
+    that runs only there is tried), and returns the model there, in training mode: here the meta device, which
+    no CPU-only probe would reach."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_run_config(write_recipe(tmp_path, run_data))
+    seen, build = [], AutoModelForCausalLM.from_config
+
+    def spied(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.register_forward_pre_hook(lambda module, a, k: seen.append(k["input_ids"].device), with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", spied)
+    model = train_script.build_model(cfg, train_script.model_config(cfg), torch.device("meta"), {})
+    assert seen == [torch.device("meta")] and model.device.type == "meta" and model.training
+
+
 def test_fresh_run_refuses_to_mix_into_an_old_one(tmp_path, run_data, capsys):
     recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0, "overwrite": False},
                           demo={"prompt": None})

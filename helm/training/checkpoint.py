@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -39,20 +40,26 @@ class CheckpointError(RuntimeError):
 
 class TrainerState:
     """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``), the
-    recipe it was trained with and the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`);
+    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`),
+    the validation loss measured when it was saved (for ``train.keep_best``) and the divergence monitor's state;
     registered with ``accelerator.register_for_checkpointing``."""
 
-    def __init__(self, config: dict, step: int = 0, data: dict | None = None):
-        self.config, self.step, self.data = config, step, data
+    def __init__(self, config: dict, step: int = 0, data: dict | None = None, divergence=None):
+        self.config, self.step, self.data, self.divergence = config, step, data, divergence
+        self.val_loss: float | None = None
 
     def state_dict(self) -> dict:
-        state = {"step": self.step, "config": self.config}
+        state = {"step": self.step, "config": self.config, "val_loss": self.val_loss}
         if self.data is not None:
             state["data"] = self.data
+        if self.divergence is not None:
+            state["divergence"] = self.divergence.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+        if self.divergence is not None:
+            self.divergence.load_state_dict(state.get("divergence"))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -105,9 +112,9 @@ def read_trainer_state(checkpoint: Path) -> dict:
     return state
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
-    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, delete all but the
-    last ``keep_last``."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int, keep_best: bool = False) -> None:
+    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, prune old ones: all
+    but the last ``keep_last`` and, with ``keep_best``, the one of lowest validation loss (:func:`best_checkpoint`)."""
     root = output_dir / "checkpoints"
     tmp, final = root / f".tmp-step-{step:08d}", root / f"step-{step:08d}"
     if accelerator.is_main_process:
@@ -125,10 +132,23 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int)
         raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
                               f"({kept[0]}) is intact: free space, then continue with --resume") from None
     if accelerator.is_main_process:
+        best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            if path != best:
+                shutil.rmtree(path, ignore_errors=True)
         remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint under ``root`` whose trainer state records the lowest finite validation loss (the newest of
+    equal ones), or None when none records one."""
+    scored = []
+    for step, path in list_checkpoints(root):
+        loss = read_trainer_state(path).get("val_loss")
+        if loss is not None and math.isfinite(loss):
+            scored.append((loss, -step, path))
+    return min(scored)[2] if scored else None
 
 
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
