@@ -17,7 +17,8 @@
 # Steps: import (import helm, no private transformers name needed), per family (helm_d, helm_mice): build, save,
 # reload with AutoModelForCausalLM.from_pretrained and the same logits, generate; remote-code (the saved folders
 # loaded with trust_remote_code=True in a child process that cannot import helm, generating the same tokens);
-# peft (LoRA get_peft_model, forward and backward); data (helm.data trains a tokenizer through datasets and
+# peft (LoRA get_peft_model with HELM's default targets, forward and backward, adapter saved and
+# reloaded by PeftModel.from_pretrained and model.load_adapter); data (helm.data trains a tokenizer through datasets and
 # tokenizers, AutoTokenizer reloads it); train (train.py, through accelerate, 4 steps with checkpoints,
 # final/ reloaded); recipe (OmegaConf reads configs/train/tiny-helm-d.yaml); pip-check
 # (the installed set satisfies pyproject's bounds). Exit status: the number of failed steps.
@@ -181,14 +182,24 @@ def remote_code():
 
 
 def lora():
+    """LoRA on helm_d with PEFT's default targets for HELM (no target_modules given): forward, backward, the
+    adapter saved, then loaded onto a fresh base by PEFT and by the model's load_adapter, with the same logits."""
     import peft
     model = AutoModelForCausalLM.from_pretrained(work / "helm_d")
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, init_lora_weights=False))
     ids = torch.tensor([[1, 2, 3, 4]])
     adapted(ids, labels=ids).loss.backward()
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained), trained
     assert all(p.grad is not None for p in adapted.parameters() if p.requires_grad)
+    adapted.save_pretrained(work / "adapter")
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "helm_d"), work / "adapter")
+    onto = AutoModelForCausalLM.from_pretrained(work / "helm_d")
+    onto.load_adapter(str(work / "adapter"))  # HELM's override, then transformers' PEFT integration
+    with torch.no_grad():
+        expected = adapted.eval()(ids).logits
+        assert torch.equal(loaded.eval()(ids).logits, expected)
+        assert torch.equal(onto.eval()(ids).logits, expected)
 
 
 def data():
