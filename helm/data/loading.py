@@ -27,7 +27,7 @@ def local_files(source, split: str) -> list[Path] | None:
 
 
 def load_text_dataset(source, split: str = "train", *, text_column: str = "text", streaming: bool | None = None,
-                      allow_hub: bool | None = None, cache_dir: str | os.PathLike | None = None, **hub_kwargs: Any):
+                      cache_dir: str | os.PathLike | None = None, **hub_kwargs: Any):
     """One split of a text dataset as a ``datasets.Dataset`` (``IterableDataset`` when streaming) with a
     ``text_column`` column.
 
@@ -37,8 +37,8 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
       * a list of such files (concatenated in order);
       * a folder holding ``{split}.jsonl``, ``{split}.json`` or ``{split}.txt`` (e.g. ``data/default``);
       * otherwise a Hub dataset name, streamed by default (``hub_kwargs`` go to ``datasets.load_dataset``, e.g.
-        ``name=`` for a configuration); refused with a clear error when ``allow_hub`` is false, which is the
-        default under ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` / ``TRANSFORMERS_OFFLINE``.
+        ``name=`` for a configuration); a failure to load it (offline, no such dataset) is a RuntimeError naming
+        it.
 
     Local files load with ``streaming=bool(streaming)``; their paths are made absolute first.
     """
@@ -72,16 +72,10 @@ def load_text_dataset(source, split: str = "train", *, text_column: str = "text"
                                  "lack it)" if nulls else f"{file}: field {text_column!r} must hold strings")
             parts.append(part.select_columns([text_column]) if len(files) > 1 else part)
         return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    if allow_hub is None:  # read now, not at import, so that a test or a launcher may set it late
-        allow_hub = not any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-                            for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    if not allow_hub:
-        raise RuntimeError(f"{str(source)!r} is neither a local file nor a folder, and loading it as a Hugging Face "
-                           f"Hub dataset is disabled (offline mode). Pass a local .jsonl/.txt file or a folder with "
-                           f"{split}.jsonl, e.g. the output of `python scripts/build_data.py --out data/default`.")
-    try:
+    try:  # offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), datasets refuses a name it has not cached
         return datasets.load_dataset(str(source), split=split, streaming=True if streaming is None else streaming,
                                      cache_dir=cache, **hub_kwargs)
     except Exception as error:
         raise RuntimeError(f"could not load {str(source)!r} from the Hugging Face Hub ({type(error).__name__}: "
-                           f"{error}). Without network access pass a local .jsonl/.txt file or a folder.") from error
+                           f"{error}); without network access pass a local .jsonl/.txt file or a folder, e.g. "
+                           "`python scripts/build_data.py --out data/default`") from None

@@ -2,8 +2,7 @@
 
 Not the paper's recipe (App. C: 2048-token samples with the tails dropped, packed at ratio 3, right-padded, BOS
 first): no tail is dropped, a document crossing a row boundary continues in the next row; eos (what ``generate``
-stops on) ends each document. Only the last partial row is dropped, or padded when ``pad_id`` is given
-(``labels = -100``, ``segment_ids = -1``, ``position_ids = 0``, ``attention_mask = 0``).
+stops on) ends each document. Only the last partial row is dropped.
 
 Every row comes with, all ``[N, L]`` int64, named as the HELM models' forward takes them (``model(**rows)``):
 
@@ -13,7 +12,7 @@ Every row comes with, all ``[N, L]`` int64, named as the HELM models' forward ta
 * ``labels``: equal to ``input_ids`` (the model shifts them): the eos is a target, and the eos position predicts
   the next document's first token from its own document only, which is how generation starts a new document.
   ``mask_document_starts=True`` sets ``-100`` on segment starts after column 0 instead.
-* ``attention_mask``: 1 for real tokens, 0 for padding.
+* ``attention_mask``: all ones (the rows hold no padding), for models that expect one.
 """
 
 from __future__ import annotations
@@ -25,21 +24,14 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 
-def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *, pad_id: int | None,
+def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *,
                mask_document_starts: bool) -> dict[str, torch.Tensor]:
-    """Cut ``tokens [T]`` (eos included; ``owner [T]`` = document index of each token) into rows."""
-    total = tokens.numel()
-    if pad_id is None:
-        n_rows = total // seq_len
-        tokens, owner = tokens[: n_rows * seq_len], owner[: n_rows * seq_len]
-    else:
-        n_rows = -(-total // seq_len)
-        extra = n_rows * seq_len - total
-        tokens = torch.cat([tokens, tokens.new_full((extra,), pad_id)])
-        owner = torch.cat([owner, owner.new_full((extra,), -1)])
-    input_ids, docs = tokens.view(n_rows, seq_len), owner.view(n_rows, seq_len)
-    real = docs >= 0
-    starts = torch.ones_like(real)
+    """Cut ``tokens [T]`` (eos included; ``owner [T]`` = document index of each token) into rows, the last partial
+    one dropped."""
+    n_rows = tokens.numel() // seq_len
+    input_ids = tokens[: n_rows * seq_len].view(n_rows, seq_len)
+    docs = owner[: n_rows * seq_len].view(n_rows, seq_len)
+    starts = torch.ones_like(docs, dtype=torch.bool)
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
     columns = torch.arange(seq_len).expand(n_rows, seq_len)
     # The running maximum of "column where the current segment began" turns columns into in-segment offsets.
@@ -47,18 +39,16 @@ def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *, pad_i
     labels = input_ids.clone()
     if mask_document_starts:
         labels[starts & (columns > 0)] = -100
-    labels[~real] = -100
-    return {"input_ids": input_ids.clone(), "labels": labels,
-            "segment_ids": (torch.cumsum(starts.long(), dim=1) - 1).masked_fill(~real, -1),
-            "position_ids": (columns - begin).masked_fill(~real, 0), "attention_mask": real.long()}
+    return {"input_ids": input_ids.clone(), "labels": labels, "segment_ids": torch.cumsum(starts.long(), dim=1) - 1,
+            "position_ids": columns - begin, "attention_mask": torch.ones_like(input_ids)}
 
 
-def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
+def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int,
                    mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
     """Pack tokenised documents (without eos; empty ones allowed) into rows (see the module docstring).
 
     Returns ``input_ids, labels, segment_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
-    ``N = floor(T / seq_len)`` (``ceil`` with ``pad_id``) for ``T`` tokens including the eos tokens.
+    ``N = floor(T / seq_len)`` for ``T`` tokens including the eos tokens.
     """
     flat, lengths = [], []
     for ids in token_id_lists:
@@ -66,19 +56,19 @@ def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos
         flat.append(eos_id)
         lengths.append(len(ids) + 1)
     owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    return _pack_flat(torch.tensor(flat, dtype=torch.long), owner, seq_len, pad_id=pad_id,
+    return _pack_flat(torch.tensor(flat, dtype=torch.long), owner, seq_len,
                       mask_document_starts=mask_document_starts)
 
 
-def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int | None = None,
+def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int,
                 mask_document_starts: bool = False, rows_per_chunk: int = 256) -> Iterator[dict[str, torch.Tensor]]:
     """The rows of :func:`pack_documents` one at a time (``[L]`` tensors), reading documents lazily (streams)."""
     tokens: list[int] = []
     owners: list[int] = []
 
-    def emit(n: int, pad: int | None) -> Iterator[dict[str, torch.Tensor]]:
+    def emit(n: int) -> Iterator[dict[str, torch.Tensor]]:
         rows = _pack_flat(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(owners[:n], dtype=torch.long),
-                          seq_len, pad_id=pad, mask_document_starts=mask_document_starts)
+                          seq_len, mask_document_starts=mask_document_starts)
         for i in range(rows["input_ids"].shape[0]):
             yield {key: value[i] for key, value in rows.items()}
 
@@ -89,10 +79,9 @@ def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id
         if len(tokens) >= rows_per_chunk * seq_len:
             # Global document indices survive the cut: a document running into the next chunk stays one document.
             n = len(tokens) // seq_len * seq_len
-            yield from emit(n, None)
+            yield from emit(n)
             del tokens[:n], owners[:n]
-    if tokens and (pad_id is not None or len(tokens) >= seq_len):
-        yield from emit(len(tokens), pad_id)
+    yield from emit(len(tokens))
 
 
 def tokenize(dataset, tokenizer, *, text_column: str = "text"):

@@ -33,7 +33,7 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_
     files = [Path(files)] if isinstance(files, (str, os.PathLike)) else [Path(f) for f in files]
     if vocab_size < 258:
         raise ValueError(f"vocab_size must be at least 258 (256 bytes + 2 special tokens), got {vocab_size}")
-    texts = load_text_dataset(files, text_column=text_column, allow_hub=False)
+    texts = load_text_dataset(files, text_column=text_column)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

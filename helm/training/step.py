@@ -54,9 +54,6 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: Sequence
 
     Returns the step's :class:`StepMetrics`.
     """
-    if len(micro_batches) != accelerator.gradient_accumulation_steps:
-        raise ValueError(f"{len(micro_batches)} micro-batches for a step, but the accelerator accumulates "
-                         f"gradients over {accelerator.gradient_accumulation_steps}")
     device, count = accelerator.device, len(micro_batches)
     micro_batches = [{key: value.to(device, non_blocking=True) for key, value in batch.items()}
                      for batch in micro_batches]
