@@ -51,10 +51,9 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
                            pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
                            training_batches)
-from helm.training.checkpoint import (OVERWRITTEN, best_checkpoint, list_checkpoints, remove_stale_tmp_checkpoints,
+from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, remove_stale_tmp_checkpoints,
                                       set_aside_later_checkpoints, write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
-from helm.training.divergence import DivergenceMonitor
 
 
 def make_accelerator(cfg, out: Path, resume_step):
@@ -373,8 +372,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
         optimizer, num_warmup_steps=round(cfg.optim.warmup_ratio * cfg.train.max_steps),
         num_training_steps=cfg.train.max_steps, min_lr_rate=cfg.optim.final_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    state.divergence = DivergenceMonitor(cfg.train.divergence_factor, cfg.train.divergence_patience,
-                                         accelerator.device)
     accelerator.register_for_checkpointing(state)
     unwrapped = accelerator.unwrap_model(model)
     # MiCE layers, or DeepSeek-V3's routers with balancing hooks added now, before compiling, so they are traced;
@@ -427,7 +424,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
                                  grad_clip=cfg.optim.grad_clip, forward=forward)
             done = state.step = step + 1
             progress.add(metrics)
-            state.divergence.update(metrics.loss, done)
             # Non-finite loss, or gradient norm unless a loss scaler skips such steps: flagged on the device, read
             # when logging or saving (which sync anyway), so that no checkpoint is ever written after it.
             finite = (metrics.loss + (0 if accelerator.scaler else metrics.grad_norm)).isfinite()
@@ -438,13 +434,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
             if (log or save) and (bad := [s for s in accelerator.gather(first_bad).tolist() if s]):
                 raise FloatingPointError(f"non-finite loss or gradient norm (NaN or inf) at step {min(bad)}; nothing "
                                          f"after it was saved. {divergence_causes(cfg)}")
-            if (log or save) and (blown := [s for s in accelerator.gather(state.divergence.diverged_at[None]).tolist()
-                                            if s]):
-                best = best_checkpoint(out / "checkpoints") if cfg.train.keep_best else None
-                kept = f"; the checkpoint of lowest validation loss is kept: {best}" if best is not None else ""
-                raise FloatingPointError(f"the training loss diverged (finite): "
-                                         f"{state.divergence.report() or f'from step {min(blown)} on'}; nothing after "
-                                         f"step {done - 1} was saved{kept}. {divergence_causes(cfg)}")
             if log:
                 progress.log(done, metrics, routed)
             val = None
@@ -534,7 +523,7 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     cfg, state = None, None
-    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, divergence 3
+    try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, non-finite losses 3
         if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, stop_on_first_interrupt)  # not when the caller ignores it (background job)
         args, rest = parser.parse_known_args(argv)

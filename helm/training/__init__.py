@@ -1,6 +1,5 @@
 """Library pieces of ``train.py``: the recipe (:mod:`.config`), training data (:mod:`.data`), one optimiser step
-(:mod:`.step`), the detector of a finite divergence (:mod:`.divergence`), atomic checkpoints (:mod:`.checkpoint`)
-and the JSONL metrics tracker (:mod:`.tracking`)."""
+(:mod:`.step`), atomic checkpoints (:mod:`.checkpoint`) and the JSONL metrics tracker (:mod:`.tracking`)."""
 
 from .checkpoint import (LOCK, CheckpointError, TrainerState, find_checkpoint, list_checkpoints,
                          output_lock, read_trainer_state, save_checkpoint, save_final, verify_checkpoint)

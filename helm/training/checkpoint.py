@@ -40,26 +40,21 @@ class CheckpointError(RuntimeError):
 
 class TrainerState:
     """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``), the
-    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`),
-    the validation loss measured when it was saved (for ``train.keep_best``) and the divergence monitor's state;
-    registered with ``accelerator.register_for_checkpointing``."""
+    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`)
+    and the validation loss measured when it was saved (for ``train.keep_best``); registered with
+    ``accelerator.register_for_checkpointing``."""
 
-    def __init__(self, config: dict, step: int = 0, data: dict | None = None, divergence=None):
-        self.config, self.step, self.data, self.divergence = config, step, data, divergence
-        self.val_loss: float | None = None
+    def __init__(self, config: dict, step: int = 0, data: dict | None = None):
+        self.config, self.step, self.data, self.val_loss = config, step, data, None
 
     def state_dict(self) -> dict:
         state = {"step": self.step, "config": self.config, "val_loss": self.val_loss}
         if self.data is not None:
             state["data"] = self.data
-        if self.divergence is not None:
-            state["divergence"] = self.divergence.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
-        if self.divergence is not None:
-            self.divergence.load_state_dict(state.get("divergence"))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:

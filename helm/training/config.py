@@ -157,13 +157,6 @@ class TrainConfig:
     """Also keep the checkpoint of lowest validation loss (measured on eval_rows rows at every checkpoint and
     recorded in its trainer state), as Lightning's ModelCheckpoint does: a run that went wrong after its best
     point keeps that point whatever keep_last deletes. false: only the last keep_last."""
-    divergence_factor: Optional[float] = 3.0
-    """Stop with exit status 3 when the training loss blows up while staying finite: above this many times its
-    lowest running level (a 10-step moving average) and above the first step's loss, for divergence_patience
-    consecutive steps (``helm/training/divergence.py``); no checkpoint is written after that is detected, and
-    keep_best keeps the best one from before. At least 1; null: stop only on NaN or inf."""
-    divergence_patience: int = 5
-    """Consecutive blown-up steps (see divergence_factor) that make a divergence; one spike is not one."""
     logger: str = "jsonl"
     """accelerate trackers: jsonl (output_dir/metrics.jsonl), tensorboard (output_dir/tensorboard; needs
     ``pip install tensorboard``), or both."""
@@ -309,7 +302,7 @@ def expand_home(c: RunConfig) -> None:
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
            "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
            "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
-           "train.keep_last": 1, "train.divergence_patience": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
+           "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
 POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
            "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager")}
@@ -338,8 +331,6 @@ def validate(c: RunConfig) -> None:
         ("train.seed", c.train.seed < 2**32, "must be < 2**32 (numpy's seed range)"),
         ("optim.warmup_ratio", 0 <= c.optim.warmup_ratio < 1, "must be in [0, 1)"),
         ("optim.final_lr_ratio", 0 <= c.optim.final_lr_ratio <= 1, "must be in [0, 1]"),
-        ("train.divergence_factor", c.train.divergence_factor is None or c.train.divergence_factor >= 1,
-         "must be >= 1 (times the lowest running loss) or null"),
         ("data.holdout_documents", c.data.validation_split is not None or c.data.holdout_documents >= 1,
          "must be >= 1 when data.validation_split is null (documents held out of the training split for validation)"),
         ) if not ok]
@@ -358,7 +349,7 @@ RESUMABLE_CHANGES = frozenset({
     "train.log_every",
     "train.eval_every",
     "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
-    "train.divergence_factor", "train.divergence_patience", "train.logger", "train.progress_bar",
+    "train.logger", "train.progress_bar",
     "train.gradient_checkpointing", "train.compile", "train.compile_backend",
     "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens",
     "demo.do_sample",
