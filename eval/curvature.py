@@ -101,8 +101,6 @@ def embedding_sample(name: str, path: str, texts: list[str], args) -> tuple[torc
     with torch.no_grad():  # the decoder without its LM head, one unpadded window at a time
         hidden = torch.cat([model.base_model(input_ids=w[None].to(model.device), use_cache=False).last_hidden_state[0]
                             for w in tqdm(ids.split(seq_len), desc="embeddings", disable=args.no_progress)]).cpu()
-    if hidden.shape[0] <= args.knn:
-        raise EvalError(f"only {hidden.shape[0]} tokens of text; need more than --knn {args.knn}")
     pick = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(args.seed))[:args.max_points]
     distance = args.distance
     if distance == "auto":

@@ -161,8 +161,6 @@ SOURCES: dict[str, CorpusSource] = {
 
 def _resolve_sources(sources: Iterable[str]) -> list[CorpusSource]:
     names = list(dict.fromkeys(sources))
-    if not names:
-        raise ValueError("sources is empty")
     unknown = [name for name in names if name not in SOURCES]
     if unknown:
         raise ValueError(f"unknown corpus source(s) {unknown}; known: {sorted(SOURCES)}")

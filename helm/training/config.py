@@ -268,10 +268,8 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
         if placeholders := sorted(OmegaConf.missing_keys(dotlist)):  # the merge would drop such an override
             raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key, it is not a value")
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist)
-        if missing := sorted(OmegaConf.missing_keys(merged)):
-            raise ConfigError(f"{missing[0]} is required but {path} does not set it")
-        config = OmegaConf.to_object(merged)
+        # a required key left unset is OmegaConf's MissingMandatoryValue, which names it
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), recipe, dotlist))
     except OmegaConfBaseException as error:
         raise ConfigError(_message(error)) from None
     except (ValueError, TypeError, yaml.YAMLError) as error:  # YAML syntax, or a recipe that is not a mapping
