@@ -391,14 +391,29 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             check(value, name, rule)
         super().__setattr__(name, value)
 
+    def update(self, config_dict: dict) -> None:
+        """``transformers``' ``update``, refusing unknown keys as the constructor does (transformers would store
+        ``hiden_size`` as a stray attribute and save it), then the cross-field rules."""
+        self.refuse_unknown_keys(config_dict)
+        super().update(config_dict)
+        self.validate_architecture()
+
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """``transformers``' ``from_dict``, with keyword fields (``from_pretrained(folder, curvature=-2.0)``) merged
-        into the dict: they pass the cross-field checks as constructor keywords do (transformers sets them after)."""
+        into the dict: they pass the cross-field checks as constructor keywords do (transformers sets them after). A
+        dict of another family (its ``model_type``, or ``architectures`` naming the other family's classes, as a
+        HELM-D ``config.json`` relabelled ``helm_mice`` has) is refused naming them: it would load with defaults."""
         saved = config_dict.get("model_type", cls.model_type)
         if saved != cls.model_type:
             raise ValueError(f"model_type={saved!r}: {cls.__name__} reads {cls.model_type!r} configs; load it with "
                              "AutoConfig")
+        family = cls.__name__.removesuffix("Config")
+        foreign = [a for a in config_dict.get("architectures") or () if isinstance(a, str) and a.startswith("Helm")
+                   and not (a.startswith(family) and a[len(family):][:1].isupper())]
+        if foreign:
+            raise ValueError(f"architectures={foreign!r} belong to another HELM family than model_type={saved!r} "
+                             f"({cls.__name__}); the config.json was relabelled: restore its model_type")
         own = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(PreTrainedConfig)}
         merged = {key: kwargs.pop(key) for key in list(kwargs) if key in own or key in cls.legacy_kwargs}
         return super().from_dict({**config_dict, **merged}, **kwargs)

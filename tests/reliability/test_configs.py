@@ -177,6 +177,7 @@ SOURCES = {
         _saved(tmp_path), **{name: value}),
     "model.from_pretrained-keyword": _model_from_pretrained,
     "assigned-after-construction": lambda tmp_path, name, value: setattr(HelmDConfig(), name, value),
+    "config.update": lambda tmp_path, name, value: HelmDConfig().update({name: value}),
 }
 EVERY_SOURCE = [("curvature", 2.0), ("use_cache", "no"), ("residual_weight", NAN)]
 
@@ -194,6 +195,7 @@ UNKNOWN_KEYS = [
     ("config.json", "curvatur", "curvature"),
     ("preset-file", "posistional", "positional"),
     ("load_config-override", "curvture", "curvature"),
+    ("config.update", "hiden_size", "hidden_size"),  # issue 34: update stored the typo and ignored it
 ]
 
 
@@ -317,6 +319,24 @@ def test_a_config_saved_under_an_old_field_name_loads():
 def test_a_config_of_another_model_type_is_named(saved, cls, tmp_path):
     tiny_config(saved).save_pretrained(tmp_path)
     _refused([f"model_type={saved!r}", cls.__name__], cls.from_pretrained, tmp_path)
+
+
+@pytest.mark.parametrize("family, other", [("helm_d", "helm_mice"), ("helm_mice", "helm_d")],
+                         ids=["d-relabelled-mice", "mice-relabelled-d"])
+def test_a_config_json_relabelled_as_the_other_family_is_refused(family, other, tmp_path):
+    """Issue 34: a HELM-D config.json whose model_type says helm_mice loaded as a MiCE config with defaults; its
+    architectures name the family it was saved from."""
+    tiny_model(family).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": other}))
+    _refused(["architectures", repr(other)], AutoConfig.from_pretrained, tmp_path)
+
+
+def test_update_keeps_known_fields_and_runs_the_cross_field_rules():
+    config = HelmDConfig()
+    config.update({"hidden_size": 65, "num_attention_heads": 4})
+    assert (config.hidden_size, config.num_attention_heads) == (65, 4)
+    _refused(["head_dim"], config.update, {"head_dim": 16})
 
 
 def test_a_valid_assignment_after_construction_is_kept_and_a_bad_one_changes_nothing():
