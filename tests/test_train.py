@@ -590,7 +590,7 @@ def test_checkpoint_round_trip_keeps_manifold_parameters(tmp_path):
     save_checkpoint(accelerator, tmp_path, 3, keep_last=1)
     checkpoint = tmp_path / "checkpoints" / "step-00000003"
     verify_checkpoint(checkpoint)
-    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "world_size": 1}
+    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "val_loss": None, "world_size": 1}
 
     again, fresh, fresh_optimizer, fresh_state = build(0)
     again.load_state(str(checkpoint))
