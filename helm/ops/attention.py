@@ -528,15 +528,15 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
     * ``auto``: ``triton`` on CUDA where it can run and take the call, else ``sdpa``.
     """
     requested = check_attention_implementation(requested)
+    # before the absorbed path: a request the device cannot run fails on every call, not only on uncached ones
+    if requested == "triton" and (reason := _triton_unavailable(device)) is not None:
+        raise ValueError(reason)
     if absorbable and requested != "eager":
         return "absorbed"
     if requested in ("eager", "sdpa"):
         return requested
     takes_call = not dense_bias and (mask is None or mask.bottom_right)
     if requested == "triton":
-        reason = _triton_unavailable(device)
-        if reason is not None:
-            raise ValueError(reason)
         if not takes_call:
             _note_once("helm attention 'triton': a dense score bias, static cache or 4-D mask; 'sdpa' takes it")
         return "triton" if takes_call else "sdpa"

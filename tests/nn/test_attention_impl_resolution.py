@@ -26,6 +26,9 @@ def test_each_name_on_the_cpu(monkeypatch):
         resolve_attention("triton", CPU)
     with pytest.raises(ValueError, match="'flash'"):
         resolve_attention("flash", CPU)
+    # also where HMLA would take its absorbed decode: train.py's cached probe forward must see the refusal
+    with pytest.raises(ValueError, match="'triton'.*'cpu'"):
+        resolve_attention("triton", CPU, absorbable=True)
 
 
 def test_auto_takes_the_kernel_on_cuda_only_where_it_takes_the_call(kernel_loads):
