@@ -153,8 +153,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             coordinate) or ``flatten`` (the official code's flattened per-head points); see FIDELITY.md.
         final_proj: one more HLT ``hidden_size -> hidden_size`` before the final norm, as the official models
             have (False: the paper's architecture).
-        validate_inputs: check token ids and labels against the vocabulary and ``inputs_embeds`` for finite
-            points (one device read each, skipped while compiling).
         fused_lm_loss: in training with ``labels``, compute the loss with the fused, chunked LM head +
             cross-entropy (:func:`helm.ops.linear_cross_entropy`: no ``[B, T, V]`` logits, same loss and gradients)
             and return ``logits=None``; ``forward(skip_logits=False)`` asks for the logits anyway (see
@@ -169,7 +167,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     # must keep its squared time coordinate (products, distances) inside fp32: radius |u|/sqrt(k) <= 40.
     max_wrapped_normal_radius = 40.0
     # constructor keywords of older saved configs, read by :meth:`upgrade_old_fields` (not fields)
-    legacy_kwargs = ("residual_space_scale", "pe_options", "rope_scaling", "partial_rotary_factor", "attn_impl")
+    legacy_kwargs = ("residual_space_scale", "pe_options", "rope_scaling", "partial_rotary_factor", "attn_impl",
+                     "validate_inputs")
 
     vocab_size: int = field(integer(1), 128256)
     hidden_size: int = field(integer(2), 390)
@@ -206,7 +205,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     lm_head_mode: str = field(one_of(LM_HEAD_MODES), "linear")
     head_merge: str = field(one_of(HEAD_MERGES), "hcat")
     final_proj: bool = field(boolean, False)
-    validate_inputs: bool = field(boolean, True)
     fused_lm_loss: bool = field(boolean, True)
 
     @property
@@ -228,6 +226,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         self.standardize_rope_keywords(kwargs)
         if "attn_impl" in kwargs:
             kwargs.setdefault("attn_implementation", kwargs.pop("attn_impl"))
+        kwargs.pop("validate_inputs", None)  # the switch of value checks that no longer exist (no host read in a step)
         if "residual_space_scale" in kwargs:
             scale = kwargs.pop("residual_space_scale")
             logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "

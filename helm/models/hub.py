@@ -197,7 +197,7 @@ class HelmHubMixin:
 # config fields a HELM model reads at each call, or that describe no layer: a change after the model is built is
 # followed (or changes nothing built); any other field is read by the layers when they are built
 RUNTIME_CONFIG_FIELDS = frozenset({
-    "validate_inputs", "fused_lm_loss", "use_cache", "output_attentions", "output_hidden_states",
+    "fused_lm_loss", "use_cache", "output_attentions", "output_hidden_states",
     "return_dict", "pad_token_id", "bos_token_id", "eos_token_id", "architectures", "dtype", "torch_dtype",
     "transformers_version", "problem_type", "id2label", "label2id", "initializer_range", "auto_map",
     "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class"})

@@ -87,7 +87,7 @@ OUT_OF_RANGE = [
 ]
 # Every boolean field: a string "false" (or 0, 1) would be truthy (or falsy) and build another model.
 BOOLEAN_FIELDS = [(HelmDConfig, name, "false") for name in (
-    "use_cache", "attention_bias", "mlp_bias", "hope_boost_learnable_decay", "final_proj", "validate_inputs",
+    "use_cache", "attention_bias", "mlp_bias", "hope_boost_learnable_decay", "final_proj",
     "fused_lm_loss")] + [(HelmDConfig, "use_cache", 0)] + \
     [(HelmMiCEConfig, name, "no") for name in ("norm_topk_prob", "trainable_curvatures", "hmla_absorb")]
 
@@ -312,6 +312,15 @@ def test_a_config_saved_under_an_old_field_name_loads():
     config = HelmDConfig(hidden_size=65, num_attention_heads=4, residual_space_scale=16.0,
                          pe_options={"chunk_size": 64})
     assert config.residual_space_scale == pytest.approx(16.0) and config.rope3d_chunk_size == 64
+
+
+def test_a_config_json_with_the_former_validate_inputs_switch_loads(tmp_path):
+    """The switch of the input value checks (host reads in every step, removed) is dropped on loading."""
+    tiny_config("helm_d").save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "validate_inputs": False}))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert "validate_inputs" not in config.to_dict()
 
 
 @pytest.mark.parametrize("saved, cls", [("helm_mice", HelmDConfig), ("helm_d", HelmMiCEConfig),
