@@ -19,7 +19,7 @@ from tests.helpers import tiny_model
 SYNC_OPS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.nonzero,
             torch.ops.aten.equal, torch.ops.aten.item}
 FAMILIES = ["helm_d", "helm_mice", "llama", "deepseek_v3"]
-# 2 x 64 tokens: at and above the token count from which a MiCE layer on the CPU may choose another dispatch
+# 2 x 64 tokens: at and above the token count from which a MiCE layer used to switch to the sparse dispatch
 BATCH, SEQ = 2, 64
 
 

@@ -38,8 +38,10 @@ class HelmMiCEConfig(HelmConfigBase):
             bias_update_speed: γ of the aux-loss-free routing-bias update (``bias_update_speed >= 0``, finite).
         expert_combine: ``centroid`` (paper Eq. 6: one weighted centroid) or ``lresnet_official`` (the official
             code's chain of LResNets; needs ``n_shared_experts=1``; see :class:`helm.nn.MiCE` and FIDELITY.md).
-        moe_dispatch: ``auto`` (each routed expert runs only on its tokens on the CPU from 128 tokens per call,
-            else every expert on every token), ``dense`` or ``sparse``; the same outputs either way.
+        moe_dispatch: ``auto`` and ``dense`` run every routed expert on every token and weight the outputs (no host
+            read in a step); ``sparse`` runs each expert on its own tokens only (one sort, and one host read of the
+            per-expert counts per layer forward: opt-in, faster on the CPU at the paper's shapes). The same outputs
+            and gradients either way.
         hmla_absorb: absorbed HMLA decoding (:class:`helm.nn.HMLA`): the cache also keeps three fp32 scalars per
             head and token (key and value time coordinates, centred value norm), and a cached forward of a few
             tokens attends in the latent space, ``O(T_cache·(n_kv + d_r))`` per head instead of re-running
