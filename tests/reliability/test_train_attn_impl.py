@@ -17,8 +17,10 @@ from tests.test_train import fresh_accelerate_state, run_data, train_script, wri
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the kernel can run here")
-def test_triton_override_without_cuda_exits_2_with_one_clear_line(tmp_path, run_data, capsys):
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+@pytest.mark.parametrize("base", ["tiny-helm-d", "tiny-helm-mice"])  # MiCE: HMLA's absorbed probe must refuse too
+def test_triton_override_without_cuda_exits_2_with_one_clear_line(tmp_path, run_data, capsys, base):
+    recipe = write_recipe(tmp_path, run_data, base=base, train={"max_steps": 4, "save_every": 2},
+                          demo={"prompt": None})
     assert train_script.main(["--config", str(recipe), "--model.attn_implementation=triton"]) == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
@@ -26,10 +28,3 @@ def test_triton_override_without_cuda_exits_2_with_one_clear_line(tmp_path, run_
     assert re.search(r"model\.attn_implementation='triton'.*cpu", errors[0]), errors[0]
     assert "Traceback" not in captured.out + captured.err
     assert "[train] data:" not in captured.out, "the problem was found only after loading the data"
-
-
-def test_build_model_probes_on_the_training_device(monkeypatch):
-    """The probe forward runs on the device passed in (the accelerator's), not always on the CPU."""
-    import inspect
-
-    assert "device" in inspect.signature(train_script.build_model).parameters
