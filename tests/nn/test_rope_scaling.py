@@ -371,7 +371,7 @@ def test_rope_theta_is_mirrored_and_old_configs_load(tmp_path):
     saved.pop("rope_parameters")
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert HelmDConfig.from_pretrained(tmp_path).rope_parameters == {"rope_type": "default", "rope_theta": BASE}
-    with pytest.raises(ValueError, match=r"rope_theta=20000.0 disagrees with rope_parameters\['rope_theta'\]"):
+    with pytest.raises(ValueError, match=r"rope_theta.*20000.*rope_parameters"):
         HelmDConfig(rope_theta=2e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
 
 

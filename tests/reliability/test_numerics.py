@@ -281,9 +281,7 @@ K_SHAPES = [
 
 @pytest.mark.parametrize("case, call", K_SHAPES, ids=[c[0] for c in K_SHAPES])
 def test_tensor_k_of_another_shape_than_the_time_coordinates_is_refused(case, call):
-    with pytest.raises(ValueError, match=r"^k(_out)? must broadcast against the time coordinates x\[\.\.\., :1\] of "
-                                         r"shape \((3, )?1,?\) \(a tensor of shape \[\.\.\., 1\]\) without growing them, "
-                                         r"got a tensor of shape \((3,|2, 3, 1)\)"):
+    with pytest.raises(ValueError, match=r"^k(_out)?\b.*\((3,|2, 3, 1)\)"):
         call()
 
 
