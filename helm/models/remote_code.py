@@ -72,6 +72,14 @@ def _rewrite(module: str, flat: Dict[str, str]) -> str:
     return "".join(lines)
 
 
+def _direct_imports(entry: str, flat: Dict[str, str]) -> str:
+    """Lines importing, from the entry module ``entry``, every bundled module it reaches. ``transformers`` before
+    5.10 copies into its module cache only the files an entry module imports directly, and the bundle is a tree."""
+    reached = sorted(flat[m] for m in _collect({entry: flat[entry]}) if m != entry)
+    return "\n# every bundled module, imported here so that older transformers copy them all\n" + "".join(
+        f"from .{stem} import __name__ as _bundled_{stem}  # noqa: E402,F401\n" for stem in reached)
+
+
 # Auto class -> the suffix of the family's class it loads (``HelmD`` + suffix); every one the modeling module defines
 # goes into ``auto_map``, so a folder saved from any of them loads into any other with ``trust_remote_code=True``
 AUTO_CLASSES = {"AutoModel": "Model", "AutoModelForCausalLM": "ForCausalLM",
@@ -94,7 +102,10 @@ def write_remote_code(save_directory, model_class) -> list:
     flat = _collect(entries)
     written = []
     for module, stem in sorted(flat.items()):
-        (save_directory / f"{stem}.py").write_text(_rewrite(module, flat))
+        source = _rewrite(module, flat)
+        if module in entries:
+            source += _direct_imports(module, flat)
+        (save_directory / f"{stem}.py").write_text(source)
         written.append(f"{stem}.py")
     modeling_stem, config_stem = entries[modeling], entries[configuration]
     family = config_class.__name__[: -len("Config")]
