@@ -93,6 +93,7 @@ class HelmHubMixin:
                                      if list(c.source_patterns) != list(LEGACY_KEY_MAPPING)]
         model.restore_geometry()
         check_finite_weights(cls.__name__, where, model)
+        warn_off_manifold(model, f"{cls.__name__}.from_pretrained({str(where)!r})")
         return (model, info) if want_info else model
 
     @classmethod
@@ -167,6 +168,7 @@ class HelmHubMixin:
         Config fields the layers read when they were built and that changed since are a ``UserWarning`` naming
         them (:func:`changed_config_note`): the saved ``config.json`` would reload as another model."""
         call = f"{type(self).__name__}.save_pretrained({str(save_directory)!r})"
+        warn_off_manifold(self, call)
         check_save_directory(self, save_directory)
         if note := changed_config_note(getattr(self, "_config_as_built", None), self.config):
             warnings.warn(f"{call}: {note}", UserWarning, stacklevel=2)
@@ -281,3 +283,21 @@ def check_manifest(name: str, where, subfolder: str = "") -> None:
     if problem:
         raise OSError(f"{name}.from_pretrained({str(where)!r}): the checkpoint {problem}; re-save or re-download it "
                       f"(or delete {MANIFEST} to load it anyway)")
+
+
+# the largest relative manifold error a table keeps under the zoo's optimiser is fp32 rounding (about 1e-7); a stock
+# optimiser's first steps move points by the learning rate (0.7 after three AdamW steps at 3e-3)
+MANIFOLD_TOLERANCE = 1e-4
+
+
+def warn_off_manifold(model, call: str) -> None:
+    """A ``UserWarning`` from ``call`` naming the manifold parameters of ``model`` off the hyperboloid
+    (``model.manifold_error()`` above :data:`MANIFOLD_TOLERANCE`) and what moved them: every result of the model
+    (logits, distances, saved checkpoints) is then that of points that are not on the manifold."""
+    off = {name: error for name, error in model.manifold_error().items() if not error <= MANIFOLD_TOLERANCE}
+    if off:
+        shown = ", ".join(f"{name} ({error:.2g})" for name, error in off.items())
+        warnings.warn(f"{call}: manifold parameters off the hyperboloid, largest relative error {shown}: an optimiser "
+                      "that is not Riemannian moved them (AdamW, transformers.Trainer's default). Train with "
+                      "helm.optim.build_optimizer (with Trainer: optimizers=(optimizer, scheduler))", UserWarning,
+                      stacklevel=3)

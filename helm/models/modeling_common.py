@@ -17,7 +17,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
 from ..manifold.lorentz import Lorentz
-from ..manifold.math import lift
+from ..manifold.math import lift, manifold_error
 from ..nn.attention import LorentzAttentionBase
 from ..nn.embedding import LorentzEmbedding
 from ..nn.head import LorentzLMHead
@@ -86,6 +86,19 @@ class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
             if hasattr(module, "restore_frozen"):
                 module.restore_frozen()
         return self
+
+    def manifold_error(self) -> dict[str, float]:
+        """The largest relative violation of ``<x, x>_L = -k`` (:func:`helm.manifold.manifold_error`) of each
+        manifold parameter (Lorentz token tables, distance-head prototypes), by name. The zoo's Riemannian
+        optimiser (:func:`helm.optim.build_optimizer`) keeps it at rounding; a stock one (AdamW, ``Trainer``'s
+        default) moves the points off the hyperboloid. One read per table: for saving and loading, not for a step."""
+        errors = {}
+        for prefix, module in self.named_modules():
+            for name in getattr(module, "_manifold_parameters", ()):
+                table = getattr(module, name)
+                if table.device.type != "meta" and not hasattr(table, "device_mesh"):  # sharded: each rank's own
+                    errors[f"{prefix}.{name}" if prefix else name] = float(manifold_error(table, module.k).max())
+        return errors
 
     def balance_loss(self) -> Optional[torch.Tensor]:
         """The training-time auxiliary loss of the last forward that heads add to theirs (None: the model has none;

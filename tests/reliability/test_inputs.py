@@ -6,6 +6,7 @@ step: value checks of ids and masks are torch's (``tests/test_host_sync.py``).""
 
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -231,3 +232,38 @@ def test_a_new_save_replaces_the_manifest_and_remote_code_checks_it(saved, tmp_p
     _flip_one_bit(path)
     with pytest.raises(OSError, match=r"model\.safetensors"):
         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+
+# ---- manifold parameters moved off the hyperboloid (issue 34 item 3) --------------------------------------
+
+def _three_steps(model, optimizer):
+    for seed in range(3):
+        x = ids(t=16) if seed == 0 else torch.randint(0, V, (B, 16), generator=torch.Generator().manual_seed(seed))
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tables_moved_off_the_hyperboloid_are_named_when_saved_and_loaded(family, tmp_path):
+    """A stock optimiser (AdamW, the Trainer's default) moves Lorentz token tables and distance-head prototypes off
+    the hyperboloid; the model kept training and saving without a word. save_pretrained and from_pretrained now warn,
+    naming each table and the remedy; the zoo's optimiser keeps them on it (no warning). No read in a step."""
+    from helm.optim import build_optimizer
+
+    model = tiny_model(family, train=True, embedding_mode="lorentz", lm_head_mode="distance")
+    _three_steps(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    errors = model.manifold_error()
+    assert set(errors) == {"model.embed_tokens.weight", "lm_head.weight"} and min(errors.values()) > 1e-4
+    with pytest.warns(UserWarning, match=r"save_pretrained.*model\.embed_tokens\.weight.*lm_head\.weight.*"
+                                         r"helm\.optim\.build_optimizer"):
+        model.save_pretrained(tmp_path / "adamw")
+    with pytest.warns(UserWarning, match=r"from_pretrained.*model\.embed_tokens\.weight"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "adamw")
+
+    model = tiny_model(family, train=True, embedding_mode="lorentz", lm_head_mode="distance")
+    _three_steps(model, build_optimizer(model, lr=3e-3, stabilize=1))
+    assert max(model.manifold_error().values()) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.save_pretrained(tmp_path / "zoo")
