@@ -7,7 +7,9 @@ the geometry restored after loading, and a self-contained remote-code bundle plu
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -81,11 +83,18 @@ class HelmHubMixin:
         want_info = kwargs.pop("output_loading_info", False)
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         check_manifest(cls.__name__, where, kwargs.get("subfolder") or "")
+        check_shards(cls.__name__, where, kwargs.get("subfolder") or "")
         # mismatched shapes are reported by check_loading_info, naming them (transformers: "look at the above report")
-        model, info = super().from_pretrained(
-            *args, output_loading_info=True,
-            **{**kwargs, "ignore_mismatched_sizes": True,
-               "key_mapping": {**LEGACY_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}})
+        try:
+            model, info = super().from_pretrained(
+                *args, output_loading_info=True,
+                **{**kwargs, "ignore_mismatched_sizes": True,
+                   "key_mapping": {**LEGACY_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}})
+        except pickle.UnpicklingError as error:  # torch's advice, weights_only=False, would run the file's code
+            raise OSError(f"{cls.__name__}.from_pretrained({str(where)!r}): a pytorch_model.bin there holds more than "
+                          "tensors (a pickled object torch refuses to load safely); do not load it with "
+                          "weights_only=False unless you trust its source: re-save the model from a trusted copy "
+                          "(safetensors)") from error
         info = model._allow_new_head(where, info)
         check_loading_info(cls.__name__, where, info, ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes"))
         # transformers re-saves a renamed checkpoint in its old layout; a migrated one is saved in the current one
@@ -301,3 +310,22 @@ def warn_off_manifold(model, call: str) -> None:
                       "that is not Riemannian moved them (AdamW, transformers.Trainer's default). Train with "
                       "helm.optim.build_optimizer (with Trainer: optimizers=(optimizer, scheduler))", UserWarning,
                       stacklevel=3)
+
+
+def check_shards(name: str, where, subfolder: str = "") -> None:
+    """For a local sharded checkpoint: a shard its index (``*.index.json``) names that is no plain file name of the
+    folder (``../../etc/passwd``) is a ``ValueError`` naming the shard and the index: transformers follows such a
+    name out of the folder. A missing shard (transformers names it) and an index that is not JSON are left to
+    transformers."""
+    if not isinstance(where, (str, os.PathLike)) or not (folder := Path(where) / subfolder).is_dir():
+        return
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted({str(shard) for shard in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        for shard in shards:
+            if Path(shard).name != shard or shard in (".", ".."):
+                raise ValueError(f"{name}.from_pretrained({str(where)!r}): {index.name} names the shard {shard!r}, "
+                                 "which is not a file of the checkpoint folder; refusing to read outside it")

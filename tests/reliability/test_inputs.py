@@ -4,9 +4,12 @@ hyperboloid, and ``from_pretrained`` refusing damaged checkpoints (missing, unus
 weights changed after a manifest was written), each naming the culprit. Nothing here reads a tensor on the host in a
 step: value checks of ids and masks are torch's (``tests/test_host_sync.py``)."""
 
+import json
 import os
+import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +270,31 @@ def test_tables_moved_off_the_hyperboloid_are_named_when_saved_and_loaded(family
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         model.save_pretrained(tmp_path / "zoo")
+
+
+# ---- sharded and pickled checkpoints (issue 34 item 4) -------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shard_name_outside_the_folder_is_refused(family, tmp_path):
+    """transformers followed a shard index's ../../etc/passwd out of the checkpoint folder."""
+    tiny_model(family).save_pretrained(tmp_path, max_shard_size="100KB")
+    os.remove(tmp_path / "manifest.json")  # a folder saved before manifests: the index itself is read
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    key = next(iter(data["weight_map"]))
+    data["weight_map"][key] = "../../etc/passwd"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape("../../etc/passwd")):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_pickled_weights_file_is_named_without_torchs_unsafe_advice(tmp_path):
+    """A pytorch_model.bin holding a pickled object: torch's refusal advised weights_only=False, which would run it."""
+    model = tiny_model("helm_d")
+    model.save_pretrained(tmp_path)
+    for name in ("manifest.json", "model.safetensors"):
+        os.remove(tmp_path / name)
+    torch.save({**model.state_dict(), "extra": Path("planted")}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(OSError, match="pytorch_model.bin") as error:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "trust" in str(error.value)
