@@ -259,8 +259,6 @@ def check_loading_info(name: str, where, info: dict, *, ignore_mismatched_sizes:
                            + "; ".join(problems))
 
 
-
-
 def check_finite_weights(name: str, where, model: nn.Module) -> None:
     """``OSError`` naming the first parameter holding a NaN or an inf after loading (a checkpoint of a diverged run,
     or one damaged and re-saved: every output of such a model is NaN). CPU parameters only, one fused max-|x| and

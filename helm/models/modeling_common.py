@@ -221,10 +221,10 @@ class HelmDecoderModel(HelmPreTrainedModel):
         attentions = AttentionWeights(self, output_attentions)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        batch, seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        given = input_ids if input_ids is not None else inputs_embeds
+        (batch, seq_len), device = given.shape[:2], given.device
         # past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
         layout = cache_layout(past_key_values, seq_len)
-        device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
 
