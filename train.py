@@ -76,8 +76,9 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator) -> None:
-    """Never mix a fresh run into an old one, nor delete one unasked: --resume, train.overwrite, or no old files.
+def prepare_output_dir(cfg, out: Path, resuming: bool, asked: bool, accelerator) -> None:
+    """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``; ``resuming`` when a
+    checkpoint was found), train.overwrite, or no old files.
     train.overwrite deletes only what train.py wrote (:data:`OVERWRITTEN`) in a folder marked as a run folder (or
     holding the config.yaml of an older train.py), never a folder of other files."""
     run_folder = is_run_folder(out)
@@ -88,8 +89,9 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, accelerator) -> None:
         raise ConfigError(f"train.output_dir {str(out)!r} holds files {found} but is no run folder of train.py (no "
                           f"{RUN_MARKER}), so train.py neither writes into it nor deletes them: choose another one")
     if previous and not resuming and not cfg.train.overwrite:
-        raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: --resume continues from its "
-                          "newest checkpoint, --train.overwrite=true starts over")
+        remedy = "--resume continues from its newest checkpoint, --train.overwrite=true starts over"
+        raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: " + (
+            "it has no complete checkpoint to --resume from; --train.overwrite=true starts over" if asked else remedy))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # output_lock created out; only what a run writes goes, other files stay
         for path in (out / name for name in previous if not resuming and name in OVERWRITTEN):
@@ -343,7 +345,9 @@ def train(cfg, resume, state: TrainerState) -> dict:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    prepare_output_dir(cfg, out, checkpoint is not None, accelerator)
+    prepare_output_dir(cfg, out, checkpoint is not None, resume is not None, accelerator)
+    if resume is not None and checkpoint is None:
+        say(f"[train] --resume: no checkpoint in {out} yet; starting from step 0")
     ensure_default_data(cfg, accelerator)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code)
     state.data = data_fingerprint(cfg.data, tokenizer)

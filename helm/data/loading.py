@@ -16,11 +16,14 @@ def local_files(source, split: str) -> list[Path] | None:
     path = Path(source).expanduser()
     if path.is_dir():
         candidates = [path / f"{split}{suffix}" for suffix in BUILDERS]
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
+        found = [c for c in candidates if c.is_file()]
+        if not found:
             raise FileNotFoundError(f"{path}: no file for split {split!r} (looked for "
                                     f"{', '.join(c.name for c in candidates)})")
-        return [found]
+        if len(found) > 1:  # reading either one alone would drop the other without a word
+            raise ValueError(f"{path}: split {split!r} is ambiguous: {' and '.join(c.name for c in found)}; "
+                             "keep one")
+        return found
     if path.is_file() or path.suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~")):
         return [path]
     return None

@@ -92,8 +92,7 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
         return None
     if resume == "latest":
         found = list_checkpoints(output_dir / "checkpoints")
-        if not found:
-            logger.warning("--resume: no checkpoint in %s; starting from step 0", output_dir / "checkpoints")
+        if not found:  # a fresh output_dir starts at step 0 (train.py says so once it has checked the folder)
             return None
         resume = found[-1][1]
     verify_checkpoint(resume)
@@ -123,9 +122,12 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
             finalize(tmp, final)
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        kept = [str(path) for _, path in list_checkpoints(root)[-1:]] or ["none"]
-        raise CheckpointError(f"could not write the checkpoint of step {step}: {error}; the previous checkpoint "
-                              f"({kept[0]}) is intact: free space, then continue with --resume") from None
+        kept = list_checkpoints(root)[-1:]
+        remedy = (f"the previous checkpoint ({kept[0][1]}) is intact: free space, then continue with --resume" if kept
+                  else "no checkpoint was written before it: free space, then start over with --train.overwrite=true")
+        free = shutil.disk_usage(output_dir).free / 1e6
+        raise CheckpointError(f"could not write the checkpoint of step {step} ({' '.join(str(error).split())}; "
+                              f"{free:,.0f} MB free on its disk): {remedy}") from None
     if accelerator.is_main_process:
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:

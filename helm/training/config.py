@@ -62,7 +62,8 @@ class DataConfig:
     train_split: str = "train"
     """Split to train on."""
     validation_split: Optional[str] = "validation"
-    """Split to validate on; null to hold out the first holdout_documents training documents instead."""
+    """Split to validate on; null to hold out the first holdout_documents training documents instead (needed for a
+    single-file dataset, which has no named splits)."""
     holdout_documents: int = 0
     """Documents held out of the training split for validation when validation_split is null (ignored
     otherwise)."""

@@ -14,6 +14,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..data import iter_packed, load_text_dataset, looks_local, pack_rows, tokenize
+from ..data.loading import local_files
 from ..data.paths import TOKENIZER_FILES, check_path
 from .config import ConfigError, DataConfig
 
@@ -41,14 +42,13 @@ def data_fingerprint(data: DataConfig, tokenizer) -> dict:
     """What defines the training and validation streams, for ``--resume`` to refuse another one: each local data
     file's size and SHA-256 (or the hub dataset's name and configuration), a hash of the tokenizer (its serialised
     vocabulary and rules, and its special tokens), the sequence length and the packing settings."""
-    from ..data.loading import local_files
     from ..manifest import hash_file
 
     files = {}
     for split in dict.fromkeys(s for s in (data.train_split, data.validation_split) if s is not None):
         try:
             found = local_files(data.dataset, split)
-        except FileNotFoundError:  # reported by load_splits, with its key
+        except (FileNotFoundError, ValueError):  # reported by load_splits, with its key
             found = None
         for path in found or ():
             if path.is_file():
@@ -93,6 +93,11 @@ def load_splits(data: DataConfig, *, rank: int = 0, world_size: int = 1):
     train = _load_split(data, data.train_split, streaming, "data.dataset")
     if data.validation_split is not None:
         validation = _load_split(data, data.validation_split, streaming, "data.validation_split")
+        if (files := local_files(data.dataset, data.train_split)) == local_files(data.dataset, data.validation_split) \
+                and files is not None:  # a file has no named splits: it would be read for both
+            raise ConfigError(f"data.validation_split {data.validation_split!r} reads the training data itself "
+                              f"({', '.join(map(str, files))}); set data.validation_split=null and "
+                              "data.holdout_documents=N to validate on N documents held out of it")
     elif streaming:
         validation, train = train.take(data.holdout_documents), train.skip(data.holdout_documents)
     else:

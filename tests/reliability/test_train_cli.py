@@ -33,6 +33,12 @@ def _data_folder(tmp_path, run_data, train: bytes):
     return [f"--data.dataset={folder}"]
 
 
+def _two_files_for_one_split(tmp_path, run_data):
+    extra = _data_folder(tmp_path, run_data, (run_data / "train.jsonl").read_bytes())
+    (tmp_path / "data" / "train.txt").write_text("a second training text that either reader would drop")
+    return extra
+
+
 def _bad_utf8_recipe(tmp_path, run_data):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_bytes(recipe.read_bytes() + b"\n# caf\xe9 au lait\n")
@@ -204,6 +210,11 @@ CASES = [
     ("data-text-missing", "tiny-helm-d",
      lambda t, r: _data_folder(t, r, b'{"text": "ok"}\n' * 3 + b'{"body": "x"}\n' + b'{"text": "ok"}\n' * 50), [], 2,
      r"data\.dataset.*train\.jsonl.*'text'"),
+    # a file has no named splits: the default validation_split would read the training file itself
+    ("data-file-with-a-validation-split", "tiny-helm-d", lambda t, r: [f"--data.dataset={r / 'train.jsonl'}"], [], 2,
+     r"data\.validation_split 'validation'.*train\.jsonl.*data\.holdout_documents"),
+    ("data-split-in-two-files", "tiny-helm-d", _two_files_for_one_split, [], 2,
+     r"data\.dataset: .*data: split 'train' is ambiguous: train\.jsonl and train\.txt"),
     ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
      r"train\.output_dir .*run'"),
     ("output-dir-unwritable", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=/sys/helm-run"], 2,
@@ -244,8 +255,9 @@ CASES = [
      r"model\.preset.*model\.pretrained"),
     ("preset-and-pretrained-neither-set", "tiny-helm-d", lambda t, r: [], ["--model.preset=null"], 2,
      r"model\.preset.*model\.pretrained"),
+    # the remedy is not --resume, which was given ("starting from step 0" was printed before this line)
     ("resume-without-checkpoint-in-a-used-folder", "tiny-helm-d", _metrics_but_no_checkpoint, ["--resume"], 2,
-     r"train\.output_dir .*run'"),
+     r"train\.output_dir .*run'.*no complete checkpoint to --resume from; --train\.overwrite=true starts over$"),
     # custom code runs only with model.trust_remote_code, never on a terminal's "y"
     ("remote-code-not-trusted", "tiny-helm-d", _remote_code_folder, [], 2, r"model\.pretrained.*trust_remote_code"),
     ("tokenizer-remote-code-not-trusted", "tiny-helm-d", _remote_code_tokenizer, [], 2,
@@ -291,6 +303,7 @@ def test_bad_input_exits_with_one_line(name, base, setup, args, code, message, t
     assert len(errors) == 1 and re.search(message, errors[0]), captured.out + captured.err
     assert "Traceback" not in captured.out + captured.err
     assert "[train] data:" not in captured.out, "the problem was found only after loading the data"
+    assert "starting from step 0" not in captured.out + captured.err, "a start announced, then refused"
     assert not list_checkpoints(tmp_path / "run" / "checkpoints")[1:], "a checkpoint was written"
     assert not (tmp_path / "run" / "train.lock").exists() or name == "output-dir-in-use"
 
@@ -599,7 +612,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, ru
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert "checkpoint of step 8" in error and "step-00000004" in error, error
-    assert DISK_FULL[kind][1] in error, error
+    assert DISK_FULL[kind][1] in error and "MB free on its disk" in error, error
     root = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in list_checkpoints(root)] == [4] and not list(root.glob(".tmp-*"))
     verify_checkpoint(root / "step-00000004")
@@ -607,6 +620,32 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, ru
     code = train_script.main(["--config", str(recipe), "--resume"])
     assert code == 0, capsys.readouterr()
     assert [s for s, _ in list_checkpoints(root)] == [12]
+
+
+def test_disk_full_at_the_first_checkpoint_names_a_remedy_that_works(tmp_path, run_data, capsys, monkeypatch):
+    """No checkpoint before it, so --resume cannot be the remedy (it was advised, and then refused)."""
+    from accelerate import Accelerator
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 4, "save_every": 2}, demo={"prompt": None})
+
+    def full_disk(self, output_dir=None, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(Accelerator, "save_state", full_disk)
+    assert train_script.main(["--config", str(recipe)]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.search(r"checkpoint of step 2 .*PytorchStreamWriter.*MB free on its disk.*--train\.overwrite=true$",
+                     error), error
+    monkeypatch.undo()
+    assert train_script.main(["--config", str(recipe), "--train.overwrite=true"]) == 0, capsys.readouterr()
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 4]
+
+
+def test_resume_in_a_fresh_folder_starts_from_step_0_and_says_so(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 0}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe), "--resume"]) == 0
+    assert "[train] --resume: no checkpoint in" in capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
 def test_stale_lock_is_taken_over_and_the_lock_is_released(tmp_path, run_data, capsys, caplog):
