@@ -108,8 +108,7 @@ def estimate_resources(kind: str, block_m: int, block_n: int, block_d: int, bloc
 
 def prune_configs(kind: str):
     """``early_config_prune`` for ``triton.autotune``: drop the configurations estimated to exceed sm90's shared
-    memory or register budget (:func:`estimate_resources`), and for ``dq`` those with ``BLOCK_N > BLOCK_M`` (a known
-    defect), keeping at least the smallest one; with
+    memory or register budget (:func:`estimate_resources`), keeping at least the smallest one; with
     :data:`AUTOTUNE` off, only the first that fits (one candidate: the autotuner then times nothing). ``BLOCK_M``
     comes from the configuration or, for the decoding kernel (fixed 16 rows), from the launch arguments."""
     def prune(configs, named_args, **kwargs):
@@ -118,10 +117,6 @@ def prune_configs(kind: str):
         fits = []
         for cfg in configs:
             block_m = cfg.kwargs.get("BLOCK_M", kwargs.get("BLOCK_M"))
-            if kind == "dq" and cfg.kwargs["BLOCK_N"] > block_m:
-                # a known defect: the dq kernel with key blocks wider than its query blocks gives dq 50% off fp64
-                # (tests/ops/lorentz_attention_triton/test_custom_ops.py, the strict xfail); never chosen
-                continue
             smem, regs = estimate_resources(kind, block_m, cfg.kwargs["BLOCK_N"], block_d, block_dv, elem_qk, elem_v,
                                             cfg.num_warps, cfg.num_stages)
             if smem <= SM90_SMEM_BYTES and regs <= REG_BUDGET:

@@ -440,11 +440,13 @@ def lorentz_attention_bwd_dq_kernel(
         p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
     if CAUSAL and HAS_SEG:
-        # Rows whose mask kept nothing also attend to the keys past the causal horizon.
+        # Rows whose mask kept nothing also attend to the keys past the causal horizon: those after the last key
+        # block of the first pass, which already gave such rows every key of the blocks it visited.
         if tl.max(b_full.to(tl.int32), 0) > 0:
             dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
                 dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
-                m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, hi, Tk, Tk, qk_scale, slope,
+                m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, tl.cdiv(hi, BLOCK_N) * BLOCK_N, Tk, Tk,
+                qk_scale, slope,
                 D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
 
     _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, 0.0 * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
