@@ -336,7 +336,8 @@ BLOCK_PAIRS = [(m, n) for m in (32, 64, 128) for n in (32, 64, 128)]
 def test_dq_of_padded_rows_counts_each_key_once_for_every_block_pair(lk, monkeypatch, block_m, block_n):
     """Rows whose mask keeps no key (left padding) attend to every key: the dq kernel's second pass over the keys
     past the causal horizon must start where the first pass's last key block ended, not at the horizon itself
-    (keys in between were counted twice: dq 6.6% off fp64 at 64 x 64, Tq = 70 < Tk = 100, 40 padding tokens)."""
+    (keys in between were counted twice: dq 6.6% off fp64 at 64 x 64, Tq = 70 < Tk = 100, 40 padding tokens). 128-row
+    blocks get a longer problem, whose horizon falls inside a key block too."""
     import triton
 
     kernel = lk.fwd_bwd.lorentz_attention_bwd_dq_kernel
@@ -344,12 +345,12 @@ def test_dq_of_padded_rows_counts_each_key_once_for_every_block_pair(lk, monkeyp
     monkeypatch.setattr(lk.fwd_bwd, "lorentz_attention_bwd_dq_kernel",
                         triton.autotune(configs=[one], key=["D", "DV", "CAUSAL"])(kernel.fn))
     gen = torch.Generator().manual_seed(3)
-    B, H, Tq, Tk, d = 2, 2, 70, 100, 8
+    (Tq, Tk, padding), B, H, d = (70, 100, 40) if block_m < 128 else (150, 200, 80), 2, 2, 8
     q = lift(torch.randn(B, H, Tq, d, generator=gen) * 0.4, k=1.0)
     kk = lift(torch.randn(B, H, Tk, d, generator=gen) * 0.4, k=1.0)
     u = torch.randn(B, H, Tk, d, generator=gen) * 0.4
     am = torch.ones(B, Tk, dtype=torch.long)
-    am[1, :40] = 0
+    am[1, :padding] = 0
     do = torch.randn(B, H, Tq, 1 + d, generator=gen)
 
     def run(fn, dtype, device):
