@@ -315,6 +315,33 @@ def _dot(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _bf16_parts(x):
+    """``x`` (fp32) as three bf16 numbers ``hi + mid + lo``, each the rounded remainder of the ones before: 24
+    significant bits together, fp32's own."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_v(a, b, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+    """A value-side product (``P·w``, ``Pᵀ·dD``, ``dD·wᵀ``) on tensor cores with fp32 accumulation. ``SPLIT`` (fp32
+    operands): each operand split into three bf16 parts (:func:`_bf16_parts`) and ``a·b`` summed from the six
+    bf16 dots whose parts weigh at least ``2⁻¹⁶`` of ``hi·hi``, smallest first; the three dropped products weigh
+    ``2⁻²⁴`` and less, so the error is fp32's (README.md, "Precision"). Half-precision operands go through one dot
+    as they are."""
+    if SPLIT:
+        a_hi, a_mid, a_lo = _bf16_parts(a)
+        b_hi, b_mid, b_lo = _bf16_parts(b)
+        small = _dot(a_hi, b_lo, DOT_F32, "ieee") + _dot(a_lo, b_hi, DOT_F32, "ieee") + \
+            _dot(a_mid, b_mid, DOT_F32, "ieee")
+        cross = _dot(a_hi, b_mid, DOT_F32, "ieee") + _dot(a_mid, b_hi, DOT_F32, "ieee")
+        return _dot(a_hi, b_hi, DOT_F32, "ieee") + (cross + small)
+    return _dot(a, b, DOT_F32, "ieee")
+
+
+@triton.jit
 def _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI: tl.constexpr,
                   DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """``<q, k>_L [BM, BN]`` and the base-2 logits ``c·log2(e)·<q, k>_L (+ ALiBi)`` of one query × key block.
@@ -416,7 +443,7 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                   PREC_V: tl.constexpr):
+                   SPLIT_V: tl.constexpr):
     """Online softmax over the key blocks starting in ``[lo, hi)`` for one block of query rows.
 
     Carries, per row, the running max ``m_i`` and sum ``l_i`` of ``2^(z log2 e)`` and the unnormalised sums
@@ -448,7 +475,7 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
         l_i = l_i * b_alpha + tl.sum(b_p, 1)
         acc_t = acc_t * b_alpha + tl.sum(b_p * b_vt[None, :], 1)
         acc_e = acc_e * b_alpha + tl.sum(b_p * b_e[None, :], 1)
-        acc_s = acc_s * b_alpha[:, None] + _dot(b_p.to(b_vs.dtype), b_vs, DOT_F32, PREC_V)
+        acc_s = acc_s * b_alpha[:, None] + _dot_v(b_p.to(b_vs.dtype), b_vs, DOT_F32, SPLIT_V)
         m_i = m_new
     return acc_t, acc_s, acc_e, l_i, m_i
 

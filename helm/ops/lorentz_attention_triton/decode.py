@@ -75,7 +75,7 @@ def lorentz_attention_decode_split_kernel(
     H, Tq, Tk, keys_per_split, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(n_splits, B*H)``. Partial softmax state of all ``Tq <= BLOCK_M`` rows over the keys
     ``[split * keys_per_split, (split+1) * keys_per_split)``, stored in ``[B*H, n_splits, BLOCK_M(, BLOCK_DV)]``
@@ -111,7 +111,7 @@ def lorentz_attention_decode_split_kernel(
         K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, V + i_b * stride_vb + i_h * stride_vh,
         E + i_bh.to(tl.int64) * Tk, KID + i_b * Tk,
         stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
 
     o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
     tl.store(M_PART + o_part, m_i)
@@ -129,7 +129,7 @@ def lorentz_attention_decode_combine_kernel(
     H, Tq, Tk, n_splits,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEG: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    CENTRED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
+    CENTRED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(B*H,)``. Merges the split states, handles rows whose mask kept no key, normalises, writes
     the output ``OUT [B, H, Tq, 1+DV]``. Without ``CENTRED`` ``V`` holds plain values and ``D = Σ P v - c``."""
@@ -174,7 +174,7 @@ def lorentz_attention_decode_combine_kernel(
                 K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk,
                 V + i_b * stride_vb + i_h * stride_vh, E + i_bh.to(tl.int64) * Tk, K,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
     l_safe = tl.where(l_g == 0.0, 1.0, l_g)
     b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
@@ -221,7 +221,7 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     slopes, qid, kid, kc = launch_args(p)
     common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_D=block_d(D), BLOCK_DV=BDV, HAS_SEG=p.qid is not None,
                   HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET, PREC=dot_precision(q.dtype),
-                  PREC_V=dot_precision(v.dtype))
+                  SPLIT_V=v.dtype == torch.float32)
     lorentz_attention_decode_split_kernel[(n_splits, B * H)](
         q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,

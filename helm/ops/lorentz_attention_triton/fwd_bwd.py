@@ -33,6 +33,7 @@ from .common import (
     _block_logits,
     _centroid_normalise,
     _dot,
+    _dot_v,
     _load_points,
     _load_split,
     _load_rows,
@@ -80,7 +81,7 @@ def lorentz_attention_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, STORE_S: tl.constexpr, CENTRED: tl.constexpr, DOT_F32: tl.constexpr,
-    PREC: tl.constexpr, PREC_V: tl.constexpr,
+    PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the space parts of ``Q``, ``K`` (GEMM dtype) and their time
     coordinates ``QT [B*H, Tq]``, ``KT [B*H, Tk]`` (fp32), the centred values ``V`` (``w``), ``E [B*H, Tk]``
@@ -127,7 +128,7 @@ def lorentz_attention_fwd_kernel(
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
         acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
         stride_vt, 0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
-        DOT_F32, PREC, PREC_V)
+        DOT_F32, PREC, SPLIT_V)
     # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
     # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
     m_full = m_q & (l_i == 0.0)
@@ -136,7 +137,7 @@ def lorentz_attention_fwd_kernel(
             acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
                 acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_kt, p_v, p_e, p_kid,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
-                HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
+                HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past Tq only
     b_st = acc_t / l_safe
@@ -220,7 +221,7 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
                  slope, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                 PREC_V: tl.constexpr):
+                 SPLIT_V: tl.constexpr):
     """``dK, dV`` of one key block from the query rows starting in ``[lo, hi)``, in transposed layout
     (``[BLOCK_N, BLOCK_M]`` tiles) so no product needs a transposed probability tile.
     ``FULL_ONLY``: only rows whose mask kept nothing (they attend to every key)."""
@@ -257,10 +258,10 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
         b_pT = tl.exp2(tl.where(m_s, b_sT, float("-inf")) - b_lse[None, :])
 
         dv_t += tl.sum(b_pT * b_dst[None, :], 1)
-        dv_s += _dot(b_pT.to(b_dss.dtype), b_dss, DOT_F32, PREC_V)
+        dv_s += _dot_v(b_pT.to(b_dss.dtype), b_dss, DOT_F32, SPLIT_V)
         de += tl.sum(b_pT * b_de[None, :], 1)
         # dP_ij = dD_i · w_j + dE_i e_j (Euclidean: D and E are plain weighted sums of w and e).
-        b_dpT = _dot(b_vs, tl.trans(b_dss), DOT_F32, PREC_V) + b_vt[:, None] * b_dst[None, :] + \
+        b_dpT = _dot_v(b_vs, tl.trans(b_dss), DOT_F32, SPLIT_V) + b_vt[:, None] * b_dst[None, :] + \
             b_e[:, None] * b_de[None, :]
         b_dzT = b_pT * (b_dpT - b_delta[None, :])
         dk_t += tl.sum(b_dzT * b_qt[None, :], 1)
@@ -278,7 +279,7 @@ def lorentz_attention_bwd_dkdv_kernel(
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i`` (space part into columns ``1..D`` of ``DK``,
     whose column 0 gets 0, time part into ``DKT [B*H, Tk]`` fp32), ``dW = Σ_i P_ij dD_i`` and
@@ -321,7 +322,7 @@ def lorentz_attention_bwd_dkdv_kernel(
     dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
         dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid, DS_T + p_row,
         p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
-        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
+        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
     if CAUSAL and HAS_SEG:
         # ... unless their mask kept nothing: such rows attend to every key, future ones included.
         o_m0 = tl.arange(0, BLOCK_M)
@@ -332,7 +333,7 @@ def lorentz_attention_bwd_dkdv_kernel(
                     dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid,
                     DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0,
                     m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
-                    HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
+                    HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
     # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input, and column 0
     # of DK (never read by the forward) gets 0.
@@ -350,7 +351,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                  PREC_V: tl.constexpr):
+                  SPLIT_V: tl.constexpr):
     """``dQ`` of one query block from the key blocks starting in ``[lo, hi)``, plus per-row
     ``Σ_j dz_ij <q_i, k_j>_L`` (for ``dτ``) and ``Σ_j dz_ij (j - pos_i)`` (for the ALiBi slope)."""
     o_n0 = tl.arange(0, BLOCK_N)
@@ -370,7 +371,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
             if HAS_SEG:
                 m_s = m_s | (b_full[:, None] & m_n[None, :])
         b_p = tl.exp2(tl.where(m_s, b_s, float("-inf")) - b_lse[:, None])
-        b_dp = _dot(b_dss, tl.trans(b_vs), DOT_F32, PREC_V) + b_dst[:, None] * b_vt[None, :] + \
+        b_dp = _dot_v(b_dss, tl.trans(b_vs), DOT_F32, SPLIT_V) + b_dst[:, None] * b_vt[None, :] + \
             b_de[:, None] * b_e[None, :]
         b_dz = b_p * (b_dp - b_delta[:, None])
         dq_t += tl.sum(b_dz * b_kt[None, :], 1)
@@ -391,7 +392,7 @@ def lorentz_attention_bwd_dq_kernel(
     H, Tq, Tk,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREC_V: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j`` (space part into columns ``1..D`` of ``DQ``,
     whose column 0 gets 0, time part into ``DQT [B*H, Tq]`` fp32); per-row ``dc`` and ALiBi-slope pieces
@@ -438,7 +439,7 @@ def lorentz_attention_bwd_dq_kernel(
     dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
         dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
         p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, PREC_V)
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
     if CAUSAL and HAS_SEG:
         # Rows whose mask kept nothing also attend to the keys past the causal horizon: those after the last key
         # block of the first pass, which already gave such rows every key of the blocks it visited.
@@ -447,7 +448,7 @@ def lorentz_attention_bwd_dq_kernel(
                 dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
                 m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, tl.cdiv(hi, BLOCK_N) * BLOCK_N, Tk, Tk,
                 qk_scale, slope,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, PREC_V)
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
     _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, 0.0 * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
                   BLOCK_D)
@@ -486,7 +487,7 @@ def _launch_fwd(p: Prepared, store_s: bool):
         H, Tq, Tk,
         D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
         HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, STORE_S=store_s, CENTRED=p.centred,
-        DOT_F32=INTERPRET, PREC=dot_precision(q.dtype), PREC_V=dot_precision(v.dtype),
+        DOT_F32=INTERPRET, PREC=dot_precision(q.dtype), SPLIT_V=v.dtype == torch.float32,
     )
     return o, s, ebar, lse, full
 
@@ -513,7 +514,7 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
     slopes, qid, kid, _ = launch_args(p)
     flags = dict(D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
-                 PREC=dot_precision(q.dtype), PREC_V=dot_precision(v.dtype))
+                 PREC=dot_precision(q.dtype), SPLIT_V=v.dtype == torch.float32)
     dk = alloc(k.shape, k.dtype, dev)
     dkt = alloc((B * H, Tk), torch.float32, dev)
     dv = alloc(v.shape, v.dtype, dev)

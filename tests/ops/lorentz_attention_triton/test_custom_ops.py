@@ -362,3 +362,22 @@ def test_dq_of_padded_rows_counts_each_key_once_for_every_block_pair(lk, monkeyp
     ours = run(lk.lorentz_flash_attention, torch.float32, DEVICE)
     for name, o, r in zip(["out", "dq", "dk", "du"], ours, ref, strict=True):
         assert_close(o, r, rtol=1e-4, msg=name)
+
+
+def test_split_value_products_keep_fp32_accuracy(lk):
+    """The value side's fp32 products run as six bf16 dots of three-part splits (common._dot_v): as close to fp64
+    as torch's fp32 matmul, and far closer than one bf16 dot."""
+    from tests.ops.lorentz_attention_triton.split_product import product_kernel
+
+    gen = torch.Generator().manual_seed(11)
+    a, b = torch.randn(64, 128, generator=gen), torch.randn(128, 32, generator=gen) * 3.0
+    exact = a.double() @ b.double()
+    errors = {}
+    for split in (True, False):
+        out = torch.empty(64, 32, device=DEVICE)
+        bf16 = not split
+        product_kernel[(1,)](a.to(DEVICE, torch.bfloat16 if bf16 else torch.float32),
+                       b.to(DEVICE, torch.bfloat16 if bf16 else torch.float32), out, M=64, K=128, N=32, SPLIT=split)
+        errors[split] = relative_error(out.cpu(), exact)
+    assert errors[True] <= 2 * relative_error(a @ b, exact), errors
+    assert errors[False] > 100 * errors[True], errors
