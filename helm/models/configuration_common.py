@@ -233,6 +233,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
                            "sqrt(hidden_size - 1); converting %r", scale)
             self.residual_space_scale_factor = None if scale is None else scale / math.sqrt(self.hidden_size - 1)
         options = kwargs.pop("pe_options", None) or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"pe_options (a field of old configs) must be a mapping of option names to values, got "
+                             f"{options!r}")
         for key, value in options.items():
             if key not in _PE_OPTION_FIELDS:
                 raise ValueError(f"pe_options: unknown option {key!r}; the options are now config fields "
@@ -392,10 +395,17 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
 
     def update(self, config_dict: dict) -> None:
         """``transformers``' ``update``, refusing unknown keys as the constructor does (transformers would store
-        ``hiden_size`` as a stray attribute and save it), then the cross-field rules."""
+        ``hiden_size`` as a stray attribute and save it), then the cross-field rules; what fails them changes
+        nothing (the fields set so far are restored)."""
         self.refuse_unknown_keys(config_dict)
-        super().update(config_dict)
-        self.validate_architecture()
+        before = {key: getattr(self, key) for key in config_dict if hasattr(self, key)}
+        try:
+            super().update(config_dict)
+            self.validate_architecture()
+        except Exception:
+            for key, value in before.items():
+                setattr(self, key, value)
+            raise
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

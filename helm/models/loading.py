@@ -17,7 +17,9 @@ from pathlib import Path
 
 # weight files and their shard indexes (not the code, config or tokenizer files, which users edit): what a
 # save_pretrained manifest lists
-WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+# (with transformers' variant names too: model.v1.safetensors, model.v1-00001-of-00002.safetensors and
+# model.safetensors.index.v1.json)
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(\.[^./]+)?(-\d+-of-\d+)?\.(safetensors|bin)(\.index(\.[^./]+)?\.json)?$")
 
 
 def check_save_directory(owner, save_directory) -> None:

@@ -194,6 +194,7 @@ class HelmDecoderModel(HelmPreTrainedModel):
         self.final_proj = (LorentzLinear(config.hidden_size, config.hidden_size, k=config.k) if config.final_proj
                            else None)
         self.norm = LorentzRMSNorm(config.hidden_size, k=config.k, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable, as on Llama's decoder
         self.post_init()
 
     @staticmethod
@@ -216,6 +217,11 @@ class HelmDecoderModel(HelmPreTrainedModel):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         past_key_values = resolve_cache(past_key_values, kwargs.get("cache"))
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # as transformers' models: checkpointed layers would leave a cache empty that looks filled
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing in training; "
+                                "setting use_cache=False")
+            use_cache = False
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None \
             else output_hidden_states
         attentions = AttentionWeights(self, output_attentions)
@@ -225,6 +231,7 @@ class HelmDecoderModel(HelmPreTrainedModel):
         (batch, seq_len), device = given.shape[:2], given.device
         # past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
         layout = cache_layout(past_key_values, seq_len)
+        check_mask_lengths(layout, seq_len, attention_mask=attention_mask, segment_ids=segment_ids)
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
 
@@ -385,6 +392,18 @@ class AttentionWeights:
             self._record.__exit__(*exc)
         if self.wanted:
             self.weights = () if self._record is None else tuple(self._record.weights)
+
+
+def check_mask_lengths(layout: CacheLayout, seq_len: int, **masks: Optional[torch.Tensor]) -> None:
+    """``ValueError`` naming a 2-D ``attention_mask`` or ``segment_ids`` that covers fewer positions than the cached
+    and the new tokens (shapes only; a static cache's length is a tensor, so its masks, built by ``generate``, are
+    not checked): padded as a static cache's free slots, the last tokens would be cut off from the rest."""
+    if isinstance(layout.past_len, torch.Tensor):
+        return
+    for name, mask in masks.items():
+        if mask is not None and mask.dim() == 2 and mask.shape[-1] < layout.past_len + seq_len:
+            raise ValueError(f"{name} covers {mask.shape[-1]} positions, but the cache and the input hold "
+                             f"{layout.past_len} + {seq_len}: give it as [batch, cached + new tokens]")
 
 
 def default_position_ids(attention_mask: Optional[torch.Tensor], layout: CacheLayout, seq_len: int,

@@ -345,7 +345,34 @@ def test_update_keeps_known_fields_and_runs_the_cross_field_rules():
     config = HelmDConfig()
     config.update({"hidden_size": 65, "num_attention_heads": 4})
     assert (config.hidden_size, config.num_attention_heads) == (65, 4)
+    head_dim = config.head_dim
     _refused(["head_dim"], config.update, {"head_dim": 16})
+    assert config.head_dim == head_dim, "a refused update changed the config"
+
+
+@pytest.mark.parametrize("update, culprit", [({"hidden_size": 65, "curvature": 5.0}, "curvature"),
+                                             ({"head_dim": 6}, "head_dim")], ids=["field-rule", "cross-field"])
+def test_a_refused_update_changes_nothing(update, culprit):
+    """Issue 34 re-probe: the fields set before the failing one stayed set (another valid model, or a head_dim that
+    the cross-field rules refused)."""
+    config = tiny_config("helm_d")
+    before = config.to_dict()
+    _refused([culprit], config.update, update)
+    assert config.to_dict() == before
+
+
+@pytest.mark.parametrize("options", [["chunk_size", 64], "chunk_size=64"], ids=["list", "string"])
+def test_old_pe_options_that_are_no_mapping_are_named(options, tmp_path):
+    tiny_config("helm_d").save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "pe_options": options}))
+    _refused(["pe_options"], AutoConfig.from_pretrained, tmp_path)
+
+
+def test_a_preset_refuses_a_model_type_override():
+    import helm
+
+    _refused(["model_type='helm_d'", "tiny-helm-mice.json"], helm.load_config, "tiny-helm-mice", model_type="helm_d")
 
 
 def test_a_valid_assignment_after_construction_is_kept_and_a_bad_one_changes_nothing():

@@ -237,6 +237,44 @@ def test_a_new_save_replaces_the_manifest_and_remote_code_checks_it(saved, tmp_p
         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_saved_under_a_variant_name_are_in_the_manifest(models, tmp_path, family):
+    """Issue 34 re-probe: save_pretrained(variant=...) wrote an empty manifest, so damaged weights loaded."""
+    models[family].save_pretrained(tmp_path, variant="v1")
+    from helm.manifest import read_manifest
+
+    assert list(read_manifest(tmp_path)["files"]) == ["model.v1.safetensors"]
+    data = bytearray((tmp_path / "model.v1.safetensors").read_bytes())
+    data[-100] ^= 0x40
+    (tmp_path / "model.v1.safetensors").write_bytes(bytes(data))
+    with pytest.raises(OSError, match=r"model\.v1\.safetensors"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, variant="v1")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["attention_mask", "segment_ids"])
+def test_a_2d_mask_shorter_than_the_tokens_is_named(models, family, name):
+    """Issue 34 re-probe: short segment_ids were padded as a static cache's free slots (the last tokens became a
+    document of their own: logits 0.46 off); a short attention_mask failed in an index_select."""
+    mask = torch.ones(B, T - 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"{name} covers {T - 1} positions.* 0 \+ {T}"):
+        models[family](ids(), **{name: mask})
+    cache = models[family](ids(), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=rf"{name} covers {T} positions.* {T} \+ 1"):
+        models[family](ids(t=1), past_key_values=cache, **{name: torch.ones(B, T, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama"])
+def test_training_with_gradient_checkpointing_returns_no_cache_as_llama(family):
+    """Issue 34 re-probe: HELM returned an empty cache that looked filled; continuing from it dropped the prompt."""
+    model = tiny_model(family).train()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    out = model(ids(), use_cache=True)
+    assert out.past_key_values is None
+    with torch.no_grad():
+        assert model(ids(), use_cache=True).past_key_values.get_seq_length() == T  # no gradients: nothing checkpointed
+
+
 # ---- manifold parameters moved off the hyperboloid (issue 34 item 3) --------------------------------------
 
 def _three_steps(model, optimizer):
