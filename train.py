@@ -29,7 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
+
+def interrupted_while_loading(signum, frame):
+    """A Ctrl-C while torch and transformers load (seconds): one line and exit 130, as later (main installs the
+    run's handler); nothing has been written yet."""
+    print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, interrupted_while_loading)
+
+import datasets  # noqa: E402  (after the handler: these imports take seconds)
 import torch
 import transformers
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
@@ -51,7 +62,7 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            fingerprint_differences, load_run_config, load_splits, load_tokenizer, output_lock,
                            pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
                            training_batches)
-from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, remove_stale_tmp_checkpoints,
+from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, not_overwritable, remove_stale_tmp_checkpoints,
                                       set_aside_later_checkpoints, write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
 
@@ -88,6 +99,13 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, asked: bool, accelerator)
     if previous and not run_folder:
         raise ConfigError(f"train.output_dir {str(out)!r} holds files {found} but is no run folder of train.py (no "
                           f"{RUN_MARKER}), so train.py neither writes into it nor deletes them: choose another one")
+    if unwritable := [name for name in ("checkpoints", "final") if (out / name).is_dir()
+                      and not os.access(out / name, os.W_OK)]:  # found now, not after training
+        raise ConfigError(f"train.output_dir {str(out)!r}: {' and '.join(unwritable)} cannot be written (train.py "
+                          "writes checkpoints and replaces final/ there); make them writable")
+    if previous and not resuming and cfg.train.overwrite and (kept := not_overwritable(out)):
+        raise ConfigError(f"train.overwrite would delete what train.py did not write in {str(out)!r}: "
+                          f"{', '.join(kept[:4])}{', ...' * (len(kept) > 4)}; move it out first, nothing was deleted")
     if previous and not resuming and not cfg.train.overwrite:
         remedy = "--resume continues from its newest checkpoint, --train.overwrite=true starts over"
         raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: " + (
@@ -528,7 +546,8 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     cfg, state = None, None
     try:  # user errors (and OSErrors: disk full, permissions) are one line and exit status 2, non-finite losses 3
-        if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if __name__ == "__main__" and signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
+                                                                         interrupted_while_loading):
             signal.signal(signal.SIGINT, stop_on_first_interrupt)  # not when the caller ignores it (background job)
         args, rest = parser.parse_known_args(argv)
         if args.resume is not None and args.resume != "latest":

@@ -71,9 +71,16 @@ def records(inputs: list[str]) -> list[dict]:
                 if not isinstance(run, dict) or not isinstance(run.get("results"), dict):
                     print(f"note: skipping {file}: no 'results' mapping", file=sys.stderr)
                     continue
-                out.append({**run, "_label": name if name and len(runs) == 1 else model_label(run, file.stem)})
+                out.append({**run, "_label": name if name and len(runs) == 1 else model_label(run, file.stem),
+                            "_file": file})
     if not out:
         raise EvalError(f"no result files with a 'results' mapping under {inputs}")
+    paths = {}  # one row per label: results of two models under one label (train.py's final/) would overwrite
+    for run in out:
+        first = paths.setdefault(run["_label"], (run.get("model_path"), run["_file"]))
+        if first[0] != run.get("model_path"):
+            raise EvalError(f"two models are labelled {run['_label']!r} ({first[0]} in {first[1]}, "
+                            f"{run.get('model_path')} in {run['_file']}): name them, NAME=PATH")
     return out
 
 

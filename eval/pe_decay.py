@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None):
     check_arguments(args)
     check_distinct({"--output": args.output, "--csv": args.csv})
     check_writable(args.output, "--output")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    if args.output.suffix.lstrip(".").lower() not in formats:
+        raise EvalError(f"--output {str(args.output)!r}: matplotlib writes no {args.output.suffix or 'suffix-less'!r} "
+                        f"figure; give one of {', '.join('.' + f for f in sorted(formats))}")
     if args.csv:
         check_writable(args.csv, "--csv")
     curves = decay_curves(args)

@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out.is_file() or args.out.suffix.lower() in (".jsonl", ".json", ".txt"):
             raise ValueError(f"--out {str(args.out)!r} names a file; give the folder to build into")
+        if args.vocab_size < 258:  # checked here, before the corpus is written (the tokenizer is trained last)
+            raise ValueError(f"--vocab-size must be at least 258 (256 bytes + 2 special tokens), got {args.vocab_size}")
+        if not 0 < args.validation_fraction < 1:
+            raise ValueError(f"--validation-fraction must lie in (0, 1), got {args.validation_fraction}")
         if args.out.is_dir() and any(args.out.iterdir()) and not earlier_build(args.out):
             raise ValueError(f"--out {str(args.out)!r} holds files no build of this script wrote (its "
                              "manifest.json); building there would overwrite them: give an empty or new folder")
@@ -58,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                                       validation_fraction=args.validation_fraction, seed=args.seed, force=args.force)
     except (data.MissingSourceError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a read-only place, a full disk
+        print(f"error: --out {str(args.out)!r}: {error.strerror or error} ({error.filename or args.out})",
+              file=sys.stderr)
         return 2
     if not args.quiet:
         print(f"[helm.data] done: {out}")

@@ -426,6 +426,28 @@ def test_build_data_never_overwrites_the_users_files(tmp_path, capsys, case):
     assert not (tmp_path / "new.jsonl").exists()
 
 
+@pytest.mark.parametrize("argv, culprit", [(["--validation-fraction", "-0.1"], "--validation-fraction"),
+                                           (["--vocab-size", "100"], "--vocab-size")], ids=["negative-share", "vocab"])
+def test_build_data_refuses_bad_numbers_before_writing(tmp_path, capsys, argv, culprit):
+    """Issue 34 re-probe: a negative validation share was built and recorded; a vocabulary below 258 failed only
+    after the corpus was written, and the folder then refused the corrected rerun."""
+    build_data = _build_data_script()
+    assert build_data.main(["--out", str(tmp_path / "d"), "--sources", "pydoc", "--quiet", *argv]) == 2
+    assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_build_data_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeypatch):
+    build_data = _build_data_script()
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "ro" / "d"))
+
+    monkeypatch.setattr(build_data.data, "build_default_data", denied)
+    assert build_data.main(["--out", str(tmp_path / "ro" / "d"), "--sources", "pydoc", "--quiet"]) == 2
+    assert re.search(r"--out '.*ro/d': Permission denied", capsys.readouterr().err)
+
+
 def test_build_data_rebuilds_an_earlier_build(tmp_path):
     """An earlier build of the script (its manifest) is the one non-empty folder it builds in again."""
     build_data = _build_data_script()

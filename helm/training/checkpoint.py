@@ -123,11 +123,14 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
     except WRITE_ERRORS as error:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = list_checkpoints(root)[-1:]
-        remedy = (f"the previous checkpoint ({kept[0][1]}) is intact: free space, then continue with --resume" if kept
-                  else "no checkpoint was written before it: free space, then start over with --train.overwrite=true")
+        denied = isinstance(error, PermissionError)
+        fix = f"make {str(root)!r} writable" if denied else "free space"
+        remedy = (f"the previous checkpoint ({kept[0][1]}) is intact: {fix}, then continue with --resume" if kept
+                  else f"no checkpoint was written before it: {fix}, then start over with --train.overwrite=true")
         free = shutil.disk_usage(output_dir).free / 1e6
+        cause = "permission denied" if denied else f"{free:,.0f} MB free on its disk"
         raise CheckpointError(f"could not write the checkpoint of step {step} ({' '.join(str(error).split())}; "
-                              f"{free:,.0f} MB free on its disk): {remedy}") from None
+                              f"{cause}): {remedy}") from None
     if accelerator.is_main_process:
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
@@ -151,6 +154,25 @@ def best_checkpoint(root: Path) -> Path | None:
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)
 OVERWRITTEN = ("checkpoints", "final", ".tmp-final", "metrics.jsonl", "tensorboard")
 _TMP_STEP_DIR = re.compile(r"^\.tmp-step-\d{8}$")
+_OWN_CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-|abandoned-)?step-\d{8}(-\d+)?$")
+
+
+def not_overwritable(output_dir: Path) -> list[str]:
+    """What ``train.overwrite`` must not delete in ``output_dir``: an entry of :data:`OVERWRITTEN` that is a link,
+    and files train.py did not write under ``checkpoints/`` (entries other than its step folders) or in a complete
+    ``final/`` or checkpoint (files its ``manifest.json`` does not list)."""
+    found = [f"{name} (a link)" for name in OVERWRITTEN if (output_dir / name).is_symlink()]
+    root = output_dir / "checkpoints"
+    if root.is_dir() and not root.is_symlink():
+        found += [f"checkpoints/{p.name}" for p in sorted(root.iterdir()) if not _OWN_CHECKPOINT_ENTRY.match(p.name)]
+    for folder in [output_dir / "final", *(path for _, path in list_checkpoints(root))]:
+        try:
+            listed = set(read_manifest(folder)["files"]) | {MANIFEST}
+        except (OSError, ValueError):  # no manifest: never completed, train.py's own half-written folder
+            continue
+        found += [p.relative_to(output_dir).as_posix() for p in sorted(folder.rglob("*"))
+                  if p.is_file() and p.relative_to(folder).as_posix() not in listed]
+    return found
 
 
 def write_run_marker(output_dir: Path) -> None:
@@ -245,6 +267,10 @@ def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, 
         if check is not None:
             check(tmp)
         finalize(tmp, final)
+    except OSError as error:  # the old final/ could not be replaced (a read-only folder): it is as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not replace {str(final)!r} ({' '.join(str(error).split())}): make it writable, "
+                              "then rerun with --resume (the checkpoints are intact)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

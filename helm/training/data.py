@@ -101,6 +101,10 @@ def load_splits(data: DataConfig, *, rank: int = 0, world_size: int = 1):
     elif streaming:
         validation, train = train.take(data.holdout_documents), train.skip(data.holdout_documents)
     else:
+        if data.holdout_documents >= len(train):  # a .txt file is one document
+            raise ConfigError(f"data.holdout_documents={data.holdout_documents} leaves no training document: "
+                              f"data.dataset {data.dataset!r} holds {len(train)}; hold out fewer, or give a "
+                              "validation file (a folder with train and validation files)")
         validation = train.select(range(data.holdout_documents))
         train = train.select(range(data.holdout_documents, len(train)))
     if streaming and world_size > 1:

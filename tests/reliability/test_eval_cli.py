@@ -89,6 +89,10 @@ def paths(tmp_path, tiny_checkpoint, learned_checkpoints, small_vocab_checkpoint
     (tmp_path / "link.jsonl").symlink_to(text)
     (results := tmp_path / "results").mkdir()
     (results / "r.json").write_text(json.dumps({"model_name": "m", "results": {"t": {"acc": 0.5}}}))
+    (twins := tmp_path / "twins").mkdir()  # two models both labelled by their folder name, train.py's final/
+    for run, value in (("a", 0.5), ("b", 0.7)):
+        record = {"model_name": "final", "model_path": f"runs/{run}/final", "results": {"t": {"acc": value}}}
+        (twins / f"{run}.json").write_text(json.dumps(record))
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     bare, custom, nocfg = tmp_path / "bare", tmp_path / "custom", tmp_path / "nocfg"
     for folder in (bare, custom, nocfg):
@@ -171,6 +175,10 @@ CASES = [
     ("pe_decay", ["--num-heads", "0", "--output", "{tmp}/a.png"], 2, r"--num-heads"),
     ("pe_decay", ["--curvature", "1", "--output", "{tmp}/a.png"], 2, r"--curvature"),
     ("compare", ["{tmp}/missing.json"], 2, r"missing\.json"),
+    # two models under one label: one row would silently drop the other's results
+    ("compare", ["{tmp}/twins"], 2, r"'final'.*runs/a/final.*runs/b/final.*NAME=PATH"),
+    ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--output", "{tmp}/pe.xyz"], 2,
+     r"--output '.*pe\.xyz'.*'\.xyz'"),
     ("compare", ["{text}", "--digits", "-2"], 2, r"--digits"),
     ("compare", ["{text}", "--metric", "t"], 2, r"TASK=METRIC"),
     # outputs are checked before anything is evaluated, and never overwrite an input or a model's files

@@ -12,8 +12,10 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from helm.manifest import RUN_MARKER
 from helm.training import list_checkpoints, verify_checkpoint
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
 
@@ -87,6 +90,40 @@ def _previous_run(tmp_path, run_data):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
     _legacy_config(tmp_path / "run")
     return []
+
+
+def _run_with_files_of_the_users(where):
+    """A finished run (checkpoints, final/ with their manifests) where the user then put a file of their own."""
+    def setup(tmp_path, run_data):
+        from helm.manifest import write_manifest
+
+        run = tmp_path / "run"
+        for folder in (run / "checkpoints" / "step-00000002", run / "final"):
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
+            write_manifest(folder, 2)
+        (run / RUN_MARKER).write_text("{}")
+        (run / where).write_text("mine")
+        return ["--train.overwrite=true"]
+    return setup
+
+
+def _linked(name):
+    def setup(tmp_path, run_data):
+        _previous_run(tmp_path, run_data)
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "mine.txt").write_text("mine")
+        target = tmp_path / "run" / name
+        if target.exists():
+            shutil.rmtree(target)
+        target.symlink_to(tmp_path / "elsewhere")
+        return ["--train.overwrite=true"]
+    return setup
+
+
+def _single_document(tmp_path, run_data):
+    (tmp_path / "book.txt").write_text(" ".join(["a line of a book"] * 200))
+    return [f"--data.dataset={tmp_path / 'book.txt'}", "--data.validation_split=null", "--data.holdout_documents=1"]
 
 
 def _user_folder(tmp_path, run_data):
@@ -215,6 +252,20 @@ CASES = [
      r"data\.validation_split 'validation'.*train\.jsonl.*data\.holdout_documents"),
     ("data-split-in-two-files", "tiny-helm-d", _two_files_for_one_split, [], 2,
      r"data\.dataset: .*data: split 'train' is ambiguous: train\.jsonl and train\.txt"),
+    # train.overwrite deletes only what train.py wrote: nothing when anything else is there, or a link
+    ("overwrite-a-file-of-the-users-in-final", "tiny-helm-d", _run_with_files_of_the_users("final/notes.md"), [], 2,
+     r"train\.overwrite .*final/notes\.md.*nothing was deleted"),
+    ("overwrite-a-file-of-the-users-in-checkpoints", "tiny-helm-d",
+     _run_with_files_of_the_users("checkpoints/mine.txt"), [], 2, r"train\.overwrite .*checkpoints/mine\.txt"),
+    ("overwrite-a-file-of-the-users-in-a-checkpoint", "tiny-helm-d",
+     _run_with_files_of_the_users("checkpoints/step-00000002/notes.md"), [], 2,
+     r"train\.overwrite .*checkpoints/step-00000002/notes\.md"),
+    ("overwrite-a-linked-checkpoints-folder", "tiny-helm-d", _linked("checkpoints"), [], 2,
+     r"train\.overwrite .*checkpoints \(a link\)"),
+    ("overwrite-a-linked-final-folder", "tiny-helm-d", _linked("final"), [], 2, r"train\.overwrite .*final \(a link\)"),
+    # holding out every document leaves nothing to train on (a .txt file is one document)
+    ("holdout-of-every-document", "tiny-helm-d", _single_document, [], 2,
+     r"data\.holdout_documents=1 leaves no training document: .*book\.txt.* holds 1"),
     ("output-dir-is-a-file", "tiny-helm-d", lambda t, r: (t / "run").write_text("x") and [], [], 2,
      r"train\.output_dir .*run'"),
     ("output-dir-unwritable", "tiny-helm-d", lambda t, r: [], ["--train.output_dir=/sys/helm-run"], 2,
@@ -639,6 +690,66 @@ def test_disk_full_at_the_first_checkpoint_names_a_remedy_that_works(tmp_path, r
     monkeypatch.undo()
     assert train_script.main(["--config", str(recipe), "--train.overwrite=true"]) == 0, capsys.readouterr()
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 4]
+
+
+def test_a_folder_train_py_cannot_write_is_named_with_the_right_remedy(tmp_path, run_data, capsys, monkeypatch):
+    """Issue 34 re-probe: a read-only checkpoints/ was found only after training, and the message said to free
+    space (77 GB were free); a read-only final/ was named by one file of the remote code, relative."""
+    from accelerate import Accelerator
+
+    import helm.training.checkpoint as checkpoint
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    capsys.readouterr()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "checkpoints" and real_access(path, mode))
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
+    out = capsys.readouterr()
+    assert re.search(r"error: train\.output_dir .*: checkpoints cannot be written.*make them writable", out.err)
+    assert "[train] data:" not in out.out
+    monkeypatch.undo()
+
+    def denied(self, output_dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(output_dir))
+
+    monkeypatch.setattr(Accelerator, "save_state", denied)
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.search(r"permission denied\): the previous checkpoint .*make '.*run/checkpoints' writable", error), error
+    assert "free space" not in error
+    monkeypatch.undo()
+
+    def replace_denied(tmp, final):
+        raise PermissionError(13, "Permission denied", "helm_nn_positional_base.py")
+
+    monkeypatch.setattr(checkpoint, "finalize", lambda tmp, final: replace_denied(tmp, final) if final.name ==
+                        "final" else Path(tmp).rename(final))
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.search(r"could not replace '.*run/final' .*make it writable.*--resume", error), error
+    assert not (tmp_path / "run" / ".tmp-final").exists()
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path, run_data):
+    """Issue 34 re-probe: a Ctrl-C in the seconds torch and transformers take to import was a traceback."""
+    import signal
+    import time
+
+    from tests.test_train import subprocess_env
+
+    recipe = write_recipe(tmp_path, run_data, demo={"prompt": None})
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", str(recipe)], env=subprocess_env(),
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.5)  # the interpreter is up, the libraries are still loading
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    assert [line for line in err.decode().splitlines() if line.startswith("error:")] == [
+        "error: interrupted before training started; nothing was written"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_in_a_fresh_folder_starts_from_step_0_and_says_so(tmp_path, run_data, capsys):
