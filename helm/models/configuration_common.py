@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 
+import numpy as np
 from transformers import GenerationConfig, PreTrainedConfig
 from transformers.utils import logging
 
@@ -166,6 +167,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     # x_t = sqrt(k)·cosh(|u|/sqrt(k)); their largest row, about (sqrt(n) + 5)·initializer_range in tangent norm,
     # must keep its squared time coordinate (products, distances) inside fp32: radius |u|/sqrt(k) <= 40.
     max_wrapped_normal_radius = 40.0
+    # ... and at |K| = 1e4 (k = 1e-4) their fp32 gradients overflow in one step (both families; 3e3 and below finite)
+    max_table_curvature = 1e3
     # constructor keywords of older saved configs, read by :meth:`upgrade_old_fields` (not fields)
     legacy_kwargs = ("residual_space_scale", "pe_options", "rope_scaling", "partial_rotary_factor", "attn_impl",
                      "validate_inputs")
@@ -229,9 +232,13 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         kwargs.pop("validate_inputs", None)  # the switch of value checks that no longer exist (no host read in a step)
         if "residual_space_scale" in kwargs:
             scale = kwargs.pop("residual_space_scale")
-            logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "
-                           "sqrt(hidden_size - 1); converting %r", scale)
-            self.residual_space_scale_factor = None if scale is None else scale / math.sqrt(self.hidden_size - 1)
+            if self.residual_space_scale_factor is not None:  # the new field, given too, wins (as for attn_impl)
+                logger.warning("config fields residual_space_scale (old) and residual_space_scale_factor both given; "
+                               "keeping residual_space_scale_factor=%r", self.residual_space_scale_factor)
+            else:
+                logger.warning("config field residual_space_scale is now residual_space_scale_factor, a factor of "
+                               "sqrt(hidden_size - 1); converting %r", scale)
+                self.residual_space_scale_factor = None if scale is None else scale / math.sqrt(self.hidden_size - 1)
         options = kwargs.pop("pe_options", None) or {}
         if not isinstance(options, dict):
             raise ValueError(f"pe_options (a field of old configs) must be a mapping of option names to values, got "
@@ -380,6 +387,10 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             raise ValueError(f"initializer_range={self.initializer_range!r} with curvature={self.curvature!r} puts the "
                              f"wrapped-normal tables (embedding_mode='lorentz' or lm_head_mode='distance') at radius "
                              f"{radius:.3g} > {self.max_wrapped_normal_radius:g}, overflowing fp32; lower either")
+        if wrapped and abs(self.curvature) > self.max_table_curvature:
+            raise ValueError(f"curvature={self.curvature!r} with embedding_mode='lorentz' or lm_head_mode='distance': "
+                             f"|K| above {self.max_table_curvature:g} gives the Lorentz tables non-finite fp32 gradients; "
+                             "lower |K| or use the space modes")
         entries = self.max_position_embeddings * self.hidden_size
         if self.positional == "learned" and entries > self.max_learned_positions_entries:
             raise ValueError(f"max_position_embeddings={self.max_position_embeddings} with positional='learned' needs "
@@ -389,6 +400,8 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         """Every assignment of a field (construction included) is checked by the field's rule, so a bad value
         changes nothing and the error names the field; cross-field checks run in :meth:`validate_architecture`."""
         spec = type(self).__dataclass_fields__.get(name)
+        if spec is not None and isinstance(value, np.generic):  # np.float32(-2.0): read as the Python number it holds
+            value = value.item()
         for rule in spec.metadata.get("validator", ()) if spec is not None else ():
             check(value, name, rule)
         super().__setattr__(name, value)
@@ -397,6 +410,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         """``transformers``' ``update``, refusing unknown keys as the constructor does (transformers would store
         ``hiden_size`` as a stray attribute and save it), then the cross-field rules; what fails them changes
         nothing (the fields set so far are restored)."""
+        if not isinstance(config_dict, dict):
+            raise TypeError(f"{type(self).__name__}.update takes a dict of field names to values, got "
+                            f"{type(config_dict).__name__}")
         self.refuse_unknown_keys(config_dict)
         before = {key: getattr(self, key) for key in config_dict if hasattr(self, key)}
         try:

@@ -105,7 +105,10 @@ def write_remote_code(save_directory, model_class) -> list:
         source = _rewrite(module, flat)
         if module in entries:
             source += _direct_imports(module, flat)
-        (save_directory / f"{stem}.py").write_text(source)
+        target = save_directory / f"{stem}.py"
+        if target.is_symlink():  # replaced, never written through (a hub snapshot's files are links into its blobs)
+            target.unlink()
+        target.write_text(source)
         written.append(f"{stem}.py")
     modeling_stem, config_stem = entries[modeling], entries[configuration]
     family = config_class.__name__[: -len("Config")]

@@ -69,8 +69,8 @@ def load_config(name_or_path: str | os.PathLike, **overrides) -> PreTrainedConfi
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ValueError(f"preset file {str(path)!r} must hold a JSON object with a \"model_type\"")
     model_type = data.pop("model_type")
-    if "model_type" in overrides:  # AutoConfig.for_model would get it twice
-        raise ValueError(f"model_type={overrides['model_type']!r}: a preset's model type is its file's ({model_type!r} in "
+    if (asked := overrides.pop("model_type", model_type)) != model_type:  # AutoConfig.for_model takes it once
+        raise ValueError(f"model_type={asked!r}: a preset's model type is its file's ({model_type!r} in "
                          f"{str(path)!r}); load a preset of the other type")
     config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
     if config_class is not None and not issubclass(config_class, HelmConfigBase):

@@ -373,6 +373,31 @@ def test_a_preset_refuses_a_model_type_override():
     import helm
 
     _refused(["model_type='helm_d'", "tiny-helm-mice.json"], helm.load_config, "tiny-helm-mice", model_type="helm_d")
+    assert helm.load_config("tiny-helm-mice", model_type="helm_mice").model_type == "helm_mice"  # its own: fine
+
+
+def test_numpy_scalars_are_read_as_the_numbers_they_hold():
+    """Second re-probe: np.float32(-2.0) was refused as if out of range ('got np.float32(-2.0)')."""
+    import numpy as np
+
+    config = tiny_config("helm_d", curvature=np.float32(-2.0), num_hidden_layers=np.int64(2))
+    assert (config.curvature, config.num_hidden_layers) == (-2.0, 2)
+    assert type(config.curvature) is float and type(config.num_hidden_layers) is int
+    json.loads(config.to_json_string())
+
+
+def test_update_with_no_mapping_names_update():
+    with pytest.raises(TypeError, match=r"HelmDConfig\.update takes a dict.*list"):
+        tiny_config("helm_d").update([("hidden_size", 131)])
+
+
+def test_an_old_residual_scale_beside_the_new_factor_keeps_the_new_one(tmp_path):
+    """Second re-probe: the legacy residual_space_scale silently replaced a residual_space_scale_factor given with it."""
+    tiny_config("helm_d").save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "residual_space_scale": 10.0,
+                                                      "residual_space_scale_factor": 2.0}))
+    assert AutoConfig.from_pretrained(tmp_path).residual_space_scale_factor == 2.0
 
 
 def test_a_valid_assignment_after_construction_is_kept_and_a_bad_one_changes_nothing():
@@ -473,6 +498,9 @@ CROSS_FIELD = [
     (dict(initializer_range=1.0, curvature=-1e4, embedding_mode="lorentz"), ["initializer_range=1.0", "-10000"]),
     (dict(initializer_range=0.3, curvature=-1e4, lm_head_mode="distance"), ["initializer_range=0.3", "-10000"]),
     (dict(initializer_range=1.0, curvature=-1e4), None),  # no wrapped-normal table: every initialisation is fine
+    # second re-probe of issue 34: at |K| = 1e4 the tables' fp32 gradients overflowed in one step (loss finite)
+    (dict(curvature=-1e4, embedding_mode="lorentz"), ["curvature=-10000", "embedding_mode='lorentz'"]),
+    (dict(curvature=-3e3, lm_head_mode="distance"), ["curvature=-3000", "lm_head_mode='distance'"]),
     (dict(initializer_range=0.1, curvature=-1e3, embedding_mode="lorentz", lm_head_mode="distance"), None),
     (dict(initializer_range=1.0, curvature=-10.0, embedding_mode="lorentz", lm_head_mode="distance"), None),
     (dict(residual_weight=710.0), None),  # log(expm1(710)) overflowed in reset_parameters

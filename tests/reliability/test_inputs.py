@@ -326,6 +326,40 @@ def test_a_shard_name_outside_the_folder_is_refused(family, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_variant_shard_name_outside_the_folder_is_refused(family, tmp_path):
+    """Second re-probe: the check read *.index.json only, so model.safetensors.index.v1.json was followed out."""
+    tiny_model(family).save_pretrained(tmp_path, max_shard_size="100KB", variant="v1")
+    os.remove(tmp_path / "manifest.json")
+    index = tmp_path / "model.safetensors.index.v1.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = "../elsewhere/model.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.v1\.json.*\.\./elsewhere"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, variant="v1")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tables_stored_in_half_precision_are_not_called_off_the_hyperboloid(tmp_path, dtype):
+    """Second re-probe: a fresh Lorentz model loaded in bf16 was told an optimiser had moved its tables."""
+    tiny_model("helm_d", embedding_mode="lorentz", lm_head_mode="distance").save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+
+
+def test_a_linked_code_file_in_the_save_folder_is_replaced_not_written_through(tmp_path):
+    """Second re-probe: save_pretrained wrote HELM's code through a symlinked modeling_helm_d.py into the file it
+    pointed at (a hub snapshot's files are such links)."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("my own code\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "modeling_helm_d.py").symlink_to(mine)
+    tiny_model("helm_d").save_pretrained(tmp_path / "model")
+    assert mine.read_text() == "my own code\n"
+    assert not (tmp_path / "model" / "modeling_helm_d.py").is_symlink()
+
+
 def test_a_pickled_weights_file_is_named_without_torchs_unsafe_advice(tmp_path):
     """A pytorch_model.bin holding a pickled object: torch's refusal advised weights_only=False, which would run it."""
     model = tiny_model("helm_d")
