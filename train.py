@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import helm  # registers the HELM model types with the transformers Auto classes (and quiets geoopt's warnings)
-from helm.data import MissingSourceError, build_default_data, check_path
+from helm.data import MissingSourceError, build_default_data, check_path, interrupted_build
 from helm.data.paths import MODEL_FILES
 from helm.distributed import use_fsdp_on_cpu
 from helm.evaluation import format_perplexity, perplexity, rows_nll
@@ -77,7 +77,7 @@ def make_accelerator(cfg, out: Path, resume_step):
     # FSDP units are the layers the model names in _no_split_modules; the full state dict feeds save_pretrained.
     fsdp = None if cfg.train.distributed != "fsdp" else FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT")
-    trackers = [JSONLTracker(out, resume_step)] if cfg.train.logger in ("jsonl", "both") else []
+    trackers = [JSONLTracker(out, resume_step, cfg.train.max_steps)] if cfg.train.logger in ("jsonl", "both") else []
     trackers += ["tensorboard"] if cfg.train.logger in ("tensorboard", "both") else []
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
                               step_scheduler_with_optimizer=False, fsdp_plugin=fsdp, log_with=trackers, project_dir=out)
@@ -87,11 +87,12 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, resuming: bool, asked: bool, accelerator) -> None:
-    """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``; ``resuming`` when a
-    checkpoint was found), train.overwrite, or no old files.
+def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, accelerator) -> None:
+    """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``) of this folder's own
+    ``checkpoint``, train.overwrite, or no old files (a checkpoint of another folder starts a new run here).
     train.overwrite deletes only what train.py wrote (:data:`OVERWRITTEN`) in a folder marked as a run folder (or
-    holding the config.yaml of an older train.py), never a folder of other files."""
+    holding the config.yaml of an older train.py), never a folder of other files, nor what the recipe reads."""
+    resuming = checkpoint is not None and (out / "checkpoints").resolve() in Path(checkpoint).resolve().parents
     run_folder = is_run_folder(out)
     ours = (LOCK, RUN_MARKER, "config.yaml") if run_folder else (LOCK,)
     previous = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
@@ -106,10 +107,20 @@ def prepare_output_dir(cfg, out: Path, resuming: bool, asked: bool, accelerator)
     if previous and not resuming and cfg.train.overwrite and (kept := not_overwritable(out)):
         raise ConfigError(f"train.overwrite would delete what train.py did not write in {str(out)!r}: "
                           f"{', '.join(kept[:4])}{', ...' * (len(kept) > 4)}; move it out first, nothing was deleted")
+    doomed = [(out / name).resolve() for name in previous if name in OVERWRITTEN]
+    for key, value in (("model.pretrained", cfg.model.pretrained), ("data.tokenizer", cfg.data.tokenizer),
+                       ("data.dataset", cfg.data.dataset), ("--resume", checkpoint)):
+        path = Path(value).resolve() if value is not None and os.path.exists(value) else None
+        if previous and not resuming and cfg.train.overwrite and any(d == path or d in path.parents for d in doomed
+                                                                     if path is not None):
+            raise ConfigError(f"{key} {str(value)!r} lies in what train.overwrite would delete in {str(out)!r}; "
+                              "copy it out first (nothing was deleted)")
     if previous and not resuming and not cfg.train.overwrite:
-        remedy = "--resume continues from its newest checkpoint, --train.overwrite=true starts over"
-        raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: " + (
-            "it has no complete checkpoint to --resume from; --train.overwrite=true starts over" if asked else remedy))
+        remedy = ("a checkpoint of another folder starts a new run here: choose an empty train.output_dir, or "
+                  "--train.overwrite=true to replace this run" if checkpoint is not None else
+                  "it has no complete checkpoint to --resume from; --train.overwrite=true starts over" if asked else
+                  "--resume continues from its newest checkpoint, --train.overwrite=true starts over")
+        raise ConfigError(f"train.output_dir {str(out)!r} already holds a run {found}: {remedy}")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # output_lock created out; only what a run writes goes, other files stay
         for path in (out / name for name in previous if not resuming and name in OVERWRITTEN):
@@ -125,7 +136,8 @@ def ensure_default_data(cfg, accelerator) -> None:
     builds the default), is used as it is: building there would overwrite its train.jsonl, validation.jsonl and
     tokenizer/."""
     root = Path(cfg.data.dataset)
-    if not cfg.data.build_default or root.is_file() or root.is_dir() and any(root.iterdir()):
+    if not cfg.data.build_default or root.is_file() or root.is_dir() and any(root.iterdir()) \
+            and not interrupted_build(root):  # a build cut short is finished
         return
     if accelerator.is_main_process:
         print(f"[train] {root} has no built corpus; building the offline default data (seconds)", flush=True)
@@ -363,7 +375,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    prepare_output_dir(cfg, out, checkpoint is not None, resume is not None, accelerator)
+    prepare_output_dir(cfg, out, checkpoint, resume is not None, accelerator)
     if resume is not None and checkpoint is None:
         say(f"[train] --resume: no checkpoint in {out} yet; starting from step 0")
     ensure_default_data(cfg, accelerator)
@@ -565,6 +577,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT (128 + 2), and how to go on
         print(f"error: {interrupted(cfg, state)}", file=sys.stderr, flush=True)
         return 130
+    finally:  # the run is over: a Ctrl-C while the interpreter shuts down (tqdm's atexit hook) changes nothing
+        if signal.getsignal(signal.SIGINT) is stop_on_first_interrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

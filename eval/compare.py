@@ -99,7 +99,7 @@ def hidden_subtasks(record: dict) -> set:
 def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = None, raw: bool = False,
                 stderr: bool = False, digits: int = 1) -> str:
     cells: dict[str, dict[tuple, tuple]] = {}  # model -> (task, metric) -> (value, stderr)
-    shots, columns = {}, []
+    shots, columns, sources = {}, [], {}
     for record in runs:
         hidden = hidden_subtasks(record)
         shots.update({t: n for t, n in (record.get("n-shot") or {}).items() if isinstance(n, int)})
@@ -119,6 +119,11 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
             for metric in chosen:
                 if (task, metric) not in columns:
                     columns.append((task, metric))
+                # one cell, two results (the same model measured twice, e.g. with other settings): say which
+                first = sources.setdefault((record["_label"], task, metric), (available[metric], record.get("_file")))
+                if first[0] != available[metric]:
+                    raise EvalError(f"{record['_label']!r} has two results for {task} ({metric}): {first[0]} in "
+                                    f"{first[1]}, {available[metric]} in {record.get('_file')}; name them, NAME=PATH")
                 row[(task, metric)] = (available[metric], errors.get(metric))
     if tasks:
         columns.sort(key=lambda column: tasks.index(column[0]))

@@ -85,6 +85,10 @@ def read_manifest(folder: Path) -> dict:
     manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"{MANIFEST} has an unknown format")
+    for name, entry in manifest["files"].items():  # each {"sha256": hex, "bytes": size}, as write_manifest writes it
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+                or not isinstance(entry.get("bytes"), int):
+            raise ValueError(f"{MANIFEST} has an unknown format (its entry for {name!r})")
     return manifest
 
 

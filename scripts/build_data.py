@@ -13,8 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
+
+
+def interrupted(signum, frame):
+    """Ctrl-C: one line and exit 130; a build cut short is finished by running the same command again."""
+    print("error: interrupted; run the same command again to finish the build", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)
 
 # Runnable from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -48,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args = parser.parse_args(argv)
     logging.basicConfig(format="[helm.data] %(message)s", level=logging.WARNING if args.quiet else logging.INFO)
+    if args.quiet:
+        import datasets
+
+        datasets.disable_progress_bars()
     try:
         if args.out.is_file() or args.out.suffix.lower() in (".jsonl", ".json", ".txt"):
             raise ValueError(f"--out {str(args.out)!r} names a file; give the folder to build into")
@@ -55,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--vocab-size must be at least 258 (256 bytes + 2 special tokens), got {args.vocab_size}")
         if not 0 < args.validation_fraction < 1:
             raise ValueError(f"--validation-fraction must lie in (0, 1), got {args.validation_fraction}")
-        if args.out.is_dir() and any(args.out.iterdir()) and not earlier_build(args.out):
+        if args.out.is_dir() and any(args.out.iterdir()) and not (earlier_build(args.out)
+                                                                  or data.interrupted_build(args.out)):
             raise ValueError(f"--out {str(args.out)!r} holds files no build of this script wrote (its "
                              "manifest.json); building there would overwrite them: give an empty or new folder")
         out = data.build_default_data(args.out, vocab_size=args.vocab_size, sources=args.sources,

@@ -448,6 +448,43 @@ def test_build_data_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeyp
     assert re.search(r"--out '.*ro/d': Permission denied", capsys.readouterr().err)
 
 
+def test_build_data_finishes_its_own_interrupted_build_and_keeps_the_users_tokenizer_files(tmp_path, capsys):
+    """Second re-probe: after a Ctrl-C or a full disk the rerun was refused as 'files no build wrote'; --force deleted
+    the user's files inside tokenizer/; --quiet still showed datasets' progress bars."""
+    import datasets
+
+    build_data = _build_data_script()
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / data.corpus.BUILD_MARKER).touch()  # what a build writes first
+    (out / "train.jsonl.tmp").write_text('{"text": "cut')
+    try:
+        assert build_data.main(["--out", str(out), "--sources", "pydoc", "--vocab-size", "300", "--quiet"]) == 0
+        assert capsys.readouterr().err == ""
+    finally:
+        datasets.enable_progress_bars()
+    assert build_data.earlier_build(out)
+    (out / "tokenizer" / "notes.txt").write_text("mine")
+    assert build_data.main(["--out", str(out), "--sources", "pydoc", "--vocab-size", "300", "--quiet", "--force"]) == 2
+    assert re.search(r"tokenizer'.*notes\.txt", capsys.readouterr().err)
+    assert (out / "tokenizer" / "notes.txt").read_text() == "mine"
+
+
+def test_build_data_ctrl_c_is_one_line(tmp_path):
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, str(REPO / "scripts" / "build_data.py"), "--out", str(tmp_path / "d")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(2.0)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err.decode(), err.decode()
+    assert [line for line in err.decode().splitlines() if line.startswith("error:")] == [
+        "error: interrupted; run the same command again to finish the build"]
+
+
 def test_build_data_rebuilds_an_earlier_build(tmp_path):
     """An earlier build of the script (its manifest) is the one non-empty folder it builds in again."""
     build_data = _build_data_script()

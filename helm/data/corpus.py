@@ -39,8 +39,19 @@ from .tokenizer import train_tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_SOURCES: tuple[str, ...] = ("kjv", "web", "shakespeare", "pydoc")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the tokenizer carries a chat template
 FILES = ("train.jsonl", "validation.jsonl")
+# written first into the folder of a build (kept): a folder holding it and no manifest.json is a build cut short
+BUILD_MARKER = ".helm-data-build"
+# what the tokenizer's save_pretrained writes into tokenizer/: the one kind of file a rebuild deletes there
+TOKENIZER_OUTPUTS = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                               "chat_template.jinja"})
+
+
+def interrupted_build(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a build of :func:`build_default_data` that stopped before its manifest was written
+    (interrupted, a full disk): the one non-empty folder without a manifest that a build may finish."""
+    return (Path(folder) / BUILD_MARKER).is_file() and not (Path(folder) / "manifest.json").is_file()
 
 
 class MissingSourceError(ImportError):
@@ -248,10 +259,17 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     if not force and _is_current(out, expected):
         logger.info("%s is up to date (manifest verified); nothing to do", out)
         return out
+    tokenizer_dir = out / "tokenizer"
+    foreign = sorted(p.name for p in tokenizer_dir.iterdir() if p.name not in TOKENIZER_OUTPUTS) \
+        if tokenizer_dir.is_dir() else []
+    if foreign:  # a rebuild replaces the tokenizer's files, never others
+        raise ValueError(f"{str(tokenizer_dir)!r} holds files a build did not write ({', '.join(foreign[:4])}); move "
+                         "them out first")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / BUILD_MARKER).touch()
     (out / "manifest.json").unlink(missing_ok=True)
     build_corpus(out, sources=[s.name for s in resolved], validation_fraction=validation_fraction, seed=seed)
-    # A previous tokenizer may hold files the new one does not write; they would enter the manifest.
-    shutil.rmtree(out / "tokenizer", ignore_errors=True)
+    shutil.rmtree(tokenizer_dir, ignore_errors=True)  # only its own files (above): a stale one would enter the manifest
     logger.info("training byte-level BPE, vocab_size=%d", vocab_size)
     tokenizer = train_tokenizer([out / FILES[0]], out / "tokenizer", vocab_size=vocab_size)
     logger.info("tokenizer: %d tokens -> %s", len(tokenizer), out / "tokenizer")

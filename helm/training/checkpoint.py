@@ -159,17 +159,20 @@ _OWN_CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-|abandoned-)?step-\d{8}(-\d+)?$")
 
 def not_overwritable(output_dir: Path) -> list[str]:
     """What ``train.overwrite`` must not delete in ``output_dir``: an entry of :data:`OVERWRITTEN` that is a link,
-    and files train.py did not write under ``checkpoints/`` (entries other than its step folders) or in a complete
-    ``final/`` or checkpoint (files its ``manifest.json`` does not list)."""
+    and files train.py did not write under ``checkpoints/`` (entries other than its step folders) or in ``final/`` or
+    a checkpoint (files its ``manifest.json`` does not list; every file, without one: train.py renames both into place
+    only once their manifest is written)."""
     found = [f"{name} (a link)" for name in OVERWRITTEN if (output_dir / name).is_symlink()]
     root = output_dir / "checkpoints"
     if root.is_dir() and not root.is_symlink():
         found += [f"checkpoints/{p.name}" for p in sorted(root.iterdir()) if not _OWN_CHECKPOINT_ENTRY.match(p.name)]
     for folder in [output_dir / "final", *(path for _, path in list_checkpoints(root))]:
+        if not folder.is_dir() or folder.is_symlink():
+            continue
         try:
             listed = set(read_manifest(folder)["files"]) | {MANIFEST}
-        except (OSError, ValueError):  # no manifest: never completed, train.py's own half-written folder
-            continue
+        except (OSError, ValueError):
+            listed = set()
         found += [p.relative_to(output_dir).as_posix() for p in sorted(folder.rglob("*"))
                   if p.is_file() and p.relative_to(folder).as_posix() not in listed]
     return found

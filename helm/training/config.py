@@ -264,7 +264,8 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     """Read a recipe, merge the dotlist ``overrides`` (e.g. ``["optim.lr=1e-3"]``), type-check and validate it."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"--config {str(path)!r}: no such file")
+        problem = "a folder, not a recipe file" if path.is_dir() else "no such file"
+        raise ConfigError(f"--config {str(path)!r}: {problem}")
     try:
         recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
         if placeholders := sorted(OmegaConf.missing_keys(dotlist)):  # the merge would drop such an override

@@ -20,9 +20,10 @@ class JSONLTracker(GeneralTracker):
     name = "jsonl"
     requires_logging_directory = False
 
-    def __init__(self, output_dir: str | os.PathLike, resume_step: Optional[int] = None):
+    def __init__(self, output_dir: str | os.PathLike, resume_step: Optional[int] = None,
+                 final_step: Optional[int] = None):
         super().__init__()
-        self.path, self.resume_step = Path(output_dir) / "metrics.jsonl", resume_step
+        self.path, self.resume_step, self.final_step = Path(output_dir) / "metrics.jsonl", resume_step, final_step
 
     @property
     def tracker(self) -> Path:
@@ -33,7 +34,10 @@ class JSONLTracker(GeneralTracker):
         if self.resume_step is not None and self.path.is_file():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= self.resume_step:
+                    row = json.loads(line)
+                    # a run resumed at its last step measures the final validation again: one row of it
+                    final = row.get("step") == self.resume_step == self.final_step and "val_loss" in row
+                    if row.get("step", 0) <= self.resume_step and not final:
                         kept.append(line + "\n")
                 except ValueError:  # a line cut short by the kill
                     pass

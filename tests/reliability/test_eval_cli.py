@@ -89,6 +89,10 @@ def paths(tmp_path, tiny_checkpoint, learned_checkpoints, small_vocab_checkpoint
     (tmp_path / "link.jsonl").symlink_to(text)
     (results := tmp_path / "results").mkdir()
     (results / "r.json").write_text(json.dumps({"model_name": "m", "results": {"t": {"acc": 0.5}}}))
+    (twice := tmp_path / "twice").mkdir()  # one model measured twice, with other settings
+    for run, value in (("a", 0.5), ("b", 0.7)):
+        record = {"model_name": "final", "model_path": "runs/x/final", "results": {"t": {"acc": value}}}
+        (twice / f"{run}.json").write_text(json.dumps(record))
     (twins := tmp_path / "twins").mkdir()  # two models both labelled by their folder name, train.py's final/
     for run, value in (("a", 0.5), ("b", 0.7)):
         record = {"model_name": "final", "model_path": f"runs/{run}/final", "results": {"t": {"acc": value}}}
@@ -177,6 +181,7 @@ CASES = [
     ("compare", ["{tmp}/missing.json"], 2, r"missing\.json"),
     # two models under one label: one row would silently drop the other's results
     ("compare", ["{tmp}/twins"], 2, r"'final'.*runs/a/final.*runs/b/final.*NAME=PATH"),
+    ("compare", ["{tmp}/twice"], 2, r"'final' has two results for t \(acc\): 0\.5 in .*a\.json, 0\.7 in .*b\.json"),
     ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--output", "{tmp}/pe.xyz"], 2,
      r"--output '.*pe\.xyz'.*'\.xyz'"),
     ("compare", ["{text}", "--digits", "-2"], 2, r"--digits"),

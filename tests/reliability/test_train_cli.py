@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from helm.manifest import RUN_MARKER
-from helm.training import list_checkpoints, verify_checkpoint
+from helm.training import list_checkpoints, load_run_config, verify_checkpoint
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
 
 
@@ -92,7 +92,7 @@ def _previous_run(tmp_path, run_data):
     return []
 
 
-def _run_with_files_of_the_users(where):
+def _run_with_files_of_the_users(where, manifests=True, args=("--train.overwrite=true",)):
     """A finished run (checkpoints, final/ with their manifests) where the user then put a file of their own."""
     def setup(tmp_path, run_data):
         from helm.manifest import write_manifest
@@ -101,10 +101,12 @@ def _run_with_files_of_the_users(where):
         for folder in (run / "checkpoints" / "step-00000002", run / "final"):
             folder.mkdir(parents=True)
             (folder / "config.json").write_text("{}")
-            write_manifest(folder, 2)
+            if manifests:
+                write_manifest(folder, 2)
         (run / RUN_MARKER).write_text("{}")
-        (run / where).write_text("mine")
-        return ["--train.overwrite=true"]
+        if where:
+            (run / where).write_text("mine")
+        return [arg.format(tmp=tmp_path) for arg in args]
     return setup
 
 
@@ -260,6 +262,13 @@ CASES = [
     ("overwrite-a-file-of-the-users-in-a-checkpoint", "tiny-helm-d",
      _run_with_files_of_the_users("checkpoints/step-00000002/notes.md"), [], 2,
      r"train\.overwrite .*checkpoints/step-00000002/notes\.md"),
+    # second re-probe: a final/ without a manifest (an older train.py's, or the user's own) lost the user's file
+    ("overwrite-a-file-of-the-users-in-a-final-without-manifest", "tiny-helm-d",
+     _run_with_files_of_the_users("final/notes.md", manifests=False), [], 2, r"train\.overwrite .*final/notes\.md"),
+    # ... and what the recipe reads was deleted before it was read
+    ("overwrite-the-tokenizer-the-recipe-reads", "tiny-helm-d",
+     _run_with_files_of_the_users(None, args=("--train.overwrite=true", "--data.tokenizer={tmp}/run/final")), [], 2,
+     r"data\.tokenizer '.*run/final' lies in what train\.overwrite would delete"),
     ("overwrite-a-linked-checkpoints-folder", "tiny-helm-d", _linked("checkpoints"), [], 2,
      r"train\.overwrite .*checkpoints \(a link\)"),
     ("overwrite-a-linked-final-folder", "tiny-helm-d", _linked("final"), [], 2, r"train\.overwrite .*final \(a link\)"),
@@ -750,6 +759,87 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path, run_data):
     assert [line for line in err.decode().splitlines() if line.startswith("error:")] == [
         "error: interrupted before training started; nothing was written"]
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_another_folders_checkpoint_never_replaces_a_run_unasked(tmp_path, run_data, capsys):
+    """Second re-probe: --resume CHECKPOINT of another folder into an output_dir holding a run replaced its final/
+    and checkpoints without train.overwrite, and mixed two runs in its metrics.jsonl."""
+    from helm.manifest import hash_file
+
+    other = write_recipe(tmp_path, run_data, "other.yaml", train={"max_steps": 2, "save_every": 1,
+                                                                  "output_dir": str(tmp_path / "other")},
+                         demo={"prompt": None})
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(other)]) == 0 and train_script.main(["--config", str(recipe)]) == 0
+    final = hash_file(tmp_path / "run" / "final" / "model.safetensors")
+    theirs = tmp_path / "other" / "checkpoints" / "step-00000001"
+    capsys.readouterr()
+    assert train_script.main(["--config", str(recipe), "--resume", str(theirs)]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.search(r"train\.output_dir .*run' already holds a run .*checkpoint of another folder", error), error
+    assert hash_file(tmp_path / "run" / "final" / "model.safetensors") == final
+    assert train_script.main(["--config", str(recipe), "--resume", str(theirs), "--train.overwrite=true"]) == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)] == [2]  # the resumed run's own rows only (log_every=1, from step 1)
+
+
+def test_resuming_a_finished_run_logs_its_final_validation_once(tmp_path, run_data, capsys):
+    """Second re-probe: a --resume at the last step (after a failed final write) appended a second final row."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    assert train_script.main(["--config", str(recipe), "--resume"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([row for row in rows if row["step"] == 2 and "val_loss" in row]) == 1, rows
+    capsys.readouterr()
+
+
+def test_a_manifest_entry_of_the_wrong_shape_is_one_line(tmp_path, run_data, capsys):
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    manifest = tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["files"][next(iter(data["files"]))] = 5
+    manifest.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: --resume .*step-00000002.*manifest\.json is unreadable.*unknown format", err), err
+    assert "Traceback" not in err
+
+
+def test_a_folder_given_as_the_recipe_is_named_as_a_folder(tmp_path, capsys):
+    assert train_script.main(["--config", str(tmp_path)]) == 2
+    assert re.search(r"error: --config '.*': a folder, not a recipe file", capsys.readouterr().err)
+
+
+def test_ctrl_c_after_the_run_is_ignored_at_shutdown():
+    """Second re-probe: a Ctrl-C while the interpreter shut down after a finished run raised in tqdm's atexit hook."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, train_script.stop_on_first_interrupt)
+    try:
+        assert train_script.main(["--config", "no-such-recipe.yaml"]) == 2
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_build_default_finishes_a_build_that_was_cut_short(tmp_path, monkeypatch):
+    """Second re-probe: a data.dataset folder left by an interrupted build was used as it was (no tokenizer)."""
+    from accelerate import Accelerator
+
+    from helm.data.corpus import BUILD_MARKER
+
+    built = []
+    monkeypatch.setattr(train_script, "build_default_data", lambda root: built.append(root))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"text": "half"}\n')
+    cfg = load_run_config(write_recipe(tmp_path, tmp_path / "d", data={"build_default": True}))
+    train_script.ensure_default_data(cfg, Accelerator(cpu=True))
+    assert built == []  # the user's own data: used as it is
+    (tmp_path / "d" / BUILD_MARKER).touch()
+    train_script.ensure_default_data(cfg, Accelerator(cpu=True))
+    assert built == [tmp_path / "d"]
 
 
 def test_resume_in_a_fresh_folder_starts_from_step_0_and_says_so(tmp_path, run_data, capsys):
