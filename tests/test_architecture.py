@@ -22,6 +22,7 @@ LAYERS = {
     "helm.presets": 5, "helm.optim": 5,
     "helm.convert": 6, "helm.data": 6,
     "helm.training": 7, "helm.evaluation": 7,
+    "helm.serve": 8,
 }
 
 

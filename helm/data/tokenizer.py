@@ -3,7 +3,8 @@
 Special tokens: ``<|endoftext|>`` (id 0) is bos *and* eos, ``<|pad|>`` (id 1) is pad. Padding has its own id
 because ``transformers``' language-modeling collators set ``labels = -100`` wherever ``input_ids == pad``; with
 pad == eos the model would never learn to end a document. The tokenizer adds no special tokens itself; packing
-appends the eos.
+appends the eos. Chat template (saved with it, read by ``apply_chat_template`` and ``transformers serve``): one
+``role: content`` line per message, then ``assistant:`` when a generation prompt is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from .loading import load_text_dataset
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_dir: str | os.PathLike, *,
@@ -45,7 +48,8 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_
                                   length=len(texts))
     # Decoding must give back the exact text; transformers' clean-up would drop spaces before punctuation.
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
-                                      pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False)
+                                      pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False,
+                                      chat_template=CHAT_TEMPLATE)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(str(out_dir))
     return wrapped

@@ -18,15 +18,23 @@ from transformers.utils import can_return_tuple, logging
 
 from ..manifold.lorentz import Lorentz
 from ..manifold.math import lift, manifold_error
-from ..nn.attention import LorentzAttentionBase
+from ..nn.attention import LorentzAttentionBase, PagedBatch
 from ..nn.embedding import LorentzEmbedding
 from ..nn.head import LorentzLMHead
 from ..nn.linear import LorentzLinear
 from ..nn.norm import LorentzRMSNorm
 from ..nn.positional import PositionalEncoding
+from ..nn.positional.base import work_dtype
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
-from ..ops.attention import AttentionMask, check_attention_implementation, record_attention_weights
+from ..ops.attention import (
+    ATTENTION_ALIASES,
+    AttentionMask,
+    check_attention_implementation,
+    continuous_batching_attention,
+    record_attention_weights,
+)
+from ..precision import stat_dtype
 from .hub import HelmHubMixin, built_config_fields
 
 logger = logging.get_logger(__name__)
@@ -212,7 +220,10 @@ class HelmDecoderModel(HelmPreTrainedModel):
                 segment_ids: Optional[torch.LongTensor] = None, output_hidden_states: Optional[bool] = None,
                 output_attentions: Optional[bool] = None, **kwargs):
         """``kwargs`` takes what ``transformers`` hands every model (``cache=``, ``cache_position``,
-        ``num_items_in_batch``, ...); HELM reads only ``cache=``, the cache's name from transformers 5.24 on."""
+        ``num_items_in_batch``, ...); HELM reads ``cache=``, the cache's name from transformers 5.24 on, and, with
+        continuous batching's paged cache, the batch's layout (``PagedBatch.KWARGS``; the requests flattened into one
+        row, each at its own ``position_ids``, under the 4-D block-diagonal ``attention_mask`` ``transformers``
+        builds for ``sdpa`` and ``paged|eager``; :class:`helm.nn.attention.PagedBatch`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         past_key_values = resolve_cache(past_key_values, kwargs.get("cache"))
@@ -229,20 +240,34 @@ class HelmDecoderModel(HelmPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         given = input_ids if input_ids is not None else inputs_embeds
         (batch, seq_len), device = given.shape[:2], given.device
-        # past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
-        layout = cache_layout(past_key_values, seq_len)
-        check_mask_lengths(layout, seq_len, attention_mask=attention_mask, segment_ids=segment_ids)
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
+        paged = None
+        if PagedBatch.is_paged(past_key_values):  # continuous batching: the layers write through a PagedBatch
+            past_key_values = paged = continuous_batch(past_key_values, kwargs, batch=batch, seq_len=seq_len,
+                                                       position_ids=position_ids, attention_mask=attention_mask,
+                                                       segment_ids=segment_ids, device=device)
+        else:
+            # past length (a tensor for a static cache: no host sync), keys per layer, where the queries sit
+            layout = cache_layout(past_key_values, seq_len)
+            check_mask_lengths(layout, seq_len, attention_mask=attention_mask, segment_ids=segment_ids)
+            if position_ids is None:
+                position_ids = default_position_ids(attention_mask, layout, seq_len, batch, device)
 
         hidden_states = (self.embed_tokens(input_ids) if inputs_embeds is None
                          else lift(inputs_embeds[..., 1:], k=self.config.k))
         if self.pos_encoding.absolute:
             hidden_states = lift(self.pos_encoding.embed(hidden_states[..., 1:], position_ids), k=self.config.k)
         # built once here, read by every layer
-        position_embeddings = self.pos_encoding(position_ids, kv_len=layout.kv_len, dtype=hidden_states.dtype,
-                                                q_offset=layout.q_offset)
-        mask = attention_mask_for(layout, batch, seq_len, attention_mask, segment_ids, device)
+        if paged is not None:
+            # the biases compare index positions, whose differences within a request are position differences
+            position_embeddings = self.pos_encoding.tables(
+                position_ids, paged.query_index.view(1, seq_len),
+                torch.arange(paged.kv_len, device=device).view(1, paged.kv_len), work_dtype(hidden_states.dtype))
+            mask = AttentionMask(1, seq_len, paged.kv_len, dense=attention_mask, device=device,
+                                 segment_ids=paged.key_request.view(1, paged.kv_len), query_index=paged.query_index)
+        else:
+            position_embeddings = self.pos_encoding(position_ids, kv_len=layout.kv_len, dtype=hidden_states.dtype,
+                                                    q_offset=layout.q_offset)
+            mask = attention_mask_for(layout, batch, seq_len, attention_mask, segment_ids, device)
 
         # transformers' convention: the embeddings, every layer's output, the last one after the final norm
         all_hidden_states = [hidden_states]
@@ -255,6 +280,8 @@ class HelmDecoderModel(HelmPreTrainedModel):
         if self.final_proj is not None:
             hidden_states = self.final_proj(hidden_states)
         all_hidden_states[-1] = hidden_states = self.norm(hidden_states)
+        if paged is not None:
+            past_key_values = paged.cache
         return self.output_class(last_hidden_state=hidden_states,
                                  **{CACHE_FIELD: past_key_values if use_cache else None},
                                  hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
@@ -283,6 +310,43 @@ class HelmCausalLMBase(HelmPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    @torch.no_grad()
+    def init_continuous_batching(self, *args, **kwargs):
+        """``transformers``' continuous batching (``generate_batch``, ``transformers serve --continuous-batching``)
+        on its paged KV cache, after two checks of its own: every attention layer's per-token cache fits the rows the
+        paged cache allocates (:meth:`check_paged_cache`), and the implementation is one ``transformers`` accepts
+        there: ``auto`` and ``triton`` run as ``sdpa`` for the session (the implementation every call of theirs
+        would take under its block-diagonal mask, :func:`helm.ops.attention.continuous_batching_attention`) and
+        are restored when the manager stops, as ``transformers`` restores its own switch of ``eager`` to
+        ``paged|eager``. Arguments and result are ``transformers``' (``generation_config``,
+        ``continuous_batching_config``, ...; a ``ContinuousBatchingManager``)."""
+        self.check_paged_cache()
+        requested = self.config._attn_implementation
+        serving = continuous_batching_attention(requested)
+        if serving != requested:
+            self.set_attn_implementation(serving)
+        try:
+            manager = super().init_continuous_batching(*args, **kwargs)
+        except BaseException:
+            if serving != requested:
+                self.set_attn_implementation(requested)
+            raise
+        if serving != requested and getattr(manager, "_original_attn_impl", None) is None:
+            manager._original_attn_impl = requested  # what ContinuousBatchingManager.stop() restores
+        return manager
+
+    def check_paged_cache(self) -> None:
+        """``ValueError`` naming the config fields when an attention layer caches more per token than continuous
+        batching's paged cache allocates for this model (two rows of ``num_key_value_heads x head_dim`` numbers of
+        the model's dtype, read from ``config.get_text_config()``; :class:`helm.nn.attention.PagedBatch`). HELM
+        caches points in the statistics dtype: a half-precision model's cache takes each fp32 number as two of its
+        columns, which HELM-D's keys and values (exactly one fp32 model's rows) do not fit."""
+        config, cache_dtype = self.config.get_text_config(), self.dtype
+        for name, module in self.named_modules():
+            if callable(getattr(module, "cache_payload", None)):
+                numbers, what = module.cache_payload()
+                PagedBatch.check_fit(config, cache_dtype, stat_dtype(cache_dtype), numbers, what, name)
+
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
@@ -290,10 +354,13 @@ class HelmCausalLMBase(HelmPreTrainedModel, GenerationMixin):
                 use_cache: Optional[bool] = None, segment_ids: Optional[torch.LongTensor] = None,
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 logits_to_keep: Union[int, torch.Tensor] = 0, skip_logits: Optional[bool] = None, **kwargs):
+        # continuous batching's description of its flattened batch goes to the decoder, not to the loss
+        batch_kwargs = {key: kwargs.pop(key) for key in PagedBatch.KWARGS if key in kwargs}
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=resolve_cache(past_key_values, kwargs.pop("cache", None)),
                              inputs_embeds=inputs_embeds, use_cache=use_cache, segment_ids=segment_ids,
-                             output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+                             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                             **batch_kwargs)
         hidden_states = outputs.last_hidden_state
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits, loss = lm_logits_and_loss(self, hidden_states[:, kept], labels, skip_logits, **kwargs)
@@ -330,6 +397,29 @@ def resolve_cache(past_key_values, cache):
     """The cache of a forward called as ``forward(past_key_values=...)`` (transformers < 5.24, users' code) or
     ``forward(cache=...)`` (``generate`` from transformers 5.24 on)."""
     return past_key_values if cache is None else cache
+
+
+def continuous_batch(cache, kwargs: dict, *, batch: int, seq_len: int, position_ids: Optional[torch.Tensor],
+                     attention_mask, segment_ids: Optional[torch.Tensor], device) -> PagedBatch:
+    """The :class:`~helm.nn.attention.PagedBatch` of a continuous-batching forward on ``transformers``' paged
+    ``cache``, from its keywords in ``kwargs``, after the checks of what that forward must be given: one flattened
+    row, per-request ``position_ids``, the 4-D block-diagonal ``attention_mask`` (``transformers`` builds it for
+    ``sdpa`` and ``paged|eager`` only), no ``segment_ids`` (the requests are the segments)."""
+    missing = [key for key in ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index") if key not in kwargs]
+    if missing:
+        raise ValueError(f"a forward on transformers' paged cache (continuous batching) needs its keywords {missing}")
+    if batch != 1:
+        raise ValueError(f"continuous batching flattens its requests into one row; got a batch of {batch}")
+    if position_ids is None:
+        raise ValueError("continuous batching gives each request its own position_ids; none were passed")
+    if segment_ids is not None:
+        raise ValueError("segment_ids cannot be combined with continuous batching, whose requests are the segments")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError("continuous batching must pass its 4-D block-diagonal attention mask, which transformers "
+                         "builds for attn_implementation 'sdpa' and 'paged|eager' only; got "
+                         f"{type(attention_mask).__name__}")
+    return PagedBatch(cache, {key: kwargs[key] for key in PagedBatch.KWARGS if key in kwargs}, q_len=seq_len,
+                      device=device)
 
 
 class CacheLayout(NamedTuple):
@@ -375,7 +465,7 @@ class AttentionWeights:
     def __init__(self, model, output_attentions: Optional[bool]):
         config = model.config
         self.wanted = bool(config.output_attentions if output_attentions is None else output_attentions)
-        self.eager = config._attn_implementation == "eager"
+        self.eager = ATTENTION_ALIASES.get(config._attn_implementation, config._attn_implementation) == "eager"
         if self.wanted and not self.eager:
             logger.warning_once(f"output_attentions=True: attn_implementation={config._attn_implementation!r} does not "
                                 "form the attention weights (the attentions returned are empty); load the model with "
@@ -395,15 +485,22 @@ class AttentionWeights:
 
 
 def check_mask_lengths(layout: CacheLayout, seq_len: int, **masks: Optional[torch.Tensor]) -> None:
-    """``ValueError`` naming a 2-D ``attention_mask`` or ``segment_ids`` that covers fewer positions than the cached
-    and the new tokens (shapes only; a static cache's length is a tensor, so its masks, built by ``generate``, are
-    not checked): padded as a static cache's free slots, the last tokens would be cut off from the rest."""
-    if isinstance(layout.past_len, torch.Tensor):
-        return
+    """A 2-D ``attention_mask`` or ``segment_ids`` that covers fewer positions than the cached and the new tokens is
+    refused naming it: padded as a static cache's free slots, the last tokens would be cut off from the rest. A
+    ``ValueError`` from the shapes; with a static cache, whose length is a tensor, a ``RuntimeError`` from
+    ``torch._assert_async`` (at once on a CPU, no host synchronisation on a GPU). ``generate`` passes the segment
+    ids of the prompt unchanged at every step, so they are refused there (an ``attention_mask`` grows)."""
     for name, mask in masks.items():
-        if mask is not None and mask.dim() == 2 and mask.shape[-1] < layout.past_len + seq_len:
-            raise ValueError(f"{name} covers {mask.shape[-1]} positions, but the cache and the input hold "
-                             f"{layout.past_len} + {seq_len}: give it as [batch, cached + new tokens]")
+        if mask is None or mask.dim() != 2:
+            continue
+        problem = (f"{name} covers {mask.shape[-1]} positions, fewer than the cached and new tokens: give it as "
+                   "[batch, cached + new tokens]" + ("; generate does not extend segment_ids (pass an attention_mask "
+                                                     "for padding)" if name == "segment_ids" else ""))
+        if isinstance(layout.past_len, torch.Tensor):
+            torch._assert_async(layout.past_len + seq_len <= mask.shape[-1], problem)
+        elif mask.shape[-1] < layout.past_len + seq_len:
+            raise ValueError(problem.replace("the cached and new tokens", f"the {layout.past_len} cached + {seq_len} "
+                                             "new tokens"))
 
 
 def default_position_ids(attention_mask: Optional[torch.Tensor], layout: CacheLayout, seq_len: int,
@@ -493,5 +590,6 @@ def lm_logits_and_loss(model, hidden_states: torch.Tensor, labels: Optional[torc
 
 
 __all__ = ["CACHE_FIELD", "AttentionWeights", "CacheLayout", "HelmCausalLMBase", "HelmDecoderModel",
-           "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "default_position_ids",
-           "fused_causal_lm_loss", "lm_logits_and_loss", "positional_encoding", "resolve_cache"]
+           "HelmPreTrainedModel", "attention_mask_for", "cache_layout", "causal_lm_loss", "continuous_batch",
+           "default_position_ids", "fused_causal_lm_loss", "lm_logits_and_loss", "positional_encoding",
+           "resolve_cache"]

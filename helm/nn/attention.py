@@ -6,8 +6,15 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer, StaticLayer
+
+try:  # transformers' continuous batching: its paged KV cache and how it sizes the cache's rows (5.24's modules)
+    from transformers.generation.continuous_batching import PagedAttentionCache
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+except ImportError:  # another layout of transformers: no forward gets a paged cache HELM would recognise
+    PagedAttentionCache = None
 
 from ..manifold.math import hcat, lift, positive_exp, sqnorm
 from ..ops.attention import AttentionMask, lorentz_attention
@@ -117,7 +124,8 @@ class LorentzSelfAttention(LorentzAttentionBase):
     step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``; ``eager``
     recomputes its centres, the reference), instead of re-centring and re-casting the whole cache every step
     (:func:`helm.ops.lorentz_attention`, ``value_centre``). Caches other than ``transformers``' dynamic and static
-    ones, and a cache written without the column, keep plain values.
+    ones, and a cache written without the column, keep plain values: among them continuous batching's paged cache
+    (a :class:`PagedBatch`), whose rows hold exactly the keys and values (:meth:`cache_payload`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
@@ -159,6 +167,13 @@ class LorentzSelfAttention(LorentzAttentionBase):
                           attention_mask=attention_mask, value_centre=centre, dtype=q_s.dtype)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
 
+    def cache_payload(self) -> tuple[int, str]:
+        """What one token costs this layer in continuous batching's paged cache, in numbers of the statistics dtype
+        (the cached points'), and how that count is made up, naming the config fields: keys and values, ``H`` heads
+        of ``1 + d`` each (:meth:`PagedBatch.check_fit`)."""
+        n = 2 * self.num_heads * self.head_dim
+        return n, f"2 x num_attention_heads {self.num_heads} x head_dim {self.head_dim} = {n}"
+
 
 def extends_cache(cache, layer_idx: int, *, values: bool, plain_width: int) -> bool:
     """Whether layer ``layer_idx`` of ``cache`` takes extra columns after the plain ones (the keys', or with
@@ -174,6 +189,136 @@ def extends_cache(cache, layer_idx: int, *, values: bool, plain_width: int) -> b
         return False
     stored = getattr(layer, "values" if values else "keys", None) if layer.is_initialized else None
     return not (isinstance(stored, torch.Tensor) and stored.dim() == 4 and stored.shape[-1] == plain_width)
+
+
+class PagedBatch:
+    """One forward of ``transformers``' continuous batching on its paged KV cache (``PagedAttentionCache``), as the
+    attention layers see it: a cache whose :meth:`update` takes what a layer caches per token, of any widths, and
+    returns what every request of the step reads.
+
+    The step's requests come flattened into one row (batch 1): their new tokens one request after another
+    (``Tq``), each request reading its cached tokens and its new ones (``Tk`` keys, request after request, as
+    ``cu_seq_lens_k`` counts them). The per-forward keywords of ``transformers`` (``cu_seq_lens_q``,
+    ``cu_seq_lens_k``, ``read_index``, ``write_index``, ...: ``batch_kwargs``) are handed to the cache's ``update``
+    as a fresh dict at every call, since it rewrites some of them in place.
+
+    The cache allocates, per token and layer, a key row and a value row of ``[num_key_value_heads, head_dim]``
+    numbers of the model's dtype, both read from the text config as ``transformers`` reads them
+    (``num_attention_heads`` and ``hidden_size // num_attention_heads`` where the config has no such field). A layer's
+    keys ``[1, h_k, T, W_k]`` and values ``[1, h_v, T, W_v]`` are laid out per token as one vector of
+    ``h_k·W_k + h_v·W_v`` numbers, stored bit for bit (a cache of a narrower dtype takes each number as several of
+    its columns, as HMLA's scalars in a half-precision cache), zero-padded to the two rows and split between them;
+    reading reverses it. HELM-D's keys and values (``H`` heads of ``1 + d``, fp32) fill an fp32 model's two rows
+    exactly; HMLA's latent, its absorbed-decoding scalars and rotary key use the start of them.
+
+    Derived once per forward (int64, on the device, no host read):
+
+    * ``query_index [Tq]``: the key index of each new token among the ``Tk`` keys (its own key), the queries' place
+      for :class:`helm.ops.AttentionMask`;
+    * ``first_index [Tq]``: the key index of the first token of each new token's request (HMLA's centre);
+    * ``key_request [Tk]``: the request of each key, the mask's segment ids (values are centred per request).
+    """
+
+    # the keywords of a continuous-batching forward that describe its batch (transformers' PagedAttentionArgs)
+    KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "read_index", "write_index",
+              "block_table")
+
+    def __init__(self, cache, batch_kwargs: dict, *, q_len: int, device):
+        if batch_kwargs.get("block_table") is not None:
+            raise ValueError("continuous batching's block-table decoding (flash attention's paged kernel) reads the "
+                             "cache inside the kernel; HELM attention needs the keys: use attn_implementation 'sdpa' "
+                             "or 'eager'")
+        read_index = batch_kwargs["read_index"]
+        cu_k = batch_kwargs["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            if len(cu_k) != 1:
+                raise ValueError(f"HELM layers are all full attention; the paged cache has layer groups {list(cu_k)}")
+            (cu_k,) = cu_k.values()
+        self.cache, self.batch_kwargs = cache, dict(batch_kwargs)
+        # every request reads its whole cache after the write; none read (pure prefill): the new tokens only
+        self.kv_len = read_index[0].numel() or q_len
+        cu_q = batch_kwargs["cu_seq_lens_q"].to(device=device, dtype=torch.int64)
+        cu_k = cu_k.to(device=device, dtype=torch.int64)
+        new = torch.arange(q_len, device=device)
+        # the request of each new token (cumulative lengths may plateau: padding requests of length 0; a padding
+        # token after the last request counts as the last one's, its row being masked)
+        request = torch.searchsorted(cu_q[1:], new, right=True).clamp_max(cu_q.numel() - 2)
+        self.query_index = (new + cu_k[request + 1] - cu_q[request + 1]).clamp(0, self.kv_len - 1)
+        self.first_index = cu_k[request].clamp_max(self.kv_len - 1)
+        self.key_request = torch.searchsorted(cu_k[1:], torch.arange(self.kv_len, device=device), right=True)
+
+    @staticmethod
+    def is_paged(cache) -> bool:
+        """Whether ``cache`` is ``transformers``' paged cache of continuous batching."""
+        return PagedAttentionCache is not None and isinstance(cache, PagedAttentionCache)
+
+    @staticmethod
+    def rows(config) -> tuple[int, int]:
+        """``(heads, head_dim)`` of the paged cache's key row and value row for ``config`` (a text config), as
+        ``transformers`` allocates them."""
+        return find_num_key_value_heads(config), find_head_dim(config)
+
+    @staticmethod
+    def stored_width(numbers: int, payload_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+        """Columns of a ``cache_dtype`` cache that ``numbers`` of ``payload_dtype`` take, stored bit for bit."""
+        return numbers * max(1, payload_dtype.itemsize // cache_dtype.itemsize)
+
+    @classmethod
+    def check_fit(cls, config, cache_dtype: torch.dtype, payload_dtype: torch.dtype, numbers: int,
+                  what: str, layer: str) -> None:
+        """``ValueError`` naming the config fields when ``numbers`` of ``payload_dtype`` per token (``what``: how
+        the count is made up) do not fit the two rows a ``cache_dtype`` paged cache allocates for ``config``."""
+        heads, head_dim = cls.rows(config)
+        capacity = 2 * heads * head_dim
+        width = cls.stored_width(numbers, payload_dtype, cache_dtype)
+        if width > capacity:
+            stored = "" if width == numbers else f", stored bit for bit as {width} {cache_dtype} columns"
+            hint = (f"; load the model in {payload_dtype} (dtype={payload_dtype}) to serve it with continuous "
+                    "batching" if width > numbers else "")
+            raise ValueError(f"continuous batching's paged cache holds 2 x {heads} x {head_dim} = {capacity} "
+                             f"{cache_dtype} numbers per token and layer (num_key_value_heads, else "
+                             f"num_attention_heads, times head_dim, else hidden_size // num_attention_heads, of the "
+                             f"config), but {layer} caches {what} {payload_dtype} numbers{stored}{hint}")
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *,
+               write_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' ``key [1, h_k, Tq, W_k]`` and ``value [1, h_v, Tq, W_v]`` to layer ``layer_idx``
+        and return every key and value the step's requests read, ``[1, h_k, Tk, W_k]`` and ``[1, h_v, Tk, W_v]``,
+        in their dtypes. ``write_only``: write, and return the inputs (nothing is read)."""
+        _, hk, T, wk = key.shape
+        hv, wv = value.shape[1], value.shape[-1]
+        dtype = torch.promote_types(key.dtype, value.dtype)
+        payload = torch.cat([x.transpose(1, 2).reshape(1, T, -1).to(dtype) for x in (key, value)], dim=-1)
+        heads, head_dim = self.rows(self.cache.config)
+        cache_dtype = self.cache.dtype
+        width = self.stored_width(payload.shape[-1], dtype, cache_dtype)
+        if width > 2 * heads * head_dim:
+            self.check_fit(self.cache.config, cache_dtype, dtype, payload.shape[-1], str(payload.shape[-1]),
+                           f"layer {layer_idx}")
+        stored = payload.contiguous().view(cache_dtype) if width > payload.shape[-1] else payload.to(cache_dtype)
+        rows = F.pad(stored, (0, 2 * heads * head_dim - width)).view(1, T, 2, heads, head_dim)
+        kwargs = dict(self.batch_kwargs)
+        if write_only:
+            kwargs["read_index"] = [index[:0] for index in kwargs["read_index"]]
+        k_rows, v_rows = self.cache.update(rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2), layer_idx,
+                                           kwargs)
+        if write_only:
+            return key, value
+        read = torch.stack([k_rows, v_rows], dim=2).transpose(1, 3).reshape(1, -1, 2 * heads * head_dim)[..., :width]
+        read = read.contiguous().view(dtype) if width > payload.shape[-1] else read.to(dtype)
+        Tk = read.shape[1]
+        keys, values = read.split([hk * wk, hv * wv], dim=-1)
+        return (keys.reshape(1, Tk, hk, wk).transpose(1, 2).to(key.dtype),
+                values.reshape(1, Tk, hv, wv).transpose(1, 2).to(value.dtype))
+
+    def first_of_request(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, h, Tq, W]``: for each new token, the row of its request's first key in ``x [1, h, Tk, W]`` (what
+        :meth:`update` returned)."""
+        return x.index_select(2, self.first_index)
+
+    def replace_new(self, read: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``read [1, h, Tk, W]`` with the new tokens' rows replaced by ``new [1, h, Tq, W]``."""
+        return read.index_copy(2, self.query_index, new.to(read.dtype))
 
 
 def first_cached(cache, layer_idx: int, new: torch.Tensor, *, values: bool) -> torch.Tensor:

@@ -13,7 +13,7 @@ from transformers.cache_utils import StaticLayer
 from ..manifold.math import lift
 from ..ops.attention import AttentionMask, _normalise, alibi_bias, resolve_attention
 from ..precision import HALF, no_autocast, split_hi_lo, stat_dtype, to_stat
-from .attention import LorentzAttentionBase, extends_cache, first_cached
+from .attention import LorentzAttentionBase, PagedBatch, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
 from .positional import PositionalTables
@@ -67,6 +67,13 @@ class HMLA(LorentzAttentionBase):
     keeps the scalars). The result equals the plain path to fp32 rounding (``tests/nn/test_hmla_absorbed.py``).
     Other cache classes (offloaded, quantised), a wrapped ``kv_b_proj`` (PEFT's LoRA) and a cache written without
     the scalars keep the plain layout and path.
+
+    **Continuous batching** (``transformers``' paged cache, seen through :class:`~helm.nn.attention.PagedBatch`):
+    the same per-token payload, latent (and scalars) then rotary key, packed into the key and value rows the cache
+    allocates (:meth:`cache_payload`; a payload that does not fit is refused naming the config fields); each request
+    of the flattened batch is centred on its own first key (:meth:`_update_paged_absorbed`), so the absorbed path
+    runs on the varlen layout as it does on a request alone, whenever the step's new tokens (all requests together)
+    are at most ``absorb_max_query``.
 
     Precision (:mod:`helm.precision`): the projections and the absorbed path's score GEMM run in the compute dtype,
     the latter with each head's key time coordinate as ``hi + lo`` columns of its own (``3H`` columns beside the
@@ -141,17 +148,20 @@ class HMLA(LorentzAttentionBase):
         # (not in training mode: a training forward with a cache stays the plain one, outputs and gradients)
         foreign = past_key_values is not None and foreign_static_layer(past_key_values, self.layer_idx,
                                                                          latent=L, rope=k_rope.shape[-1])
+        paged = isinstance(past_key_values, PagedBatch)
         absorbed = (self.absorb and not self.training and past_key_values is not None and not foreign
                     and type(self.kv_b_proj) is nn.Linear and self.kv_b_proj.weight.device.type != "meta"
-                    and extends_cache(past_key_values, self.layer_idx, values=False, plain_width=L))
-        if absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
+                    and (paged or extends_cache(past_key_values, self.layer_idx, values=False, plain_width=L)))
+        if absorbed and paged:
+            c_kv, k_rope, first, centre = self._update_paged_absorbed(past_key_values, c_kv, k_rope)
+        elif absorbed:  # the scalars of the new tokens, relative to the centre fixed by the cache's first key
             first = first_cached(past_key_values, self.layer_idx, c_kv, values=False).detach()
             centre = lift(self._kv_heads(first)[..., dn:], k=self.k)
             scalars = self._token_scalars(c_kv, k_rope, first, centre)
             c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
         if foreign:
             c_kv, k_rope = update_packed(past_key_values, self.layer_idx, c_kv, k_rope)
-        elif past_key_values is not None:
+        elif past_key_values is not None and not (absorbed and paged):
             c_kv, k_rope = past_key_values.update(c_kv, k_rope, self.layer_idx)
         if resolve_attention(self.attn_implementation, x.device,
                              absorbable=absorbed and T <= self.absorb_max_query) == "absorbed":
@@ -167,6 +177,32 @@ class HMLA(LorentzAttentionBase):
                           attention_mask=attention_mask, dtype=q_s.dtype)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
 
+    def _update_paged_absorbed(self, batch: PagedBatch, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple:
+        """Absorbed decoding on continuous batching's paged cache (:class:`~helm.nn.attention.PagedBatch`): the
+        centre of each request is the value of its own first key, which for a request with cached tokens only the
+        cache holds, so the new latents ``c_kv [1, 1, Tq, 1+n_kv]`` and rotary keys ``k_rope [1, 1, Tq, 1+d_r]`` are
+        written with their scalars zero, everything the step reads comes back, and the new tokens are written again
+        with their scalars, relative to their request's first latent. Returns the latents with scalars and the rotary
+        keys every request reads (``[1, 1, Tk, ·]``), and per new token (= per query) the first latent
+        ``[1, 1, Tq, 1+n_kv]`` and the value centre ``[1, H, Tq, 1+d_v]`` it fixes, for :meth:`_attend_absorbed`."""
+        L, H = self.kv_lora_rank, self.num_heads
+        columns = _pack(c_kv.new_zeros(*c_kv.shape[:-1], 3 * H, dtype=stat_dtype(c_kv)), c_kv.dtype)
+        keys, rope_keys = batch.update(torch.cat([c_kv, columns], dim=-1), k_rope, self.layer_idx)
+        first = batch.first_of_request(keys[..., :L]).detach()
+        centre = lift(self._kv_heads(first)[..., self.dn:], k=self.k)
+        scalars = self._token_scalars(c_kv, k_rope, first, centre)
+        c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
+        batch.update(c_kv, k_rope, self.layer_idx, write_only=True)
+        return batch.replace_new(keys, c_kv), rope_keys, first, centre
+
+    def cache_payload(self) -> tuple[int, str]:
+        """What one token costs this layer in continuous batching's paged cache, in numbers of the statistics dtype,
+        and how that count is made up, naming the config fields (the latent, with absorbed decoding its ``3H``
+        scalars, and the rotary key; :meth:`PagedBatch.check_fit`)."""
+        scalars = 3 * self.num_heads if self.absorb else 0
+        n = self.kv_lora_rank + scalars + 1 + self.dr
+        absorbed = f" + 3 x num_attention_heads {self.num_heads} (hmla_absorb)" if scalars else ""
+        return n, f"kv_lora_rank {self.kv_lora_rank}{absorbed} + qk_rope_head_dim {1 + self.dr} = {n}"
 
     def _kv_heads(self, c_kv: torch.Tensor) -> torch.Tensor:
         """``kv_b_proj`` space parts per head: latents ``[B, 1, T, 1+n_kv]`` -> ``[B, H, T, d_n + d_v]``."""
@@ -201,7 +237,9 @@ class HMLA(LorentzAttentionBase):
                          centre: torch.Tensor, pos: PositionalTables, mask: Optional[AttentionMask]) -> torch.Tensor:
         """Eq. 3 in the latent space (see the class docstring): queries ``q_s [B, H, Tq, d_n+d_r]`` (space parts,
         rotated), the cache's ``keys [B, 1, Tk, 1+n_kv+…]`` (latents and scalars) and ``k_rope [B, 1, Tk, 1+d_r]``,
-        the first key's latent ``first [B, 1, 1, 1+n_kv]`` and the value centres ``[B, H, 1, 1+d_v]`` it fixes.
+        the first key's latent ``first [B, 1, 1, 1+n_kv]`` and the value centres ``[B, H, 1, 1+d_v]`` it fixes (or one
+        per query, ``[1, 1, Tq, 1+n_kv]`` and ``[1, H, Tq, 1+d_v]``: a flattened continuous batch, each query with
+        its request's).
         Returns the per-head centroids ``[B, H, Tq, 1+d_v]`` (fp32, or fp64 for fp64 inputs)."""
         B, H, Tq, _ = q_s.shape
         L, dn, dr, Tk = self.kv_lora_rank, self.dn, self.dr, keys.shape[-2]
@@ -237,7 +275,7 @@ class HMLA(LorentzAttentionBase):
         if mask is None:
             mask = AttentionMask(B, Tq, Tk, device=q_s.device)
         if pos.alibi_slopes is not None:
-            logits = logits + alibi_bias(pos.alibi_slopes, Tq, Tk, mask.q_offset).to(acc)
+            logits = logits + alibi_bias(pos.alibi_slopes, Tq, Tk, query_index=mask.query_index()).to(acc)
         keep = mask.keep()
         if keep is not None:
             logits = logits.masked_fill(~keep, torch.finfo(acc).min)

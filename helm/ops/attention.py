@@ -63,11 +63,13 @@ Tau = Union[float, torch.Tensor]
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
+    "ATTENTION_ALIASES",
     "ATTENTION_IMPLEMENTATIONS",
     "AttentionMask",
     "alibi_bias",
     "build_attention_mask",
     "check_attention_implementation",
+    "continuous_batching_attention",
     "lorentz_attention",
     "resolve_attention",
 ]
@@ -98,6 +100,13 @@ class AttentionMask:
     caches: it replaces the causal and padding rules (segments still apply), as a 4-D mask does in
     ``transformers``; its keys that no query may see count as padding.
 
+    **Continuous batching.** ``transformers``' paged cache flattens the requests of a step into one row: the new
+    tokens of every request one after the other (``Tq``), and the keys each request reads (its cached and new tokens)
+    one request after the other (``Tk``). ``query_index`` ``[Tq]`` (int64, instead of ``q_offset``) is then the key
+    index of each query (its own key, the last its request may see), ``dense`` the block-diagonal causal mask and
+    ``segment_ids`` the request of each key, so that values are centred per request; index differences within a
+    request are position differences, so the biases of relative encodings (ALiBi, :func:`alibi_bias`) hold.
+
     Two forms, one meaning: the Triton kernel reads ``padding`` and ``segment_ids`` (it never materialises a
     ``Tq × Tk`` mask); eager and sdpa read :meth:`keep`, the dense boolean mask, computed on first use and
     then shared by every layer of the forward. Rows that would mask every key (a padding query under left
@@ -106,11 +115,12 @@ class AttentionMask:
     """
 
     __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "q_offset", "dense",
-                 "_keep", "_groups")
+                 "_query_index", "_keep", "_groups")
 
     def __init__(self, batch: int, q_len: int, kv_len: int, *, causal: bool = True,
                  padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None,
-                 q_offset: Optional[Union[int, torch.Tensor]] = None, dense: Optional[torch.Tensor] = None):
+                 q_offset: Optional[Union[int, torch.Tensor]] = None, dense: Optional[torch.Tensor] = None,
+                 query_index: Optional[torch.Tensor] = None):
         for name, t in (("attention_mask", padding), ("segment_ids", segment_ids)):
             if t is not None and tuple(t.shape) != (batch, kv_len):
                 raise ValueError(f"{name} must be [B, Tk] = {(batch, kv_len)}, got {tuple(t.shape)}")
@@ -118,6 +128,9 @@ class AttentionMask:
                                   or dense.shape[0] not in (1, batch)):
             raise ValueError(f"a 4-D attention mask must be [B, 1, Tq, Tk] = {(batch, 1, q_len, kv_len)}, "
                              f"got {tuple(dense.shape)}")
+        if query_index is not None and (q_offset is not None or tuple(query_index.shape) != (q_len,)):
+            raise ValueError(f"query_index must be [Tq] = {(q_len,)} and replaces q_offset, got shape "
+                             f"{tuple(query_index.shape)} with q_offset={q_offset!r}")
         if isinstance(q_offset, int) and q_offset == kv_len - q_len:
             q_offset = None  # bottom-right: the default
         self.batch, self.q_len, self.kv_len, self.causal, self.device = batch, q_len, kv_len, bool(causal), device
@@ -125,6 +138,7 @@ class AttentionMask:
         self.padding = None if padding is None else padding.to(device=device, dtype=torch.bool)
         self.segment_ids = None if segment_ids is None else segment_ids.to(device)
         self.dense = None if dense is None else _as_keep(dense).to(device).expand(batch, 1, q_len, kv_len)
+        self._query_index = None if query_index is None else query_index.to(device=device, dtype=torch.int64)
         if self.dense is not None:
             seen = self.dense.any(-2).view(batch, kv_len)
             self.padding = seen if self.padding is None else self.padding & seen
@@ -138,16 +152,23 @@ class AttentionMask:
     def is_plain_causal(self) -> bool:
         """Causal over a square problem with nothing else masked: fused kernels can use their causal flag."""
         return (self.causal and self.padding is None and self.segment_ids is None and self.q_len == self.kv_len
-                and self.dense is None and self.q_offset is None)
+                and self.dense is None and self.queries_last)
 
     @property
     def bottom_right(self) -> bool:
         """The queries are the last ``Tq`` keys and the mask is causal + padding + segments (no ``dense`` mask):
         what the Triton kernel expresses."""
-        return self.q_offset is None and self.dense is None
+        return self.queries_last and self.dense is None
+
+    @property
+    def queries_last(self) -> bool:
+        """The queries are the last ``Tq`` keys, in order (no ``q_offset``, no ``query_index``)."""
+        return self.q_offset is None and self._query_index is None
 
     def query_index(self) -> torch.Tensor:
         """``[Tq]`` int64: the key index of each query."""
+        if self._query_index is not None:
+            return self._query_index
         start = self.kv_len - self.q_len if self.q_offset is None else self.q_offset
         return torch.arange(self.q_len, device=self.device) + start
 
@@ -167,7 +188,7 @@ class AttentionMask:
     def __repr__(self) -> str:
         return (f"AttentionMask(B={self.batch}, Tq={self.q_len}, Tk={self.kv_len}, causal={self.causal}, "
                 f"padding={self.padding is not None}, segments={self.segment_ids is not None}, "
-                f"offset={self.q_offset is not None}, dense={self.dense is not None})")
+                f"offset={not self.queries_last}, dense={self.dense is not None})")
 
 
 def _as_keep(mask: torch.Tensor) -> torch.Tensor:
@@ -194,7 +215,7 @@ def _dense_keep(mask: AttentionMask):
             keep = pad if keep is None else keep & pad
     if mask.segment_ids is not None:
         seg = mask.segment_ids
-        seg_q = seg[:, -Tq:] if mask.q_offset is None else seg.index_select(1, qi)
+        seg_q = seg[:, -Tq:] if mask.queries_last else seg.index_select(1, qi)
         same = seg_q.view(B, 1, Tq, 1) == seg.view(B, 1, 1, Tk)
         keep = same if keep is None else keep & same
     if keep is None:
@@ -219,11 +240,16 @@ def build_attention_mask(
 
 
 def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int,
-               q_offset: Optional[Union[int, torch.Tensor]] = None) -> torch.Tensor:
+               q_offset: Optional[Union[int, torch.Tensor]] = None, *,
+               query_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ALiBi logits bias ``-m_h · (i - j)`` as ``[1, H, Tq, Tk]``; the queries are at key indices
-    ``q_offset + (0 .. Tq-1)``, by default the last ``Tq`` positions."""
-    start = kv_len - q_len if q_offset is None else q_offset
-    qi = (torch.arange(q_len, device=slopes.device) + start).view(q_len, 1)
+    ``q_offset + (0 .. Tq-1)``, by default the last ``Tq`` positions, or ``query_index [Tq]`` (a flattened
+    continuous batch, :class:`AttentionMask`)."""
+    if query_index is not None:
+        qi = query_index.to(slopes.device).view(q_len, 1)
+    else:
+        start = kv_len - q_len if q_offset is None else q_offset
+        qi = (torch.arange(q_len, device=slopes.device) + start).view(q_len, 1)
     kj = torch.arange(kv_len, device=slopes.device).view(1, kv_len)
     return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
 
@@ -249,7 +275,7 @@ def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
     c_rows = c
     if c.shape[-2] > 1:  # each query row takes the centre of the key at its own position
         rows = mask.query_index()
-        c_rows = c[..., mask.kv_len - mask.q_len:, :] if mask.q_offset is None else c.index_select(-2, rows)
+        c_rows = c[..., mask.kv_len - mask.q_len:, :] if mask.queries_last else c.index_select(-2, rows)
     return c_rows, torch.cat([w, sqnorm(w, keepdim=True)], dim=-1)
 
 
@@ -287,7 +313,7 @@ def _prepare(query, key, value, tau, mask: AttentionMask, position_bias, alibi_s
     if position_bias is not None:
         bias = position_bias.to(acc)
     if alibi_slopes is not None:
-        ab = alibi_bias(alibi_slopes, Tq, Tk, mask.q_offset).to(acc)
+        ab = alibi_bias(alibi_slopes, Tq, Tk, query_index=mask.query_index()).to(acc)
         bias = ab if bias is None else bias + ab
     return q, kk, v, _logit_scale(tau, H, q), keep, bias, gemm
 
@@ -493,18 +519,36 @@ ATTENTION_FUNCTIONS: Dict[str, Callable[..., torch.Tensor]] = {
     "triton": triton_attention,
 }
 ATTENTION_IMPLEMENTATIONS = ("auto", *ATTENTION_FUNCTIONS)
+# Names ``transformers`` sets itself, accepted and kept as they are (``config._attn_implementation``, which its code
+# reads back), and the implementation each one runs: continuous batching switches ``eager`` to ``paged|eager`` for
+# the duration of a session, and builds its block-diagonal mask only for ``paged|eager`` and ``sdpa``.
+ATTENTION_ALIASES = {"paged|eager": "eager"}
 
 
 def check_attention_implementation(name: Optional[str]) -> str:
-    """``name`` if it is one of :data:`ATTENTION_IMPLEMENTATIONS` (``None``, no request: ``auto``); otherwise a
-    ``ValueError`` naming it and the accepted names. The one check of an implementation's name: HELM models run it
-    on ``attn_implementation=`` (``HelmPreTrainedModel.get_correct_attn_implementation``)."""
+    """``name`` if it is one of :data:`ATTENTION_IMPLEMENTATIONS` or :data:`ATTENTION_ALIASES` (``None``, no
+    request: ``auto``); otherwise a ``ValueError`` naming it and the accepted names. As for ``transformers``' models,
+    another name with the former ``paged|`` prefix is that name (``paged|sdpa`` is ``sdpa``). The one check of an
+    implementation's name: HELM models run it on ``attn_implementation=``
+    (``HelmPreTrainedModel.get_correct_attn_implementation``)."""
     if name is None:
         return "auto"
-    if name not in ATTENTION_IMPLEMENTATIONS:
+    if isinstance(name, str) and name.startswith("paged|") and name not in ATTENTION_ALIASES:
+        name = name.removeprefix("paged|")
+    if name not in ATTENTION_IMPLEMENTATIONS and name not in ATTENTION_ALIASES:
         raise ValueError(f"attn_implementation={name!r} is not available for HELM models; use one of "
                          f"{ATTENTION_IMPLEMENTATIONS}")
     return name
+
+
+def continuous_batching_attention(name: Optional[str]) -> str:
+    """The implementation a continuous-batching session of ``transformers`` runs for the requested ``name``: one
+    of the names it accepts (``sdpa``, ``paged|eager``, ``eager``, which it switches to ``paged|eager`` itself).
+    ``auto`` and ``triton`` become ``sdpa``: the paged cache's flattened batch comes with a 4-D block-diagonal mask,
+    which the Triton kernel never takes (:func:`resolve_attention` sends those calls to ``sdpa``), and
+    ``transformers`` refuses names it does not know."""
+    name = check_attention_implementation(name)
+    return "sdpa" if name in ("auto", "triton") else name
 
 
 def _note_once(message: str, *args) -> None:
@@ -520,7 +564,7 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
     * ``absorbed``: HMLA's absorbed decode (:class:`helm.nn.HMLA`), whenever the layer says it can take it
       (``absorbable``: a cached step with the per-token scalars) and ``eager`` is not requested: eager, the
       reference, forms the ``[Tq, Tk]`` weights (``output_attentions``) on the plain path.
-    * ``eager``, ``sdpa``: as requested.
+    * ``eager``, ``sdpa``: as requested (``paged|eager``, continuous batching's name, is ``eager``).
     * ``triton``: the kernel when it can take the call, else ``sdpa``, the same maths: a dense score bias
       (``dense_bias``), a mask that is not bottom-right aligned (a static cache, a 4-D mask). Requested where the
       kernel cannot run (no CUDA and no Triton interpreter, or ``triton`` not installed): a ``ValueError`` saying
@@ -528,6 +572,7 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
     * ``auto``: ``triton`` on CUDA where it can run and take the call, else ``sdpa``.
     """
     requested = check_attention_implementation(requested)
+    requested = ATTENTION_ALIASES.get(requested, requested)
     # before the absorbed path: a request the device cannot run fails on every call, not only on uncached ones
     if requested == "triton" and (reason := _triton_unavailable(device)) is not None:
         raise ValueError(reason)

@@ -257,11 +257,31 @@ def test_a_2d_mask_shorter_than_the_tokens_is_named(models, family, name):
     """Issue 34 re-probe: short segment_ids were padded as a static cache's free slots (the last tokens became a
     document of their own: logits 0.46 off); a short attention_mask failed in an index_select."""
     mask = torch.ones(B, T - 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"{name} covers {T - 1} positions.* 0 \+ {T}"):
+    with pytest.raises(ValueError, match=rf"{name} covers {T - 1} positions.* 0 cached \+ {T} new"):
         models[family](ids(), **{name: mask})
     cache = models[family](ids(), use_cache=True).past_key_values
-    with pytest.raises(ValueError, match=rf"{name} covers {T} positions.* {T} \+ 1"):
+    with pytest.raises(ValueError, match=rf"{name} covers {T} positions.* {T} cached \+ 1 new"):
         models[family](ids(t=1), past_key_values=cache, **{name: torch.ones(B, T, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["attention_mask", "segment_ids"])
+def test_a_2d_mask_shorter_than_a_static_caches_tokens_is_named(models, family, name):
+    """Second re-probe: the length check skipped static caches (their length is a tensor): short segment_ids changed
+    the logits (0.08) without a word, a short mask failed in an index_select. torch._assert_async: no host sync."""
+    from transformers import StaticCache
+
+    model = models[family]
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    model(ids(t=6), past_key_values=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match=rf"{name} covers 2 positions"):
+        model(ids(t=2), past_key_values=cache, **{name: torch.ones(B, 2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_names_the_segment_ids_it_cannot_extend(models, family):
+    with pytest.raises(ValueError, match=r"segment_ids covers 5 positions.*generate does not extend segment_ids"):
+        models[family].generate(ids(), segment_ids=torch.zeros(B, T, dtype=torch.long), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("family", FAMILIES + ["llama"])
