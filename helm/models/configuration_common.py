@@ -400,8 +400,9 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
         """Every assignment of a field (construction included) is checked by the field's rule, so a bad value
         changes nothing and the error names the field; cross-field checks run in :meth:`validate_architecture`."""
         spec = type(self).__dataclass_fields__.get(name)
-        if spec is not None and isinstance(value, np.generic):  # np.float32(-2.0): read as the Python number it holds
-            value = value.item()
+        if spec is not None and isinstance(value, np.generic):  # as LlamaConfig: a config is saved as JSON
+            raise ValueError(f"{name} must be a Python number, not numpy's {type(value).__name__} ({value.item()!r}): "
+                             f"pass {type(value.item()).__name__}(value)")
         for rule in spec.metadata.get("validator", ()) if spec is not None else ():
             check(value, name, rule)
         super().__setattr__(name, value)
