@@ -23,6 +23,7 @@ import argparse
 import logging
 import math
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -419,7 +420,11 @@ def train(cfg, resume, state: TrainerState) -> dict:
         # repeats to no effect: dynamo may skip them there, a setting scoped to the compiled calls
         forward = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(forward)
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))  # in place: ManifoldParameters stay ManifoldParameters
+        try:
+            accelerator.load_state(str(checkpoint))  # in place: ManifoldParameters stay ManifoldParameters
+        except pickle.UnpicklingError:  # torch's advice, weights_only=False, would run what the file holds
+            raise CheckpointError(f"--resume {str(checkpoint)!r}: a file of it holds more than tensors (a pickled "
+                                  "object torch refuses to load safely); do not load it unless you trust its source")
         say(f"[train] resumed from {checkpoint} at step {start_step}")
         if accelerator.is_main_process and Path(checkpoint).parent.resolve() == (out / "checkpoints").resolve():
             for before, after in set_aside_later_checkpoints(out / "checkpoints", start_step):

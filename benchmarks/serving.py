@@ -32,6 +32,10 @@ import argparse
 import json
 import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -48,7 +52,92 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import helm  # noqa: E402
 from helm.data.paths import TOKENIZER_FILES, check_path  # noqa: E402
-from helm.serve import ServerProcess  # noqa: E402
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now (the kernel's choice)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m helm.serve MODEL ARGS --host HOST --port PORT`` in a child process that leads its own process
+    group, its output (stdout and stderr) written to ``log``; ``port`` defaults to a free one.
+
+    A context manager: on entry it returns once ``GET /health`` answers 200 (``RuntimeError`` with the log's tail
+    when the process exits first or ``startup_timeout`` seconds pass); on exit, whatever happened, the whole group
+    is stopped (SIGTERM, then SIGKILL after ``stop_timeout`` seconds), so no server outlives its user.
+    """
+
+    def __init__(self, model: str | os.PathLike, *args: str, host: str = "127.0.0.1", port: int | None = None,
+                 log: str | os.PathLike, env: dict | None = None, startup_timeout: float = 120.0,
+                 stop_timeout: float = 10.0):
+        self.model, self.args, self.host = os.fspath(model), [str(a) for a in args], host
+        self.port = free_port(host) if port is None else port
+        self.log, self.env = Path(log), env
+        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")[-chars:] if self.log.exists() else ""
+
+    def launch(self) -> "ServerProcess":
+        """Start the server's process without waiting for it (:meth:`wait_ready` waits)."""
+        command = [sys.executable, "-m", "helm.serve", self.model, *self.args, "--host", self.host,
+                   "--port", str(self.port)]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env, start_new_session=True)
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Return once ``/health`` answers 200; ``RuntimeError`` with the log's tail when the process exits first or
+        ``startup_timeout`` seconds (from now) pass, the server then stopped."""
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode} before it answered; "
+                                   f"{self.log}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not answer on {self.url}/health within {self.startup_timeout} s; "
+                           f"{self.log}:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Stop the server's process group: SIGTERM, then SIGKILL if it is still there after ``stop_timeout``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(self.stop_timeout)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "ServerProcess":
+        try:
+            return self.launch().wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 PAIRS = {"helm-d": ("tiny-helm-d", "tiny-llama"), "mice": ("tiny-helm-mice", "tiny-deepseek-v3")}
 WORDS = ("the a one two three four five six seven red blue green cat dog bird river stone tree house light runs sits "

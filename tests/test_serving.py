@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helm import serve
-from helm.serve import ServerProcess
+from benchmarks.serving import ServerProcess
 from tests.helpers import tiny_model
 
 
@@ -200,6 +200,19 @@ def test_launcher_refuses_a_folder_without_a_model(tokenizer, tmp_path, capsys):
         serve.main(["--port", "1", str(tmp_path), "--device", "cpu"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err == f"helm.serve: model {str(tmp_path)!r}: holds none of config.json\n"
+
+
+def test_launcher_usage_names_the_launcher():
+    """Third re-probe: a bad option's usage line advised 'python -m helm.transformers serve', which does not exist.
+    (A process of its own: the launcher binds HELM's classes on transformers before the CLI parses its options.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "helm.serve", "--port", "notaport"], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Usage: python -m helm.serve [OPTIONS]" in done.stderr and "--port" in done.stderr
+    assert "helm.transformers" not in done.stderr
 
 
 def test_classes_reach_transformers_only_through_the_launcher():

@@ -91,7 +91,10 @@ class HelmHubMixin:
                 **{**kwargs, "ignore_mismatched_sizes": True,
                    "key_mapping": {**LEGACY_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}})
         except pickle.UnpicklingError as error:  # torch's advice, weights_only=False, would run the file's code
-            raise OSError(f"{cls.__name__}.from_pretrained({str(where)!r}): a pytorch_model.bin there holds more than "
+            folder = Path(where, kwargs.get("subfolder") or "") if isinstance(where, (str, os.PathLike)) else None
+            bins = sorted(p.name for p in folder.glob("*.bin") if WEIGHT_FILE.match(p.name)) if folder else []
+            culprit = " or ".join(bins) or "a .bin file"
+            raise OSError(f"{cls.__name__}.from_pretrained({str(where)!r}): {culprit} holds more than "
                           "tensors (a pickled object torch refuses to load safely); do not load it with "
                           "weights_only=False unless you trust its source: re-save the model from a trusted copy "
                           "(safetensors)") from error
@@ -271,8 +274,11 @@ def check_finite_weights(name: str, where, model: nn.Module) -> None:
     finite = largest.isfinite().tolist()
     if not all(finite):
         bad = next(n for (n, _), ok in zip(params, finite) if not ok)
-        raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {bad!r} holds NaN or inf values; every "
-                      "output of this model would be NaN: load an earlier checkpoint")
+        dtype = model.get_parameter(bad).dtype
+        cause = (f"in {dtype}, the dtype it was loaded in (a finite weight above {torch.finfo(dtype).max:,.0f} "
+                 "overflows it): load it in float32 or bfloat16, or" if dtype == torch.float16 else ";")
+        raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {bad!r} holds NaN or inf values {cause} "
+                      "every output of this model would be NaN: load an earlier checkpoint")
 
 
 def check_manifest(name: str, where, subfolder: str = "") -> None:

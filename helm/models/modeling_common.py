@@ -240,6 +240,8 @@ class HelmDecoderModel(HelmPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         given = input_ids if input_ids is not None else inputs_embeds
         (batch, seq_len), device = given.shape[:2], given.device
+        if position_ids is not None and position_ids.is_floating_point():  # positional tables index by integers
+            raise ValueError(f"position_ids must be integers, got {position_ids.dtype}: pass position_ids.long()")
         paged = None
         if PagedBatch.is_paged(past_key_values):  # continuous batching: the layers write through a PagedBatch
             past_key_values = paged = continuous_batch(past_key_values, kwargs, batch=batch, seq_len=seq_len,

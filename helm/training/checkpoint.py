@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -101,7 +102,11 @@ def find_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
 
 def read_trainer_state(checkpoint: Path) -> dict:
     """The :class:`TrainerState` of a checkpoint, plus ``world_size`` (processes that saved it), without loading it."""
-    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's advice, weights_only=False, would run what the file holds
+        raise CheckpointError(f"--resume {str(checkpoint)!r}: {STATE_FILE} holds more than tensors (a pickled object "
+                              "torch refuses to load safely); do not load it unless you trust its source") from None
     state["world_size"] = len(list(checkpoint.glob("random_states_*.pkl")))
     return state
 

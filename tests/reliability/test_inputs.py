@@ -390,3 +390,23 @@ def test_a_pickled_weights_file_is_named_without_torchs_unsafe_advice(tmp_path):
     with pytest.raises(OSError, match="pytorch_model.bin") as error:
         AutoModelForCausalLM.from_pretrained(tmp_path)
     assert "trust" in str(error.value)
+    os.rename(tmp_path / "pytorch_model.bin", tmp_path / "pytorch_model.v1.bin")  # third re-probe: the file is named
+    with pytest.raises(OSError, match=r"\): pytorch_model\.v1\.bin holds more than tensors"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, variant="v1")
+
+
+def test_float_position_ids_are_named():
+    """Third re-probe: a float position_ids failed in the rotary tables' bit shift ('rshift_cpu' not implemented)."""
+    with pytest.raises(ValueError, match=r"position_ids must be integers, got torch\.float32"):
+        tiny_model("helm_d")(ids(), position_ids=torch.arange(T, dtype=torch.float32)[None])
+
+
+def test_a_weight_that_overflows_float16_names_the_dtype(tmp_path):
+    """Third re-probe: a finite fp32 weight above fp16's range, loaded with dtype=float16, was called a damaged
+    checkpoint ('load an earlier checkpoint'); the culprit is the dtype."""
+    model = tiny_model("helm_d")
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight[0, 0] = 1e5
+    model.save_pretrained(tmp_path)
+    with pytest.raises(OSError, match=r"in torch\.float16, the dtype it was loaded in .*load it in float32 or bfloat16"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16)

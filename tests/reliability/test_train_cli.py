@@ -807,6 +807,27 @@ def test_a_manifest_entry_of_the_wrong_shape_is_one_line(tmp_path, run_data, cap
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("planted", ["custom_checkpoint_0.pkl", "optimizer.bin"])
+def test_a_checkpoint_file_holding_a_pickled_object_is_one_line(planted, tmp_path, run_data, capsys):
+    """Third re-probe: --resume of a checkpoint whose manifest matched a planted pickle was torch's traceback, advising
+    weights_only=False (which would run it)."""
+    import hashlib
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 1}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    folder = tmp_path / "run" / "checkpoints" / "step-00000002"
+    torch.save({"planted": Path("x")}, folder / planted)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / planted).read_bytes()
+    manifest["files"][planted] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: --resume '.*step-00000002': .*holds more than tensors.*trust", err), err
+    assert "weights_only=False" not in err
+
+
 def test_a_folder_given_as_the_recipe_is_named_as_a_folder(tmp_path, capsys):
     assert train_script.main(["--config", str(tmp_path)]) == 2
     assert re.search(r"error: --config '.*': a folder, not a recipe file", capsys.readouterr().err)
