@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> str:
         raise EvalError(f"--metric expects TASK=METRIC, got {args.metric}")
     if args.output:
         check_writable(args.output, "--output", inputs=input_files(args.inputs))
+        if args.output.suffix.lower() not in ("", ".md", ".markdown", ".txt"):  # it holds a Markdown table
+            raise EvalError(f"--output {str(args.output)!r}: the table is Markdown; give a .md, .markdown or .txt file")
     tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
     table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr,
                         digits=args.digits)

@@ -129,7 +129,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         shutil.rmtree(tmp, ignore_errors=True)
         kept = list_checkpoints(root)[-1:]
         denied = isinstance(error, PermissionError)
-        fix = f"make {str(root)!r} writable" if denied else "free space"
+        fix = f"make {str(root)!r} writable" if denied else "free space (or lift a file-size limit or quota)"
         remedy = (f"the previous checkpoint ({kept[0][1]}) is intact: {fix}, then continue with --resume" if kept
                   else f"no checkpoint was written before it: {fix}, then start over with --train.overwrite=true")
         free = shutil.disk_usage(output_dir).free / 1e6

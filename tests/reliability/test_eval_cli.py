@@ -181,6 +181,7 @@ CASES = [
     ("compare", ["{tmp}/missing.json"], 2, r"missing\.json"),
     # two models under one label: one row would silently drop the other's results
     ("compare", ["{tmp}/twins"], 2, r"'final'.*runs/a/final.*runs/b/final.*NAME=PATH"),
+    ("compare", ["{result}", "--output", "{tmp}/table.json"], 2, r"--output '.*table\.json'.*Markdown"),
     ("compare", ["{tmp}/twice"], 2, r"'final' has two results for t \(acc\): 0\.5 in .*a\.json, 0\.7 in .*b\.json"),
     ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--output", "{tmp}/pe.xyz"], 2,
      r"--output '.*pe\.xyz'.*'\.xyz'"),

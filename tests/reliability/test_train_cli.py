@@ -672,7 +672,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(kind, tmp_path, ru
     assert code == 2, captured.out + captured.err
     [error] = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert "checkpoint of step 8" in error and "step-00000004" in error, error
-    assert DISK_FULL[kind][1] in error and "MB free on its disk" in error, error
+    assert DISK_FULL[kind][1] in error and "MB free on its disk" in error and "file-size limit" in error, error
     root = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in list_checkpoints(root)] == [4] and not list(root.glob(".tmp-*"))
     verify_checkpoint(root / "step-00000004")
