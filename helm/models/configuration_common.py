@@ -222,6 +222,11 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             return None
         return self.residual_space_scale_factor * math.sqrt(self.hidden_size - 1)
 
+    @residual_space_scale.setter
+    def residual_space_scale(self, value) -> None:
+        raise ValueError(f"residual_space_scale={value!r}: derived (the field of older configs); set "
+                         "residual_space_scale_factor, its factor of sqrt(hidden_size - 1)")
+
     def upgrade_old_fields(self, kwargs: dict) -> None:
         """Read configs saved before the fields were renamed (``residual_space_scale``, ``pe_options``), and the
         legacy RoPE keywords (:meth:`standardize_rope_keywords`). The former field ``attn_impl`` becomes the request
@@ -415,7 +420,7 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             raise TypeError(f"{type(self).__name__}.update takes a dict of field names to values, got "
                             f"{type(config_dict).__name__}")
         self.refuse_unknown_keys(config_dict)
-        before = {key: getattr(self, key) for key in config_dict if hasattr(self, key)}
+        before = {key: getattr(self, key) for key in config_dict if key in type(self).__dataclass_fields__}
         try:
             super().update(config_dict)
             self.validate_architecture()

@@ -275,9 +275,9 @@ def check_finite_weights(name: str, where, model: nn.Module) -> None:
     if not all(finite):
         bad = next(n for (n, _), ok in zip(params, finite) if not ok)
         dtype = model.get_parameter(bad).dtype
-        cause = (f"in {dtype}, the dtype it was loaded in (a finite weight above {torch.finfo(dtype).max:,.0f} "
+        cause = (f" in {dtype}, the dtype it was loaded in (a finite weight above {torch.finfo(dtype).max:,.0f} "
                  "overflows it): load it in float32 or bfloat16, or" if dtype == torch.float16 else ";")
-        raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {bad!r} holds NaN or inf values {cause} "
+        raise OSError(f"{name}.from_pretrained({str(where)!r}): the weight {bad!r} holds NaN or inf values{cause} "
                       "every output of this model would be NaN: load an earlier checkpoint")
 
 

@@ -37,6 +37,11 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 
 def _flat_name(module: str, entries: Dict[str, str]) -> str:
+    """The file stem of ``module`` in a bundle: ``helm.nn.linear`` -> ``helm_nn_linear``; a module of a bundle loaded
+    as remote code (``transformers_modules.<folder>.helm_nn_linear``) keeps its stem, so a re-saved bundle has the
+    same files (prefixing them again grew the names until the file system refused them)."""
+    if module.startswith("transformers_modules."):
+        return module.rsplit(".", 1)[-1]
     return entries.get(module) or module.replace(".", "_")
 
 

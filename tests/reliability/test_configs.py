@@ -384,6 +384,13 @@ def test_numpy_scalars_are_refused_naming_their_type(name, value, python):
     _refused([name, type(value).__name__, f"pass {python}(value)"], tiny_config, "helm_d", **{name: value})
 
 
+def test_the_derived_residual_scale_names_the_field_to_set():
+    """Fourth re-probe: update / assignment of residual_space_scale was a bare 'property has no setter'."""
+    config = tiny_config("helm_d")
+    _refused(["residual_space_scale=2.0", "residual_space_scale_factor"], config.update, {"residual_space_scale": 2.0})
+    _refused(["residual_space_scale_factor"], setattr, config, "residual_space_scale", 2.0)
+
+
 def test_update_with_no_mapping_names_update():
     with pytest.raises(TypeError, match=r"HelmDConfig\.update takes a dict.*list"):
         tiny_config("helm_d").update([("hidden_size", 131)])

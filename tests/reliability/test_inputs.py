@@ -380,6 +380,30 @@ def test_a_linked_code_file_in_the_save_folder_is_replaced_not_written_through(t
     assert not (tmp_path / "model" / "modeling_helm_d.py").is_symlink()
 
 
+def test_a_bundle_loaded_as_remote_code_saves_again_under_the_same_file_names(tmp_path):
+    """Fourth re-probe: without helm, each save of a model loaded with trust_remote_code prefixed its code files again
+    (transformers_modules_<folder>_...), until the sixth save failed with 'File name too long'."""
+    import subprocess
+    import sys
+
+    tiny_model("helm_d").save_pretrained(tmp_path / "0")
+    child = """
+import os, sys
+sys.modules["helm"] = None  # a process without helm: the bundle's own code runs
+from transformers import AutoModelForCausalLM
+root = sys.argv[1]
+for i in range(1, 4):
+    AutoModelForCausalLM.from_pretrained(f"{root}/{i - 1}", trust_remote_code=True).save_pretrained(f"{root}/{i}")
+    print(sorted(n for n in os.listdir(f"{root}/{i}") if n.endswith(".py")))
+"""
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = done.stdout.strip().splitlines()
+    first = sorted(n for n in os.listdir(tmp_path / "0") if n.endswith(".py"))
+    assert saved == [repr(first)] * 3
+
+
 def test_a_pickled_weights_file_is_named_without_torchs_unsafe_advice(tmp_path):
     """A pytorch_model.bin holding a pickled object: torch's refusal advised weights_only=False, which would run it."""
     model = tiny_model("helm_d")
