@@ -139,7 +139,10 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
     if accelerator.is_main_process:
         best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
-            if path != best:
+            if path != best and (kept := foreign_files(path)):  # the user's files: the folder stays
+                logger.warning("kept %s past train.keep_last: it holds files train.py did not write (%s)", path,
+                               ", ".join(p.name for p in kept[:4]))
+            elif path != best:
                 shutil.rmtree(path, ignore_errors=True)
         remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
@@ -172,15 +175,19 @@ def not_overwritable(output_dir: Path) -> list[str]:
     if root.is_dir() and not root.is_symlink():
         found += [f"checkpoints/{p.name}" for p in sorted(root.iterdir()) if not _OWN_CHECKPOINT_ENTRY.match(p.name)]
     for folder in [output_dir / "final", *(path for _, path in list_checkpoints(root))]:
-        if not folder.is_dir() or folder.is_symlink():
-            continue
-        try:
-            listed = set(read_manifest(folder)["files"]) | {MANIFEST}
-        except (OSError, ValueError):
-            listed = set()
-        found += [p.relative_to(output_dir).as_posix() for p in sorted(folder.rglob("*"))
-                  if p.is_file() and p.relative_to(folder).as_posix() not in listed]
+        if folder.is_dir() and not folder.is_symlink():
+            found += [p.relative_to(output_dir).as_posix() for p in foreign_files(folder)]
     return found
+
+
+def foreign_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` (``final/`` or a checkpoint) that its ``manifest.json`` does not list: every file,
+    without one (train.py renames both into place only once their manifest is written)."""
+    try:
+        listed = set(read_manifest(folder)["files"]) | {MANIFEST}
+    except (OSError, ValueError):
+        listed = set()
+    return [p for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in listed]
 
 
 def write_run_marker(output_dir: Path) -> None:

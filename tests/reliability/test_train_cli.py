@@ -828,6 +828,20 @@ def test_a_checkpoint_file_holding_a_pickled_object_is_one_line(planted, tmp_pat
     assert "weights_only=False" not in err
 
 
+def test_rotation_keeps_a_checkpoint_holding_the_users_file(tmp_path, run_data, capsys, caplog):
+    """Fourth re-probe: keep_last pruning deleted an old checkpoint folder whole, the user's file in it too."""
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2, "keep_last": 1,
+                                                     "keep_best": False}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0
+    note = tmp_path / "run" / "checkpoints" / "step-00000002" / "mynote.txt"
+    note.write_text("mine")
+    assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=6"]) == 0
+    assert note.read_text() == "mine"
+    assert "kept" in caplog.text and "mynote.txt" in caplog.text
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 6]  # step 4 pruned as asked
+    capsys.readouterr()
+
+
 def test_a_folder_given_as_the_recipe_is_named_as_a_folder(tmp_path, capsys):
     assert train_script.main(["--config", str(tmp_path)]) == 2
     assert re.search(r"error: --config '.*': a folder, not a recipe file", capsys.readouterr().err)
