@@ -35,6 +35,8 @@ def preset_path(name_or_path: str | os.PathLike) -> Path:
     candidate = PRESET_DIR / f"{name_or_path}.json"
     if candidate.is_file():
         return candidate
+    if path.suffix == ".json":  # a path, not a preset name
+        raise ValueError(f"preset file {str(path)!r}: " + ("a folder" if path.is_dir() else "no such file"))
     raise ValueError(f"unknown preset {name_or_path!r}: not a JSON file, and not one of {available_presets()}")
 
 

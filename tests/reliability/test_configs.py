@@ -369,6 +369,13 @@ def test_old_pe_options_that_are_no_mapping_are_named(options, tmp_path):
     _refused(["pe_options"], AutoConfig.from_pretrained, tmp_path)
 
 
+def test_a_missing_preset_file_is_named_as_missing(tmp_path):
+    """Fifth re-probe: a missing .json path was 'not a JSON file, and not one of (35 presets)'."""
+    import helm
+
+    _refused([str(tmp_path / "nope.json"), "no such file"], helm.load_config, tmp_path / "nope.json")
+
+
 def test_a_preset_refuses_a_model_type_override():
     import helm
 
