@@ -79,7 +79,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
                               "(one interrupted while written, or another folder); give a checkpoint, "
                               "OUTPUT_DIR/checkpoints/step-XXXXXXXX, or --resume alone for the newest") from None
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"--resume {str(path)!r}: {MANIFEST} is unreadable ({error})") from None
+        raise CheckpointError(f"--resume {str(path)!r}: {MANIFEST} is unreadable ({error}); resume from another "
+                              "checkpoint") from None
     if STATE_FILE not in manifest["files"]:
         raise CheckpointError(f"--resume {str(path)!r}: its {MANIFEST} lists no trainer state ({STATE_FILE})")
     if problem := manifest_problem(path, manifest):

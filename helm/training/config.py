@@ -255,7 +255,8 @@ def cli_overrides(args: list[str]) -> list[str]:
 def _message(error: OmegaConfBaseException) -> str:
     key = error.full_key or "?"
     if isinstance(error, (ConfigKeyError, ConfigAttributeError)):
-        close = difflib.get_close_matches(key, all_keys() + [f.name for f in dataclasses.fields(RunConfig)], n=1)
+        sections = [f.name for f in dataclasses.fields(RunConfig)]  # a key of a known section is matched to keys only
+        close = difflib.get_close_matches(key, all_keys() if key.split(".")[0] in sections else sections, n=1)
         return f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
     return f"{key}: {str(error).splitlines()[0]}"
 

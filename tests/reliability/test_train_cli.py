@@ -803,7 +803,7 @@ def test_a_manifest_entry_of_the_wrong_shape_is_one_line(tmp_path, run_data, cap
     capsys.readouterr()
     assert train_script.main(["--config", str(recipe), "--resume", "--train.max_steps=3"]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"error: --resume .*step-00000002.*manifest\.json is unreadable.*unknown format", err), err
+    assert re.search(r"error: --resume .*step-00000002.*manifest\.json is unreadable.*unknown format.*resume from another checkpoint", err), err
     assert "Traceback" not in err
 
 
@@ -840,6 +840,14 @@ def test_rotation_keeps_a_checkpoint_holding_the_users_file(tmp_path, run_data, 
     assert "kept" in caplog.text and "mynote.txt" in caplog.text
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 6]  # step 4 pruned as asked
     capsys.readouterr()
+
+
+def test_an_unknown_key_of_a_known_section_is_never_matched_to_the_section(tmp_path, run_data, capsys):
+    """Fifth re-probe: --train.foo=1 suggested 'train', a section, not a key."""
+    recipe = write_recipe(tmp_path, run_data)
+    assert train_script.main(["--config", str(recipe), "--train.foo=1"]) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: unknown key 'train.foo'") and "'train'?" not in error, error
 
 
 def test_a_folder_given_as_the_recipe_is_named_as_a_folder(tmp_path, capsys):
