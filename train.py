@@ -105,17 +105,18 @@ def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, acc
                       and not os.access(out / name, os.W_OK)]:  # found now, not after training
         raise ConfigError(f"train.output_dir {str(out)!r}: {' and '.join(unwritable)} cannot be written (train.py "
                           "writes checkpoints and replaces final/ there); make them writable")
-    if previous and not resuming and cfg.train.overwrite and (kept := not_overwritable(out)):
-        raise ConfigError(f"train.overwrite would delete what train.py did not write in {str(out)!r}: "
-                          f"{', '.join(kept[:4])}{', ...' * (len(kept) > 4)}; move it out first, nothing was deleted")
-    doomed = [(out / name).resolve() for name in previous if name in OVERWRITTEN]
-    for key, value in (("model.pretrained", cfg.model.pretrained), ("data.tokenizer", cfg.data.tokenizer),
-                       ("data.dataset", cfg.data.dataset), ("--resume", checkpoint)):
-        path = Path(value).resolve() if value is not None and os.path.exists(value) else None
-        if previous and not resuming and cfg.train.overwrite and any(d == path or d in path.parents for d in doomed
-                                                                     if path is not None):
-            raise ConfigError(f"{key} {str(value)!r} lies in what train.overwrite would delete in {str(out)!r}; "
-                              "copy it out first (nothing was deleted)")
+    if previous and not resuming and cfg.train.overwrite:  # what the overwrite below would delete: only train.py's
+        if kept := not_overwritable(out):
+            raise ConfigError(f"train.overwrite would delete what train.py did not write in {str(out)!r}: "
+                              f"{', '.join(kept[:4])}{', ...' * (len(kept) > 4)}; move it out first, nothing was "
+                              "deleted")
+        doomed = [(out / name).resolve() for name in previous if name in OVERWRITTEN]
+        for key, value in (("model.pretrained", cfg.model.pretrained), ("data.tokenizer", cfg.data.tokenizer),
+                           ("data.dataset", cfg.data.dataset), ("--resume", checkpoint)):
+            path = Path(value).resolve() if value is not None and os.path.exists(value) else None
+            if path is not None and any(d == path or d in path.parents for d in doomed):
+                raise ConfigError(f"{key} {str(value)!r} lies in what train.overwrite would delete in {str(out)!r}; "
+                                  "copy it out first (nothing was deleted)")
     if previous and not resuming and not cfg.train.overwrite:
         remedy = ("a checkpoint of another folder starts a new run here: choose an empty train.output_dir, or "
                   "--train.overwrite=true to replace this run" if checkpoint is not None else
