@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 
 from ..data.paths import path_problem
@@ -228,39 +229,26 @@ def remove_stale_tmp_checkpoints(output_dir: Path) -> None:
 
 @contextlib.contextmanager
 def output_lock(output_dir: Path, enabled: bool = True):
-    """Hold ``output_dir/train.lock`` (this pid) while training, creating ``output_dir``: a lock whose process is
-    gone is taken over, a live one is refused with :class:`ConfigError`, so two runs never share a folder."""
-    lock = Path(output_dir) / LOCK
+    """Hold ``output_dir/train.lock`` while training, creating ``output_dir``: an OS file lock (``filelock``), which
+    the OS releases when its process dies, so a run that crashed never blocks the next one; a lock another run holds
+    is refused with :class:`ConfigError`, so two runs never share a folder."""
+    if not enabled:
+        yield
+        return
+    lock = FileLock(Path(output_dir) / LOCK, timeout=0)
     try:
-        while enabled:
-            lock.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with open(lock, "x", encoding="utf-8") as handle:
-                    handle.write(str(os.getpid()))
-                break
-            except FileExistsError:
-                owner = lock.read_text(encoding="utf-8").strip() if lock.exists() else ""
-            if _alive(owner):
-                raise ConfigError(f"train.output_dir {str(output_dir)!r} is in use by another training run (pid "
-                                  f"{owner or '?'}); wait for it or stop it, or delete {lock} if that is no run")
-            logger.warning("taking over the stale lock %s of process %s, which is gone", lock, owner)
-            lock.unlink(missing_ok=True)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(f"train.output_dir {str(output_dir)!r} is in use by another training run: wait for it or "
+                          f"stop it") from None
     except OSError as error:
         raise ConfigError(f"train.output_dir {str(output_dir)!r} is not a writable folder: {error}") from None
     try:
         yield
     finally:
-        if enabled:
-            lock.unlink(missing_ok=True)
-
-
-def _alive(pid: str) -> bool:
-    try:
-        return os.kill(int(pid), 0) is None  # raises ProcessLookupError when the process is gone
-    except (ValueError, PermissionError):  # "": the lock vanished; not a pid: being written; another user's process
-        return bool(pid)
-    except ProcessLookupError:
-        return False
+        lock.release()
+        Path(lock.lock_file).unlink(missing_ok=True)
 
 
 def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, check=None) -> Path:

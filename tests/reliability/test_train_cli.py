@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -145,9 +146,13 @@ def _run_folder_as_pretrained(tmp_path, run_data):
     return ["--model.preset=null", f"--model.pretrained={folder}"]
 
 
+_HELD_LOCKS = []  # a FileLock releases itself when collected: kept here for the rest of the session
+
+
 def _live_lock(tmp_path, run_data):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "train.lock").write_text(str(os.getppid()))  # the process that started pytest: alive
+    _HELD_LOCKS.append(FileLock(tmp_path / "run" / "train.lock"))  # held as another run's would be
+    _HELD_LOCKS[-1].acquire()
     return []
 
 
@@ -293,7 +298,7 @@ CASES = [
     ("fp16-without-cuda", "tiny-helm-d", lambda t, r: [], ["--train.mixed_precision=fp16"], 2,
      r"train\.mixed_precision=fp16"),
     ("reused-output-dir", "tiny-helm-d", _previous_run, [], 2, r"train\.output_dir .*run'"),
-    ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, rf"train\.output_dir .*pid {os.getppid()}"),
+    ("output-dir-in-use", "tiny-helm-d", _live_lock, [], 2, r"train\.output_dir .*run'.* in use"),
     ("pretrained-missing-local-path", "tiny-helm-d", lambda t, r: ["--model.preset=null"],
      ["--model.pretrained=./no-such-model"], 2, r"model\.pretrained './no-such-model'"),
     ("pretrained-is-a-training-checkpoint", "tiny-helm-d", _training_checkpoint_as_pretrained, [], 2,
@@ -892,7 +897,7 @@ def test_resume_in_a_fresh_folder_starts_from_step_0_and_says_so(tmp_path, run_d
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
-def test_stale_lock_is_taken_over_and_the_lock_is_released(tmp_path, run_data, capsys, caplog):
+def test_lock_file_of_a_run_that_is_gone_does_not_block_and_the_lock_is_released(tmp_path, run_data, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "run").mkdir()
@@ -901,7 +906,6 @@ def test_stale_lock_is_taken_over_and_the_lock_is_released(tmp_path, run_data, c
     code = train_script.main(["--config", str(recipe)])
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
-    assert f"taking over the stale lock {tmp_path / 'run' / 'train.lock'} of process {dead.pid}" in caplog.text
     assert not (tmp_path / "run" / "train.lock").exists()
 
 
