@@ -1,0 +1,59 @@
+"""benchmarks/gpu_estimate.py: the trace records what the cost model needs, and the model costs it as stated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from benchmarks import gpu_estimate as est
+
+
+def _traced(fn, *shapes, dtype=torch.bfloat16):
+    trace = est.Trace(nonzero_fraction=0.5, value_side="bf16x6")
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(torch.empty(s, dtype=dtype)) for s in shapes]
+        with trace:
+            fn(*args)
+    return trace.ops
+
+
+def test_aligned_and_unaligned_products_are_told_apart():
+    (aligned,) = [op for op in _traced(torch.mm, (64, 64), (64, 32)) if op.launches]
+    (unaligned,) = [op for op in _traced(torch.mm, (64, 65), (65, 32)) if op.launches]
+    assert aligned.work == {"gemm": 2 * 64 * 64 * 32}
+    assert unaligned.work == {"gemm_unaligned": 2 * 64 * 65 * 32}
+    assert aligned.bytes == 2 * (64 * 64 + 64 * 32 + 64 * 32)
+
+
+def test_views_launch_nothing_and_slices_are_strided():
+    ops = _traced(lambda x: x[:, 1:].exp(), (8, 65), dtype=torch.float32)
+    assert [(op.name, op.launches, op.strided) for op in ops] == [("slice", False, False), ("exp", True, True)]
+
+
+def test_host_reads_drain_the_queue_and_nonzero_gets_the_balanced_count():
+    counts = []
+    ops = _traced(lambda m: counts.append(m.nonzero().shape[0]), (10, 4), dtype=torch.bool)
+    assert counts == [20] and [op.sync for op in ops] == [True]
+
+
+def test_simulation_is_bound_by_the_host_or_the_device():
+    gpu = dataclasses.replace(est.GPUS["h200"], host_us=10.0, floor_us=1.0)
+    small = [est.Op("add", "bookkeeping", {}, bytes=8) for _ in range(100)]  # 1 µs each on the device
+    big = [est.Op("mm", "gemms", {"gemm": gpu.rate("gemm") * 1e-3})]  # 1 ms
+    assert est.simulate(small, gpu) == pytest.approx(100 * 10e-6 + 1e-6)
+    assert est.simulate(big + small, gpu) == pytest.approx(1e-3 + 10e-6 + 100 * 1e-6)
+
+
+def test_a_small_step_of_each_family_is_estimated(capsys):
+    rows = est.main(["--pairs", "helm-d", "mice", "--attn-impl", "sdpa", "triton", "--batch-size", "1",
+                     "--seq-len", "128"])
+    assert [(r["preset"], r["impl"]) for r in rows] == [
+        ("llama-115m", None), ("helm-d-115m", "sdpa"), ("helm-d-115m", "triton"),
+        ("deepseek-v3-120m", None), ("helm-mice-120m", "sdpa"), ("helm-mice-120m", "triton")]
+    assert all(r["ms"] > 0 and r["kernels"] > 100 for r in rows)
+    kernel = rows[2]
+    assert kernel["syncs"] == 0 and kernel["regions"]["attention"] > 0
+    assert "helm-mice-120m | triton" in capsys.readouterr().out
