@@ -338,6 +338,11 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
     value_side = "bf16x6" if _kernel_has_split_value_side() else "fp32"
     trace = Trace(fraction, value_side)
     patch_triton_launches(trace)
+    try:  # the LM loss sizes its chunks from the free device memory: an H200's 120 GiB or so, not the CPU's rule
+        from helm.ops import lm_loss
+        lm_loss._CHUNK_ELEMENTS_ON["cpu"] = (120 << 30) // 4 // 8
+    except (ImportError, AttributeError):  # older checkouts: fixed chunks
+        pass
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = AutoModelForCausalLM.from_config(config).train()
         attach_balancing(model)
@@ -352,8 +357,8 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
             Region.current = "bookkeeping"
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 output = model(**packed_inputs(model, fake), labels=fake["labels"], use_cache=False)
-            loss = output.loss
-            loss.backward()
+            Region.current = "bookkeeping"  # backward ops whose autograd node carries no region (AccumulateGrad)
+            output.loss.backward()
             Region.current = "optimiser"
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             norms = torch._foreach_norm(grads)  # clip_grad_norm_ on CUDA

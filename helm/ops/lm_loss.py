@@ -7,7 +7,8 @@ Both modes of :class:`helm.nn.LorentzLMHead` are this affine map: ``linear`` is 
 The plain path materialises ``[N, V]`` fp32 logits, their log-softmax and, in backward, the gradient of each:
 at ``N = 2048`` tokens and the 128k Llama-3 vocabulary that is ~1 GB per tensor, more than the 115M model's
 activations. :func:`linear_cross_entropy` walks the rows in chunks of ``chunk_size`` tokens (default: about
-:data:`CHUNK_ELEMENTS` logits per chunk) in one ``[chunk, V]`` buffer. Per chunk it computes the logits, their
+:data:`CHUNK_ELEMENTS` logits per chunk on a CPU, a quarter of the free memory on CUDA: :func:`default_chunk_size`) in
+one ``[chunk, V]`` buffer. Per chunk it computes the logits, their
 ``logsumexp`` and the NLL of the targets; when gradients are needed it turns the same buffer into
 ``dL/dlogits = softmax - onehot`` (zero on ignored rows) and accumulates
 
@@ -21,7 +22,8 @@ multiplies them by the incoming scalar gradient. The gradients are first-order o
 ``backward`` per forward (``retain_graph`` for a second pass is refused). Under ``torch.no_grad()`` or with no
 input requiring a gradient only the loss is computed.
 
-Precision (README, Conventions): the three chunk GEMMs (``x Wᵀ``, ``dl W``, ``dlᵀ x``) run in the compute dtype
+Precision (README, Conventions): the three chunk GEMMs (``x Wᵀ``, ``dl W``, ``dlᵀ x``; in half precision their
+``D`` side zero-padded to a multiple of :data:`ALIGN`) run in the compute dtype
 (:func:`helm.precision.compute_dtype`: the autocast dtype under autocast, else the weight's), accumulating in fp32
 inside the GEMM; the logits, ``logsumexp``, softmax and the ``dL/dW`` summed over chunks are fp32 (fp64 for fp64
 inputs; nothing is widened to fp64 otherwise). With ``minkowski`` the time coordinates never enter a half-precision
@@ -43,14 +45,35 @@ from torch.autograd.function import once_differentiable
 
 from ..precision import autocast_dtype, compute_dtype, stat_dtype, to_stat
 
-# logits per chunk: 2^25 fp32 = 128 MiB (261 tokens of a 128256-token vocabulary): larger chunks make the matmuls
-# faster but the chunk buffer bigger; see benchmarks/lm_head_loss.py
+# logits per chunk: 2^25 fp32 = 128 MiB (261 tokens of a 128256-token vocabulary) on a CPU, where larger chunks
+# gain little (benchmarks/lm_head_loss.py); on CUDA a quarter of the free memory (:func:`default_chunk_size`)
 CHUNK_ELEMENTS = 1 << 25
+# the half-precision GEMMs' width is zero-padded to a multiple of this (16-byte aligned bf16 rows: cuBLAS' fast
+# kernels; the models' 389 or 390 columns are not)
+ALIGN = 16
+# logits per chunk on the CUDA devices measured (``str(device)``): a dict lookup, which dynamo traces
+_CHUNK_ELEMENTS_ON: dict[str, int] = {}
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk: about :data:`CHUNK_ELEMENTS` logits, at least one token."""
-    return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
+def default_chunk_size(vocab_size: int, device: Optional[torch.device] = None) -> int:
+    """Tokens per chunk, at least one: about :data:`CHUNK_ELEMENTS` logits, or on CUDA as many as a quarter of the
+    device's free memory holds at 8 bytes per logit (the fp32 logits turned into ``dl``, the half-precision GEMM
+    output and copy of ``dl``), measured once per device. On an H200 the 16,384 tokens of an
+    8 x 2048 batch at a 128k vocabulary are one chunk: one pass of launches and one ``dL/dW`` accumulation instead
+    of 63."""
+    key = str(device)
+    if key not in _CHUNK_ELEMENTS_ON and device is not None and torch.device(device).type == "cuda" \
+            and not torch.compiler.is_compiling():
+        _CHUNK_ELEMENTS_ON[key] = max(CHUNK_ELEMENTS, torch.cuda.mem_get_info(device)[0] // 4 // 8)
+    return max(1, _CHUNK_ELEMENTS_ON.get(key, CHUNK_ELEMENTS) // max(int(vocab_size), 1))
+
+
+def _aligned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; in half precision with its last dim zero-padded to a multiple of :data:`ALIGN` (the copy
+    is made anyway). Zero columns add nothing to the products that contract over them."""
+    if dtype not in (torch.bfloat16, torch.float16) or t.shape[-1] % ALIGN == 0:
+        return t.to(dtype)
+    return torch.nn.functional.pad(t.to(dtype), (0, -t.shape[-1] % ALIGN))
 
 
 def _check(x, weight, targets, scale, bias, minkowski) -> None:
@@ -95,7 +118,8 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
     lo = 1 if minkowski else 0  # first column of the half-precision GEMMs
     no_autocast = torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext()
     with no_autocast, torch.no_grad():
-        xm, wm = x[:, lo:].to(mm), weight[:, lo:].to(mm)
+        width = x.shape[1] - lo
+        xm, wm = _aligned(x[:, lo:], mm), _aligned(weight[:, lo:], mm)
         xa = x[:, lo:].to(acc) if need_s else None  # for dL/ds: x itself, not its half-precision rounding
         xt, wt = (x[:, 0].to(acc), weight[:, 0].to(acc)) if minkowski else (None, None)
         s = None if scale is None else scale.to(acc)
@@ -106,7 +130,7 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
         grad_x = torch.empty(x.shape, dtype=acc, device=x.device) if need_x else None
         # dL/dW accumulated transposed, [D, V]: xᵀ·dl runs faster than dlᵀ·x on CPU BLAS when D is odd (129: 57 vs
         # 74 ms at 2048 x 8192), and is made contiguous once at the end
-        grad_wt = torch.zeros(weight.shape[::-1], dtype=acc, device=x.device) if need_w else None
+        grad_wt = torch.zeros(lo + xm.shape[1], weight.shape[0], dtype=acc, device=x.device) if need_w else None
         grad_s = torch.zeros((), dtype=acc, device=x.device) if need_s else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
         # views taken once: `grad_wt[lo:] += ...` would also copy the [D, V] result onto itself (setitem)
@@ -136,7 +160,7 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
             dlm = dl.to(mm) if need_x or need_s or need_w else None  # once for both GEMMs (dl itself for fp32)
             ut = dl @ wt if minkowski and (need_x or need_s) else None  # dL/dx_0 = -s·ut, fp32
             if need_x or need_s:
-                u = (wm.T @ dlm.T).T.to(acc)  # dL/dx_{lo:} for s = 1; as (Wᵀ dlᵀ)ᵀ: faster for odd D on CPU BLAS
+                u = (wm.T @ dlm.T).T[:, :width].to(acc)  # dL/dx_{lo:} for s = 1; (Wᵀ dlᵀ)ᵀ: faster on CPU BLAS
                 if need_x:
                     grad_x[rows, lo:] = u
                     if minkowski:
@@ -152,7 +176,7 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
                     gw += xc.T @ dlm  # fp32 accumulation inside the GEMM, rounded to mm once per chunk
                 if minkowski:
                     gwt -= dl.T @ xt[rows]
-        grad_w = grad_wt.T.contiguous() if need_w else None
+        grad_w = grad_wt[:lo + width].T.contiguous() if need_w else None
         if s is not None:
             for g in (grad_x, grad_w):
                 if g is not None:
@@ -204,7 +228,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     ``bias`` (gradients in the dtypes of those inputs).
     """
     _check(x, weight, targets, scale, bias, minkowski)
-    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
+    chunk = default_chunk_size(weight.shape[0], x.device) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     targets = targets.to(x.device)

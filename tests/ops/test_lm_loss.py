@@ -7,6 +7,7 @@ import torch
 from helm.manifold import lift
 from helm.nn.head import LorentzLMHead
 from helm.ops import linear_cross_entropy, linear_cross_entropy_reference
+from helm.ops import lm_loss
 from helm.ops.lm_loss import default_chunk_size
 from tests.helpers import assert_close, relative_error
 
@@ -100,6 +101,18 @@ def test_bad_arguments_are_refused():
 
 def test_default_chunk_holds_about_2_to_25_logits():
     assert default_chunk_size(128256) == 261 and default_chunk_size(512) == 65536 and default_chunk_size(1 << 30) == 1
+    assert default_chunk_size(128256, torch.device("cpu")) == 261
+
+
+def test_default_chunk_on_cuda_fills_a_quarter_of_the_free_memory_read_once(monkeypatch):
+    reads = []
+    monkeypatch.setattr(lm_loss, "_CHUNK_ELEMENTS_ON", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: reads.append(device) or (120 << 30, 141 << 30))
+    gpu = torch.device("cuda:0")
+    assert default_chunk_size(128256, gpu) == (120 << 30) // 4 // 8 // 128256 == 31394  # > 8 x 2048: one chunk
+    assert default_chunk_size(1024, gpu) == (120 << 30) // 4 // 8 // 1024 and reads == [gpu]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 141 << 30))  # nearly full: the floor
+    assert default_chunk_size(128256, torch.device("cuda:1")) == 261
 
 
 def head_and_points(mode, dtype, k=0.5, T=63):
