@@ -38,6 +38,7 @@ autocast state, so ``torch.compile(fullgraph=True)`` traces it under autocast.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -108,6 +109,52 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
     return torch.where(keep, torch.logsumexp(logits, dim=-1) - picked, 0).sum()
 
 
+def _epilogue(z, kc, tc, xt, wt, s, b, *, acc: torch.dtype, mm: torch.dtype, need: tuple, fused: bool = False):
+    """One chunk from the GEMM's output ``z = x_{lo:} W_{lo:}ᵀ`` ``[C, V]`` on: the logits ``s·(z - x_0 w_0) + b``
+    in ``acc``, the summed NLL of the kept rows (``kc``; targets ``tc`` ``[C, 1]``) and, when ``need`` asks for
+    gradients, ``dl = softmax - onehot`` (zero on ignored rows) in ``mm``, its column sums ``Σ_rows dl`` (for
+    dL/db), ``dl·w_0`` ``[C]`` and ``dlᵀ·x_0`` ``[V]`` (with the time coordinates ``xt``, ``wt``; in ``acc``).
+    Eager (a CPU), the logits' buffer becomes ``dl`` in place and the time products are matrix-vector products;
+    compiled (CUDA, :func:`_compiled_epilogue`; ``fused``), they are reductions that inductor fuses with the rest,
+    so the ``[C, V]`` logits are read a few times and ``dl`` written once in ``mm``."""
+    need_x, need_w, need_s, need_b = need
+    logits = z.to(acc)
+    if xt is not None:
+        logits.addcmul_(xt[:, None], wt, value=-1)  # -x_0 p_0, in fp32
+    if s is not None:
+        logits.mul_(s)
+    if b is not None:
+        logits.add_(b)
+    picked = logits.gather(1, tc)[:, 0]
+    peak = logits.amax(dim=-1, keepdim=True)
+    dl = logits.sub_(peak).exp_()  # the logsumexp, in place: lse = peak + log Σ exp(logits - peak)
+    sumexp = dl.sum(dim=-1, keepdim=True)
+    total = torch.where(kc, (peak + sumexp.log())[:, 0] - picked, 0).sum()
+    if not any(need):
+        return total, None, None, None, None
+    # softmax - onehot, zero on ignored rows: one pass scales by 1/Σexp (by 0 where ignored)
+    dl.mul_(torch.where(kc[:, None], sumexp.reciprocal(), 0))
+    dl.scatter_add_(1, tc, -kc[:, None].to(acc))
+    dl_sum = dl.sum(0) if need_b else None
+    ut = dl_xt = None
+    if xt is not None and (need_x or need_s):
+        ut = (dl * wt).sum(-1) if fused else dl @ wt
+    if xt is not None and need_w:
+        dl_xt = (dl * xt[:, None]).sum(0) if fused else dl.T @ xt
+    return total, dl.to(mm) if need_x or need_s or need_w else None, dl_sum, ut, dl_xt
+
+
+_COMPILED = []  # the compiled epilogue, made on first use on CUDA
+
+
+def _compiled_epilogue():
+    """:func:`_epilogue` under ``torch.compile`` (inductor, ``fused``; automatic dynamic shapes after a second
+    chunk shape), made once."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(functools.partial(_epilogue, fused=True)))
+    return _COMPILED[0]
+
+
 def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, need: tuple, mm: torch.dtype,
              autocast: bool, minkowski: bool):
     """The summed NLL and, where ``need`` (for x, weight, scale, bias) says so, its gradients (fp32, fp64 for fp64
@@ -135,30 +182,18 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
         # views taken once: `grad_wt[lo:] += ...` would also copy the [D, V] result onto itself (setitem)
         gw, gwt = (grad_wt[lo:], grad_wt[0]) if need_w else (None, None)
+        # compiled on CUDA, unless a compiled model is being traced (its own graph fuses it then)
+        epilogue = _compiled_epilogue() if x.device.type == "cuda" and not torch.compiler.is_compiling() else _epilogue
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             xc, kc, tc = xm[rows], keep[rows], safe[rows, None]
-            logits = (xc @ wm.T).to(acc)  # a fresh buffer: everything below is in place
-            if minkowski:
-                logits.addcmul_(xt[rows, None], wt, value=-1)  # -x_0 p_0, in fp32
-            if s is not None:
-                logits.mul_(s)
-            if b is not None:
-                logits.add_(b)
-            picked = logits.gather(1, tc)[:, 0]
-            peak = logits.amax(dim=-1, keepdim=True)
-            dl = logits.sub_(peak).exp_()  # the logsumexp, in place: lse = peak + log Σ exp(logits - peak)
-            sumexp = dl.sum(dim=-1, keepdim=True)
-            total += torch.where(kc, (peak + sumexp.log())[:, 0] - picked, 0).sum()
+            part, dlm, dl_sum, ut, dl_xt = epilogue(xc @ wm.T, kc, tc, None if xt is None else xt[rows], wt, s, b,
+                                                    acc=acc, mm=mm, need=need)
+            total += part
             if not any(need):
                 continue
-            # softmax - onehot, zero on ignored rows: one pass scales by 1/Σexp (by 0 where ignored)
-            dl.mul_(torch.where(kc[:, None], sumexp.reciprocal(), 0))
-            dl.scatter_add_(1, tc, -kc[:, None].to(acc))
             if need_b:
-                grad_b += dl.sum(0)
-            dlm = dl.to(mm) if need_x or need_s or need_w else None  # once for both GEMMs (dl itself for fp32)
-            ut = dl @ wt if minkowski and (need_x or need_s) else None  # dL/dx_0 = -s·ut, fp32
+                grad_b += dl_sum
             if need_x or need_s:
                 u = (wm.T @ dlm.T).T[:, :width].to(acc)  # dL/dx_{lo:} for s = 1; (Wᵀ dlᵀ)ᵀ: faster on CPU BLAS
                 if need_x:
@@ -171,11 +206,11 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
                         grad_s -= (ut * xt[rows]).sum()
             if need_w:
                 if mm == acc:
-                    gw.addmm_(xc.T, dl)
+                    gw.addmm_(xc.T, dlm)
                 else:
                     gw += xc.T @ dlm  # fp32 accumulation inside the GEMM, rounded to mm once per chunk
                 if minkowski:
-                    gwt -= dl.T @ xt[rows]
+                    gwt -= dl_xt
         grad_w = grad_wt[:lo + width].T.contiguous() if need_w else None
         if s is not None:
             for g in (grad_x, grad_w):

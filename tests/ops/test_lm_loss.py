@@ -1,6 +1,8 @@
 """The fused, chunked LM-head cross-entropy against the plain path: loss and gradients of features, weights, logit
 scale and bias, awkward shapes, ignored rows, both LM-head modes, bf16."""
 
+import functools
+
 import pytest
 import torch
 
@@ -172,3 +174,38 @@ def test_head_fused_loss_under_bf16(mode):
     head.weight.data = head.weight.data.bfloat16()  # bf16 weights (scalars stay fp32, as in the models)
     head.bias.data = head.bias.data.bfloat16()
     check(head_loss_and_grads(head, x, t, fused=True, chunk_size=7), head_loss_and_grads(head, x, t, fused=False))
+
+
+@pytest.mark.parametrize("minkowski", [False, True], ids=["linear", "minkowski"])
+def test_compiled_epilogue_equals_the_eager_one_in_loss_and_gradients(minkowski, monkeypatch):
+    """CUDA runs each chunk's epilogue compiled (fused: the time products as reductions, not matrix-vector
+    products); here the same compiled function (fullgraph, so no graph break either) stands in for the eager one
+    on the CPU, under bf16 autocast, against the reference in fp64."""
+    x, w, s, b, t = inputs(torch.float32)
+    expected = loss_and_grads(linear_cross_entropy_reference, *(p.double() if p is not None else p for p in (x, w, s, b)),
+                              t, minkowski=minkowski)
+    eager = lm_loss._epilogue
+    monkeypatch.setattr(lm_loss, "_epilogue", torch.compile(functools.partial(eager, fused=True), backend="aot_eager",
+                                                            fullgraph=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = loss_and_grads(linear_cross_entropy, x, w, s, b, t, chunk_size=10, minkowski=minkowski)
+    monkeypatch.setattr(lm_loss, "_epilogue", eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = loss_and_grads(linear_cross_entropy, x, w, s, b, t, chunk_size=10, minkowski=minkowski)
+    for name, f, p, e in zip(["loss", "x", "w", "s", "b"], fused, plain, expected):
+        assert_close(f, p, factor=10.0, msg=name)
+        assert relative_error(f, e) <= 2 * relative_error(p, e) + 1e-6, name
+
+
+def test_the_compiled_epilogue_lowers_with_inductor():
+    """One chunk through inductor (as CUDA compiles it) equals the eager epilogue."""
+    g = torch.Generator().manual_seed(3)
+    z, xt = torch.randn(5, 37, generator=g).bfloat16(), torch.rand(5, generator=g) + 1
+    wt, b = torch.rand(37, generator=g) + 1, torch.randn(37, generator=g)
+    kc, tc = torch.tensor([True, False, True, True, True]), torch.randint(0, 37, (5, 1), generator=g)
+    args = dict(acc=torch.float32, mm=torch.bfloat16, need=(True, True, True, True))
+    eager = lm_loss._epilogue(z.clone(), kc, tc, xt, wt, torch.tensor(0.7), b, **args)
+    compiled = torch.compile(functools.partial(lm_loss._epilogue, fused=True), fullgraph=True)(
+        z.clone(), kc, tc, xt, wt, torch.tensor(0.7), b, **args)
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, factor=4.0)
