@@ -66,7 +66,7 @@ COMBINE_BLOCK_N = 32
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=DECODE_CONFIGS, key=["D", "DV", "CAUSAL"],
+@triton.autotune(configs=DECODE_CONFIGS, key=["D", "DV", "CAUSAL"], cache_results=True,
                  prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_decode_split_kernel(

@@ -70,7 +70,7 @@ PRE_BLOCK_M = 64
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+@triton.autotune(configs=FWD_CONFIGS, key=["D", "DV", "CAUSAL"], cache_results=True,
                  prune_configs_by={"early_config_prune": prune_configs("fwd")})
 @triton.jit
 def lorentz_attention_fwd_kernel(
@@ -269,7 +269,7 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
     return dk_t, dk_s, dv_t, dv_s, de
 
 
-@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"], cache_results=True,
                  prune_configs_by={"early_config_prune": prune_configs("dkdv")})
 @triton.jit
 def lorentz_attention_bwd_dkdv_kernel(
@@ -382,7 +382,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
     return dq_t, dq_s, b_dsc, b_dsl
 
 
-@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"],
+@triton.autotune(configs=BWD_CONFIGS, key=["D", "DV", "CAUSAL"], cache_results=True,
                  prune_configs_by={"early_config_prune": prune_configs("dq")})
 @triton.jit
 def lorentz_attention_bwd_dq_kernel(

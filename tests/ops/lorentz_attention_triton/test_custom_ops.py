@@ -381,3 +381,16 @@ def test_split_value_products_keep_fp32_accuracy(lk):
         errors[split] = relative_error(out.cpu(), exact)
     assert errors[True] <= 2 * relative_error(a @ b, exact), errors
     assert errors[False] > 100 * errors[True], errors
+
+
+def test_autotuned_choices_persist_across_processes(lk):
+    """Every autotuned kernel keeps its timings in Triton's cache directory (``cache_results``, Triton >= 3.4), so
+    a new process reuses them instead of timing every candidate again (issue 35 item 5). Triton ignores the option
+    in the interpreter, so the decorators themselves are read."""
+    import ast
+    import inspect
+
+    decorators = [node for module in (lk.fwd_bwd, lk.decode) for node in ast.walk(ast.parse(inspect.getsource(module)))
+                  if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "autotune"]
+    assert len(decorators) == 4
+    assert all(any(k.arg == "cache_results" and k.value.value is True for k in call.keywords) for call in decorators)
