@@ -416,9 +416,10 @@ def train(cfg, resume, state: TrainerState) -> dict:
     # train_step balances them and the loop logs their balance loss
     routed = bool(attach_balancing(unwrapped))
     # only the training forward is compiled (one graph where the model allows); the rest uses the plain module
+    compiled = cfg.train.compile == "true" or cfg.train.compile == "auto" and accelerator.device.type == "cuda"
     forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
-        if cfg.train.compile else model
-    if cfg.train.compile and cfg.train.gradient_checkpointing:
+        if compiled else model
+    if compiled and cfg.train.gradient_checkpointing:
         # checkpointed layers record side effects (the dense mask shared by layers, MiCE's loads) that the recompute
         # repeats to no effect: dynamo may skip them there, a setting scoped to the compiled calls
         forward = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(forward)

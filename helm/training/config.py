@@ -167,10 +167,11 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them: less activation memory
     for about one more forward pass of compute (``model.gradient_checkpointing_enable()``)."""
-    compile: bool = False
+    compile: str = "auto"
     """Compile the training forward and backward with torch.compile, as one graph (fullgraph) where the model
-    allows; validation, checkpoints and the saved model use the plain module. The first step then takes longer
-    (inductor generates its kernels: a minute or two on a CPU)."""
+    allows; validation, checkpoints and the saved model use the plain module. true, false, or auto: on CUDA, where
+    it pays (fused elementwise kernels, fewer launches), not on a CPU, where the first step would take a minute or
+    two longer (inductor generates its kernels) for little gain."""
     compile_backend: str = "inductor"
     """torch.compile backend: inductor (fused kernels) or aot_eager (no code generation: quick to start, no
     faster; for testing)."""
@@ -306,13 +307,15 @@ MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0
            "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
 POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
-           "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager")}
+           "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager"),
+           "train.compile": ("auto", "true", "false")}
 
 
 def validate(c: RunConfig) -> None:
     """Range checks the types cannot express (``null`` passes where a key is optional)."""
     if c.train.mixed_precision == "False":  # YAML 1.1 reads a bare no as false
         c.train.mixed_precision = "no"
+    c.train.compile = c.train.compile.lower()  # true / false written as booleans arrive as True / False
 
     def value(key):
         section, name = key.split(".")

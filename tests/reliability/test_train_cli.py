@@ -287,6 +287,8 @@ CASES = [
     ("preset-without-model_type", "tiny-helm-d", _preset_without_model_type, [], 2,
      r"model\.preset '.*': .*model_type"),
     ("negative-seed", "tiny-helm-d", lambda t, r: [], ["--train.seed=-1"], 2, r"train\.seed.*-1"),
+    ("compile-neither-boolean-nor-auto", "tiny-helm-d", lambda t, r: [], ["--train.compile=maybe"], 2,
+     r"train\.compile.*maybe"),
     ("override-bad-in-config", "tiny-llama", lambda t, r: [], ["--model.overrides.num_attention_heads=5"], 2,
      r"model\.preset '.*': "),
     ("override-fails-building", "tiny-llama", lambda t, r: [], ["--model.overrides.hidden_act=nope"], 2,
@@ -385,6 +387,9 @@ def _recipe_with_bare_no(tmp_path):
 ACCEPTED = [
     ("mixed-precision-no-on-the-command-line", None, ["train.mixed_precision=no"], "train.mixed_precision", "no"),
     ("mixed-precision-no-in-a-recipe", _recipe_with_bare_no, [], "train.mixed_precision", "no"),
+    ("compile-by-default-where-it-pays", None, [], "train.compile", "auto"),
+    ("compile-as-a-boolean", None, ["train.compile=true"], "train.compile", "true"),
+    ("compile-off-as-a-boolean", None, ["train.compile=False"], "train.compile", "false"),
 ]
 
 
