@@ -87,7 +87,7 @@ class Gpu:
     bandwidth_efficiency: float = 0.75
     strided_efficiency: float = 0.1  # bandwidth of ops with a non-contiguous operand (time / space slices); calibrated
     floor_us: float = 2.5  # the shortest kernel
-    host_us: float = 23.0  # host time per launched op in eager PyTorch (Python included); calibrated
+    host_us: float = 26.0  # host time per launched op in eager PyTorch (Python included); calibrated
     view_us: float = 2.0  # host time per op that launches nothing
     sync_us: float = 20.0  # a device-to-host read, on top of draining the queue
 
@@ -182,7 +182,7 @@ class TagOutputs(TorchFunctionMode):
 
 class Trace(TorchDispatchMode):
     """Records every aten op of a step as an :class:`Op`; answers host reads without data (fake tensors hold
-    none): a flag reads False, a number 1, ``equal`` True, and ``nonzero`` of a routing mask gives the balanced
+    none): a flag reads False, a number 1, ``equal`` False, and ``nonzero`` of a routing mask gives the balanced
     count (``nonzero_fraction`` of its elements)."""
 
     def __init__(self, nonzero_fraction: float, value_side: str):
@@ -211,8 +211,8 @@ class Trace(TorchDispatchMode):
             if name == "nonzero":
                 source = args[0]
                 out = torch.empty((round(source.numel() * self.nonzero_fraction), source.dim()), dtype=torch.long)
-            elif name == "equal":
-                out = True
+            elif name == "equal":  # the general path (e.g. MiCE's one-time check that a step changed the gate)
+                out = False
             else:
                 out = False if args[0].dtype == torch.bool else 1
             if Region.current == "optimiser":  # torch's optimisers keep their step counts on the host
@@ -375,7 +375,8 @@ def config_for(preset: str, impl: str | None):
 
 
 def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> Trace:
-    """One bf16 training step of ``preset`` at ``batch_size x seq_len`` under fake tensors, recorded."""
+    """One bf16 training step of ``preset`` at ``batch_size x seq_len`` under fake tensors, after two unrecorded
+    warm-up steps (as the measurements are of steps after warm-up), recorded."""
     config = config_for(preset, impl)
     batch = packed_batch(batch_size, seq_len, config.vocab_size)
     routed = getattr(config, "num_experts_per_tok", None) and getattr(config, "n_routed_experts", None)
@@ -391,7 +392,7 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
         pass
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = AutoModelForCausalLM.from_config(config).train()
-        attach_balancing(model)
+        routed = attach_balancing(model) or []
         optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
         for inner in getattr(optimizer, "optimizers", [optimizer]):
             for group in inner.param_groups:
@@ -399,7 +400,8 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
                     group["foreach"] = True  # what torch picks for CUDA parameters
         hooks = region_hooks(model)
         fake = {key: mode.from_tensor(value) for key, value in batch.items()}
-        with TagOutputs(), trace:
+
+        def step():
             Region.current = "bookkeeping"
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 output = model(**packed_inputs(model, fake), labels=fake["labels"], use_cache=False)
@@ -412,7 +414,18 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
             torch._foreach_mul_(grads, torch.clamp(1.0 / (total + 1e-6), max=1.0))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if routed:  # the routing-bias update of helm.training.train_step (one process)
+                load = torch.stack([layer.last_expert_load for layer in routed])
+                for layer, layer_load in zip(routed, load):
+                    layer.last_expert_load.copy_(layer_load)
+                    layer.update_bias()
             Region.current = "bookkeeping"
+
+        with TagOutputs(), trace:
+            for _ in range(2):  # warm-up, not recorded: optimiser state and one-time checks of the first steps
+                step()
+            trace.ops.clear()
+            step()
         for hook in hooks:
             hook.remove()
     restore()
