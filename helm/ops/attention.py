@@ -508,7 +508,8 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
     kernel, _ = _load_kernel()
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
                   segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
-                  qk_dtype=compute_dtype(query) if dtype is None else dtype)
+                  qk_dtype=compute_dtype(query) if dtype is None else dtype,
+                  groups=mask.groups() if value_centre is None else None)
 
 
 # The zoo's own registry (transformers' AttentionInterface pattern, kept out of transformers' global one): a name

@@ -30,7 +30,7 @@ import triton.language as tl
 
 # One centring rule for every attention path: the kernels centre the values with helm.ops.centring's functions,
 # which the eager and sdpa paths use, so a change to the rule cannot leave one path behind.
-from ..centring import key_groups, value_centres
+from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
            "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
@@ -163,7 +163,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
             alibi_slopes, value_centre: Optional[torch.Tensor] = None,
-            qk_dtype: Optional[torch.dtype] = None) -> Prepared:
+            qk_dtype: Optional[torch.dtype] = None, groups: Optional[KeyGroups] = None) -> Prepared:
     """Validate the public arguments and turn them into what the kernels read.
 
     * ``q, k`` in the GEMM dtype ``qk_dtype`` (default: the promoted dtype of the three inputs; the dots of their
@@ -253,7 +253,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
         kid = kid.to(torch.int32).contiguous()
     if cached_norms is None:
-        w, e, c = centre_values(v, segment_ids, attention_mask, Tq)
+        w, e, c = centre_values(v, segment_ids, attention_mask, Tq, groups)
     else:
         w, e = v, cached_norms.to(torch.float32).contiguous()
         c = value_centre.detach().to(torch.float32).expand(B, H, Tq, 1 + dv).contiguous()
@@ -261,7 +261,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
                     causal=bool(causal), centred=cached_norms is None)
 
 
-def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
+def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int, groups: Optional[KeyGroups] = None):
     """``(w, e, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride), ``e_j = <w_j,
     w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64: the named exception of
     ``helm/precision.py``, see :func:`_centroid_normalise`) and the centre of each query row
@@ -272,9 +272,11 @@ def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int):
     (:func:`helm.ops.centring.key_groups`), so packed documents stay bit-for-bit independent, and each group gets
     :func:`helm.ops.centring.value_centres`: ``0`` for values spread around the origin (their ``e_j ≈ -k`` are
     small and exact), about their mean for values clustered far from it (small centred values, small fp32 error of
-    their weighted sum). Sorts and segmented scans only: deterministic, no host synchronisation."""
+    their weighted sum). Sorts and segmented scans only: deterministic, no host synchronisation. ``groups``: those
+    of this mask when the caller has them (:meth:`helm.ops.AttentionMask.groups`, shared by every layer)."""
     B, H, Tk, _ = v.shape
-    groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
+    if groups is None:
+        groups = key_groups(B, Tk, segment_ids, None if attention_mask is None else attention_mask.bool(), v.device)
     vf = v.float()
     c = value_centres(vf, groups)
     w = _last_dim_contiguous((vf - c).to(v.dtype))

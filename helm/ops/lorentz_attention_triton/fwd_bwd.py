@@ -658,6 +658,7 @@ def lorentz_flash_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     value_centre: Optional[torch.Tensor] = None,
     qk_dtype: Optional[torch.dtype] = None,
+    groups=None,
 ) -> torch.Tensor:
     """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
 
@@ -681,6 +682,8 @@ def lorentz_flash_attention(
         qk_dtype: dtype of the ``q·k`` products' space parts (the compute dtype of helm.precision, e.g. bf16 under
             autocast; default the promoted input dtype). The time coordinates enter in fp32 whatever it is, and the
             values keep their own dtype (the value side, ``ν·[w | e]``, is fp32 for fp32 values).
+        groups: the keys' :class:`~helm.ops.centring.KeyGroups` for this ``attention_mask`` and ``segment_ids``
+            when the caller has them (a model's layers share one mask's); computed here otherwise.
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
@@ -693,7 +696,8 @@ def lorentz_flash_attention(
     of :mod:`helm.ops.lorentz_attention_triton.decode` runs instead of the forward kernel.
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
-                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype)
+                segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype,
+                groups=groups)
     args = (p.q, p.qt, p.k, p.kt, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
     if needs_grad(p):
         if not p.centred:

@@ -394,3 +394,21 @@ def test_autotuned_choices_persist_across_processes(lk):
                   if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "autotune"]
     assert len(decorators) == 4
     assert all(any(k.arg == "cache_results" and k.value.value is True for k in call.keywords) for call in decorators)
+
+
+def test_the_layers_share_one_mask_groups_with_the_kernel(lk, monkeypatch):
+    """The keys' groups (documents and padding, for the value centres) come from the model's one mask
+    (``AttentionMask.groups``, computed once per forward), not recomputed by the kernel in every layer: a segmented
+    scan of ~7 small ops per doubling step that each layer would otherwise launch again."""
+    import helm.ops.attention as attention
+
+    calls = {"mask": 0, "kernel": 0}
+    for module, name in ((attention, "mask"), (lk.common, "kernel")):
+        real = module.key_groups
+        monkeypatch.setattr(module, "key_groups",
+                            lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1) or _real(*a))
+    model = tiny_model("helm_d", train=True, num_hidden_layers=3, vocab_size=64,
+                       model_kwargs={"attn_implementation": "triton"})
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    _step(model, model, ids, torch.tensor([[0] * 7 + [1] * 9, [0] * 16]))
+    assert calls == {"mask": 1, "kernel": 0}
