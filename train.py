@@ -57,6 +57,7 @@ from helm.distributed import use_fsdp_on_cpu
 from helm.evaluation import format_perplexity, perplexity, rows_nll
 from helm.manifest import RUN_MARKER, is_run_folder
 from helm.models.routing import attach_balancing
+from helm.ops.lm_loss import default_chunk_size
 from helm.optim import build_optimizer, group_parameters
 from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, PackedRows, StepMetrics, StreamRows,
                            TrainerState, cli_overrides, data_fingerprint, describe, find_checkpoint,
@@ -416,9 +417,14 @@ def train(cfg, resume, state: TrainerState) -> dict:
     # train_step balances them and the loop logs their balance loss
     routed = bool(attach_balancing(unwrapped))
     # only the training forward is compiled (one graph where the model allows); the rest uses the plain module
-    compiled = cfg.train.compile == "true" or cfg.train.compile == "auto" and accelerator.device.type == "cuda"
-    forward = torch.compile(model, backend=cfg.train.compile_backend, fullgraph=unwrapped._can_compile_fullgraph) \
-        if compiled else model
+    # auto: on one CUDA process (dynamo makes no single graph through DDP's or FSDP's hooks)
+    single = accelerator.num_processes == 1
+    compiled = cfg.train.compile == "true" or cfg.train.compile == "auto" and accelerator.device.type == "cuda" \
+        and single
+    if compiled and accelerator.device.type == "cuda":  # the loss's chunk comes from the free memory, read eagerly
+        default_chunk_size(config.vocab_size, accelerator.device)  # (a traced graph keeps the chunk it was traced with)
+    forward = torch.compile(model, backend=cfg.train.compile_backend,
+                            fullgraph=unwrapped._can_compile_fullgraph and single) if compiled else model
     if compiled and cfg.train.gradient_checkpointing:
         # checkpointed layers record side effects (the dense mask shared by layers, MiCE's loads) that the recompute
         # repeats to no effect: dynamo may skip them there, a setting scoped to the compiled calls

@@ -46,11 +46,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import math
 import os
+import sys
 import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # so that attn_implementation="triton" resolves on a CPU; nothing runs
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -291,7 +290,7 @@ def sdpa_flops(name: str, args, kwargs) -> float:
     Tk = k.shape[-2]
     has_mask = any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[-1] == Tk and a.shape[-2] == Tq
                    for a in list(args[3:]) + list(kwargs.values()))
-    causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args[3:6])
+    causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args[3:9])  # backward: args[7]
     flops = 4 * B * H * Tq * Tk * D * (0.5 if causal and not has_mask else 1.0)
     return flops * (2.5 if "backward" in name else 1.0)
 
@@ -323,13 +322,14 @@ def patch_compiled_epilogue(trace: Trace):
     return lambda: setattr(lm_loss, "_epilogue", eager)
 
 
-def patch_triton_launches(trace: Trace) -> None:
+def patch_triton_launches(trace: Trace):
     """Older checkouts call the Triton kernels from Python (no custom op): their launches are recorded instead of
     run, costed like the custom ops."""
     try:
         from triton.runtime.jit import KernelInterface
     except ImportError:
-        return
+        return lambda: None
+    original = KernelInterface.__getitem__
 
     def launch(self, grid):
         def record(*args, **kwargs):
@@ -349,6 +349,7 @@ def patch_triton_launches(trace: Trace) -> None:
         return record
 
     KernelInterface.__getitem__ = launch
+    return lambda: setattr(KernelInterface, "__getitem__", original)
 
 
 def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -381,15 +382,43 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
     batch = packed_batch(batch_size, seq_len, config.vocab_size)
     routed = getattr(config, "num_experts_per_tok", None) and getattr(config, "n_routed_experts", None)
     fraction = config.num_experts_per_tok / config.n_routed_experts if routed else 1.0
-    value_side = "bf16x6" if _kernel_has_split_value_side() else "fp32"
-    trace = Trace(fraction, value_side)
-    patch_triton_launches(trace)
-    restore = patch_compiled_epilogue(trace)
-    try:  # the LM loss sizes its chunks from the free device memory: an H200's 120 GiB or so, not the CPU's rule
+    # the kernel path resolves on a CPU as under the Triton interpreter (nothing is launched), and the LM loss
+    # sizes its chunk from the free device memory, an H200's 120 GiB or so: all undone when the trace ends
+    undo = [interpreted()]
+    try:
+        trace = Trace(fraction, "bf16x6" if _kernel_has_split_value_side() else "fp32")
+        undo += [patch_triton_launches(trace), patch_compiled_epilogue(trace)]
         from helm.ops import lm_loss
-        lm_loss._CHUNK_ELEMENTS_ON["cpu"] = (120 << 30) // 4 // 8
-    except (ImportError, AttributeError):  # older checkouts: fixed chunks
-        pass
+        chunks = getattr(lm_loss, "_CHUNK_ELEMENTS_ON", {})  # older checkouts: fixed chunks
+        chunks["cpu"] = (120 << 30) // 4 // 12
+        undo.append(lambda: chunks.pop("cpu", None))
+        return _trace(trace, config, batch)
+    finally:
+        for restore in undo:
+            restore()
+
+
+def interpreted():
+    """Set ``TRITON_INTERPRET=1`` and the kernel modules' ``INTERPRET`` flags (read when they were imported) for a
+    trace; returns what undoes both."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    flags = {module: module.INTERPRET for name, module in list(sys.modules.items())
+             if name.endswith(("lorentz_attention_triton.common", "lorentz_attention.common"))}
+    for module in flags:
+        module.INTERPRET = True
+
+    def undo():
+        for module, flag in flags.items():
+            module.INTERPRET = flag
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return undo
+
+
+def _trace(trace: Trace, config, batch) -> Trace:
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = AutoModelForCausalLM.from_config(config).train()
         routed = attach_balancing(model) or []
@@ -428,7 +457,6 @@ def trace_step(preset: str, impl: str | None, batch_size: int, seq_len: int) -> 
             step()
         for hook in hooks:
             hook.remove()
-    restore()
     return trace
 
 

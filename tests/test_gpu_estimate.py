@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -47,9 +48,17 @@ def test_simulation_is_bound_by_the_host_or_the_device():
     assert est.simulate(big + small, gpu) == pytest.approx(1e-3 + 10e-6 + 100 * 1e-6)
 
 
-def test_a_small_step_of_each_family_is_estimated(capsys):
+def test_a_small_step_of_each_family_is_estimated_and_nothing_stays_changed(capsys):
+    from helm.ops import lm_loss
+
+    interpret = os.environ.get("TRITON_INTERPRET")
     rows = est.main(["--pairs", "helm-d", "mice", "--attn-impl", "sdpa", "triton", "--batch-size", "1",
                      "--seq-len", "128"])
+    assert "cpu" not in lm_loss._CHUNK_ELEMENTS_ON and lm_loss._epilogue.__name__ == "_epilogue"
+    from triton.runtime.jit import KernelInterface
+
+    assert KernelInterface.__getitem__.__qualname__ == "KernelInterface.__getitem__"
+    assert os.environ.get("TRITON_INTERPRET") == interpret
     assert [(r["preset"], r["impl"]) for r in rows] == [
         ("llama-115m", None), ("helm-d-115m", "sdpa"), ("helm-d-115m", "triton"),
         ("deepseek-v3-120m", None), ("helm-mice-120m", "sdpa"), ("helm-mice-120m", "triton")]

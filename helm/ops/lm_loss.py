@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -58,14 +59,14 @@ _CHUNK_ELEMENTS_ON: dict[str, int] = {}
 
 def default_chunk_size(vocab_size: int, device: Optional[torch.device] = None) -> int:
     """Tokens per chunk, at least one: about :data:`CHUNK_ELEMENTS` logits, or on CUDA as many as a quarter of the
-    device's free memory holds at 8 bytes per logit (the fp32 logits turned into ``dl``, the half-precision GEMM
-    output and copy of ``dl``), measured once per device. On an H200 the 16,384 tokens of an
+    device's free memory holds at 12 bytes per logit (the half-precision GEMM output, fp32 logits and ``dl``, the
+    half-precision copy of ``dl``), measured once per device. On an H200 the 16,384 tokens of an
     8 x 2048 batch at a 128k vocabulary are one chunk: one pass of launches and one ``dL/dW`` accumulation instead
     of 63."""
     key = str(device)
     if key not in _CHUNK_ELEMENTS_ON and device is not None and torch.device(device).type == "cuda" \
             and not torch.compiler.is_compiling():
-        _CHUNK_ELEMENTS_ON[key] = max(CHUNK_ELEMENTS, torch.cuda.mem_get_info(device)[0] // 4 // 8)
+        _CHUNK_ELEMENTS_ON[key] = max(CHUNK_ELEMENTS, torch.cuda.mem_get_info(device)[0] // 4 // 12)
     return max(1, _CHUNK_ELEMENTS_ON.get(key, CHUNK_ELEMENTS) // max(int(vocab_size), 1))
 
 
@@ -144,15 +145,11 @@ def _epilogue(z, kc, tc, xt, wt, s, b, *, acc: torch.dtype, mm: torch.dtype, nee
     return total, dl.to(mm) if need_x or need_s or need_w else None, dl_sum, ut, dl_xt
 
 
-_COMPILED = []  # the compiled epilogue, made on first use on CUDA
-
-
+@functools.cache
 def _compiled_epilogue():
     """:func:`_epilogue` under ``torch.compile`` (inductor, ``fused``; automatic dynamic shapes after a second
-    chunk shape), made once."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(functools.partial(_epilogue, fused=True)))
-    return _COMPILED[0]
+    chunk shape), made on first use."""
+    return torch.compile(functools.partial(_epilogue, fused=True))
 
 
 def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, need: tuple, mm: torch.dtype,
@@ -182,8 +179,14 @@ def _chunked(x, weight, scale, bias, targets, ignore_index: int, chunk: int, nee
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
         # views taken once: `grad_wt[lo:] += ...` would also copy the [D, V] result onto itself (setitem)
         gw, gwt = (grad_wt[lo:], grad_wt[0]) if need_w else (None, None)
-        # compiled on CUDA, unless a compiled model is being traced (its own graph fuses it then)
-        epilogue = _compiled_epilogue() if x.device.type == "cuda" and not torch.compiler.is_compiling() else _epilogue
+        # inlined (fused) into a compiled model's graph; compiled on CUDA where inductor runs (Triton, sm70+)
+        if torch.compiler.is_compiling():
+            epilogue = functools.partial(_epilogue, fused=x.device.type == "cuda")
+        elif x.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
+                and torch.cuda.get_device_capability(x.device)[0] >= 7:
+            epilogue = _compiled_epilogue()
+        else:
+            epilogue = _epilogue
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             xc, kc, tc = xm[rows], keep[rows], safe[rows, None]

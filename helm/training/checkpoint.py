@@ -231,7 +231,8 @@ def remove_stale_tmp_checkpoints(output_dir: Path) -> None:
 def output_lock(output_dir: Path, enabled: bool = True):
     """Hold ``output_dir/train.lock`` while training, creating ``output_dir``: an OS file lock (``filelock``), which
     the OS releases when its process dies, so a run that crashed never blocks the next one; a lock another run holds
-    is refused with :class:`ConfigError`, so two runs never share a folder."""
+    is refused with :class:`ConfigError`, so two runs never share a folder. The file stays after release (its
+    presence says nothing about a run)."""
     if not enabled:
         yield
         return
@@ -246,9 +247,8 @@ def output_lock(output_dir: Path, enabled: bool = True):
         raise ConfigError(f"train.output_dir {str(output_dir)!r} is not a writable folder: {error}") from None
     try:
         yield
-    finally:
+    finally:  # the file stays: deleting a lock's path lets a second run lock a new file while a third holds the old
         lock.release()
-        Path(lock.lock_file).unlink(missing_ok=True)
 
 
 def save_final(model, tokenizer, output_dir: Path, state_dict: dict, step: int, check=None) -> Path:

@@ -169,9 +169,9 @@ class TrainConfig:
     for about one more forward pass of compute (``model.gradient_checkpointing_enable()``)."""
     compile: str = "auto"
     """Compile the training forward and backward with torch.compile, as one graph (fullgraph) where the model
-    allows; validation, checkpoints and the saved model use the plain module. true, false, or auto: on CUDA, where
-    it pays (fused elementwise kernels, fewer launches), not on a CPU, where the first step would take a minute or
-    two longer (inductor generates its kernels) for little gain."""
+    allows; validation, checkpoints and the saved model use the plain module. true, false, or auto: on one CUDA
+    process, where it pays (fused elementwise kernels, fewer launches), not on a CPU, where the first step would
+    take a minute or two longer (inductor generates its kernels) for little gain, nor under DDP or FSDP."""
     compile_backend: str = "inductor"
     """torch.compile backend: inductor (fused kernels) or aot_eager (no code generation: quick to start, no
     faster; for testing)."""

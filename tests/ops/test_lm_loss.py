@@ -111,8 +111,8 @@ def test_default_chunk_on_cuda_fills_a_quarter_of_the_free_memory_read_once(monk
     monkeypatch.setattr(lm_loss, "_CHUNK_ELEMENTS_ON", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: reads.append(device) or (120 << 30, 141 << 30))
     gpu = torch.device("cuda:0")
-    assert default_chunk_size(128256, gpu) == (120 << 30) // 4 // 8 // 128256 == 31394  # > 8 x 2048: one chunk
-    assert default_chunk_size(1024, gpu) == (120 << 30) // 4 // 8 // 1024 and reads == [gpu]
+    assert default_chunk_size(128256, gpu) == (120 << 30) // 4 // 12 // 128256 == 20929  # > 8 x 2048: one chunk
+    assert default_chunk_size(1024, gpu) == (120 << 30) // 4 // 12 // 1024 and reads == [gpu]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 141 << 30))  # nearly full: the floor
     assert default_chunk_size(128256, torch.device("cuda:1")) == 261
 
