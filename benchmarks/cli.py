@@ -1,9 +1,11 @@
-"""Argument checks shared by the benchmark scripts (run as ``python benchmarks/<script>.py``, so this folder is on
-``sys.path``)."""
+"""Argument checks and inputs shared by the benchmark scripts (run as ``python benchmarks/<script>.py``, so this folder
+is on ``sys.path``)."""
 
 import argparse
 
 import torch
+
+from helm.data import pack_documents
 
 
 def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -17,3 +19,15 @@ def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
     if args.threads:
         torch.set_num_threads(args.threads)
     return torch.device(args.device)
+
+
+def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rows of random documents (lengths 20–400 tokens) packed like train.py packs real text."""
+    g = torch.Generator().manual_seed(seed)
+    docs, total = [], 0
+    while total < batch_size * seq_len:
+        n = int(torch.randint(20, 400, (), generator=g))
+        docs.append(torch.randint(2, vocab, (n,), generator=g).tolist())
+        total += n + 1
+    rows = pack_documents(docs, seq_len, eos_id=0)
+    return {k: v[:batch_size] for k, v in rows.items()}

@@ -62,7 +62,6 @@ from torch.utils.flop_counter import flop_registry  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
-from helm.data import pack_documents  # noqa: E402
 from helm.models.routing import attach_balancing  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
 
@@ -70,6 +69,10 @@ try:
     from helm.data import packed_inputs
 except ImportError:  # older checkouts
     from helm.evaluation import packed_inputs
+try:
+    from benchmarks.cli import packed_batch
+except ImportError:  # run as a script: this folder is on sys.path
+    from cli import packed_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,18 +354,6 @@ def patch_triton_launches(trace: Trace):
 
     KernelInterface.__getitem__ = launch
     return lambda: setattr(KernelInterface, "__getitem__", original)
-
-
-def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Rows of random documents (20-400 tokens) packed as train.py packs text (benchmarks/train_step.py's)."""
-    g = torch.Generator().manual_seed(seed)
-    docs, total = [], 0
-    while total < batch_size * seq_len:
-        n = int(torch.randint(20, 400, (), generator=g))
-        docs.append(torch.randint(2, vocab, (n,), generator=g).tolist())
-        total += n + 1
-    rows = pack_documents(docs, seq_len, eos_id=0)
-    return {k: v[:batch_size] for k, v in rows.items()}
 
 
 def config_for(preset: str, impl: str | None):

@@ -63,24 +63,11 @@ from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import helm  # noqa: E402
-from cli import check_device  # noqa: E402
-from helm.data import pack_documents  # noqa: E402
+from cli import check_device, packed_batch  # noqa: E402
 from helm.models.routing import attach_balancing  # noqa: E402
 from helm.ops import ATTENTION_IMPLEMENTATIONS  # noqa: E402
 from helm.optim import build_optimizer  # noqa: E402
 from helm.training import train_step  # noqa: E402
-
-
-def packed_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Rows of random documents (lengths 20–400 tokens) packed like train.py packs real text."""
-    g = torch.Generator().manual_seed(seed)
-    docs, total = [], 0
-    while total < batch_size * seq_len:
-        n = int(torch.randint(20, 400, (), generator=g))
-        docs.append(torch.randint(2, vocab, (n,), generator=g).tolist())
-        total += n + 1
-    rows = pack_documents(docs, seq_len, eos_id=0)
-    return {k: v[:batch_size] for k, v in rows.items()}
 
 
 PAPER = {"helm-d": ("helm-d-115m", "llama-115m"), "mice": ("helm-mice-120m", "deepseek-v3-120m")}
