@@ -26,6 +26,8 @@ def test_aligned_and_unaligned_products_are_told_apart():
     (unaligned,) = [op for op in _traced(torch.mm, (64, 65), (65, 32)) if op.launches]
     assert aligned.work == {"gemm": 2 * 64 * 64 * 32}
     assert unaligned.work == {"gemm_unaligned": 2 * 64 * 65 * 32}
+    (eight_bytes,) = [op for op in _traced(torch.mm, (64, 68), (68, 32)) if op.launches]  # 136-byte rows: 8, not 16
+    assert eight_bytes.work == {"gemm_unaligned": 2 * 64 * 68 * 32}
     assert aligned.bytes == 2 * (64 * 64 + 64 * 32 + 64 * 32)
 
 

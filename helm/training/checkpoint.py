@@ -242,7 +242,7 @@ def output_lock(output_dir: Path, enabled: bool = True):
         lock.acquire()
     except Timeout:
         raise ConfigError(f"train.output_dir {str(output_dir)!r} is in use by another training run: wait for it or "
-                          f"stop it") from None
+                          "stop it") from None
     except OSError as error:
         raise ConfigError(f"train.output_dir {str(output_dir)!r} is not a writable folder: {error}") from None
     try:
