@@ -292,23 +292,23 @@ def _lift(x_s: torch.Tensor, kk: Union[float, torch.Tensor]) -> torch.Tensor:
 
 class _Lift(torch.autograd.Function):
     """:func:`lift` with a fused gradient, ``∂/∂x_s = g_s + (g_t / x_t) x_s`` and ``∂/∂k = Σ g_t / (2 x_t)``: one
-    pass over ``[..., n]`` where autograd's chain through ``square``, ``sum``, ``sqrt`` and ``cat`` takes four (every
-    layer lifts several times). Used when a gradient is needed; not twice differentiable."""
+    pass where autograd's chain through ``square``, ``sum``, ``sqrt`` and ``cat`` takes four, over whole rows of the
+    saved point ``[..., 1+n]`` (column 0 dropped after): the slice ``g_s``, one element into each row, would take
+    PyTorch's strided path (no vectorised loads). Used when a gradient is needed; not twice differentiable."""
 
     @staticmethod
     def forward(ctx, x_s: torch.Tensor, k) -> torch.Tensor:
-        x_t = (x_s.square().sum(-1, keepdim=True) + k).sqrt()
-        ctx.save_for_backward(x_s, x_t)
+        x = torch.cat([(x_s.square().sum(-1, keepdim=True) + k).sqrt(), x_s], dim=-1)
+        ctx.save_for_backward(x)
         ctx.k_shape = k.shape if isinstance(k, torch.Tensor) else None
-        return torch.cat([x_t, x_s], dim=-1)
+        return x
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x_s, x_t = ctx.saved_tensors
-        g_t, g_s = grad.split([1, x_s.shape[-1]], dim=-1)
-        h = g_t / x_t
-        grad_x = torch.addcmul(g_s, h, x_s) if ctx.needs_input_grad[0] else None
+        x, = ctx.saved_tensors
+        h = grad[..., :1] / x[..., :1]
+        grad_x = torch.addcmul(grad, h, x)[..., 1:] if ctx.needs_input_grad[0] else None
         grad_k = (h / 2).sum_to_size(ctx.k_shape) if ctx.needs_input_grad[1] else None
         return grad_x, grad_k
 

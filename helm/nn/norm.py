@@ -32,7 +32,7 @@ class LorentzRMSNorm(RealignAfterLoading, nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size - 1))
 
     def forward(self, x: torch.Tensor, *, k: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x_s = to_stat(x[..., 1:])  # RMS statistics in the statistics dtype (helm.precision)
+        x_s = to_stat(x[..., 1:]).contiguous()  # statistics dtype (helm.precision); one strided pass, then none
         y_s = F.rms_norm(x_s, (x_s.shape[-1],), self.weight.to(x_s.dtype), self.eps)
         return lift(y_s, k=self.k if k is None else k)
 
