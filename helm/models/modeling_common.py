@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_masks_for_generate
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
@@ -23,7 +24,7 @@ from ..nn.embedding import LorentzEmbedding
 from ..nn.head import LorentzLMHead
 from ..nn.linear import LorentzLinear
 from ..nn.norm import LorentzRMSNorm
-from ..nn.positional import PositionalEncoding
+from ..nn.positional import PositionalEncoding, PositionalTables
 from ..nn.positional.base import work_dtype
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
@@ -177,6 +178,28 @@ class HelmPreTrainedModel(HelmHubMixin, PreTrainedModel):
         as_sdpa = copy.copy(config)
         as_sdpa._attn_implementation_internal = "sdpa"
         return create_masks_for_generate(as_sdpa, **kwargs)
+
+
+class HelmDecoderLayer(GradientCheckpointingLayer):
+    """``x ← x ⊕ Attn(RMSNorm_L(x))``, then ``x ← x ⊕ MLP(RMSNorm_L(x))`` (⊕: Lorentz residual); each family builds its
+    ``self_attn`` and ``mlp`` and passes them in. Points ``[B, T, 1+n] -> [B, T, 1+n]``."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        norm, residual = dict(k=config.k, eps=config.rms_norm_eps), dict(
+            k=config.k, weight=config.residual_weight, space_scale=config.residual_space_scale)
+        self.input_layernorm, self.self_attn = LorentzRMSNorm(config.hidden_size, **norm), self_attn
+        self.attn_residual = LorentzResidual(**residual)
+        self.post_attention_layernorm, self.mlp = LorentzRMSNorm(config.hidden_size, **norm), mlp
+        self.mlp_residual = LorentzResidual(**residual)
+
+    def forward(self, hidden_states: torch.Tensor, *, position_embeddings: PositionalTables,
+                attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None,
+                cache: Optional[Cache] = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=resolve_cache(past_key_values, cache))
+        hidden_states = self.attn_residual(hidden_states, attn)
+        return self.mlp_residual(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class HelmDecoderModel(HelmPreTrainedModel):

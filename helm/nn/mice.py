@@ -176,10 +176,10 @@ class CurvatureExpert(nn.Module):
         kd = kj.to(dtype)
         return kj, (kd / self.k).sqrt(), (self.k / kd).sqrt()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # k_j is read here, inside the expert's own forward, where accelerate's offload hooks have loaded log_k;
-        # rescale(x, k -> k_j) = sqrt(k_j / k) x and back, with the factors of helm.manifold.rescale
-        kj, up, down = self.curvature_scales(to_stat(x).dtype)
+    def forward(self, x: torch.Tensor, scales: Optional[tuple] = None) -> torch.Tensor:
+        # k_j is read here, where accelerate's offload hooks have loaded log_k, unless the layer passes ``scales``
+        # (MiCE.expert_scales); rescale(x, k -> k_j) = sqrt(k_j / k) x and back, as helm.manifold.rescale
+        kj, up, down = self.curvature_scales(to_stat(x).dtype) if scales is None else scales
         return self.mlp(x * up, k=kj) * down
 
 
@@ -381,10 +381,22 @@ class MiCE(RealignAfterLoading, nn.Module):
             return self.combine_lresnet_official(x, weights, selected)
         if self.sparse_dispatch():
             return self.combine_sparse(x, weights, selected)
-        outs = [e(x) for e in self.experts] + [s(x) for s in self.shared_experts]
+        outs = [e(x, c) for e, c in zip(self.experts, self.expert_scales(x))] + [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         return mixture_centroid(points, w, k=self.k)
+
+    def expert_scales(self, x: torch.Tensor) -> list:
+        """Each routed expert's :meth:`CurvatureExpert.curvature_scales` for input ``x``, with autograd computed from
+        one vector of their ``log k`` (a dozen scalar kernels per layer, not per expert); ``None`` where each expert
+        computes its own: without autograd (each then caches them) or with a ``log_k`` not on ``x``'s device (an
+        offload hook loads it in the expert's forward)."""
+        log_k = [e.log_k for e in self.experts]
+        if not torch.is_grad_enabled() or any(t.device != x.device for t in log_k):
+            return [None] * len(log_k)
+        kj = bounded_log_k(to_stat(torch.cat(log_k))).exp()
+        kd = kj.to(to_stat(x).dtype)
+        return list(zip(kj.unbind(), (kd / self.k).sqrt().unbind(), (self.k / kd).sqrt().unbind()))
 
     def sparse_dispatch(self) -> bool:
         """Whether :meth:`combine_sparse` runs: ``dispatch="sparse"``, outside ``torch.compile`` (its slices have
@@ -409,12 +421,12 @@ class MiCE(RealignAfterLoading, nn.Module):
         total = torch.stack(shared).sum(0) if shared else to_stat(flat).new_zeros(flat.shape)
         routed = []  # (rows, weights, outputs): the centred norms need every output again
         start = 0
-        for j, (expert, count) in enumerate(zip(self.experts, counts)):
+        for j, (expert, count, scales) in enumerate(zip(self.experts, counts, self.expert_scales(x))):
             rows = pairs[start:start + count] - j * tokens
             start += count
             if count == 0 and not torch.is_grad_enabled():
                 continue
-            routed.append((rows, w[rows, j:j + 1], expert(flat[rows])))
+            routed.append((rows, w[rows, j:j + 1], expert(flat[rows], scales)))
             total = total.index_add(0, rows, routed[-1][1] * routed[-1][2])
         weight_sum = w.sum(-1, keepdim=True) + len(self.shared_experts)
         # the norm from the outputs centred on their weighted mean, as densely (mixture_norm2)
@@ -437,9 +449,9 @@ class MiCE(RealignAfterLoading, nn.Module):
         """
         dtype = torch.promote_types(to_stat(x).dtype, weights.dtype)
         y = origin(*x.shape, k=self.k, dtype=dtype, device=x.device)
-        for j, expert in enumerate(self.experts):
+        for j, (expert, scales) in enumerate(zip(self.experts, self.expert_scales(x))):
             g = weights[..., j:j + 1]
-            step = scaled_lresnet(y, expert(x), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
+            step = scaled_lresnet(y, expert(x, scales), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
             y = torch.where(selected[..., j:j + 1], step, y)
         w = to_stat(self.add_experts_weight.reshape(()))
         scale = positive_exp(self.add_experts_log_scale.reshape(()))

@@ -5,69 +5,47 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from ...nn.attention import LorentzSelfAttention
 from ...nn.hmla import HMLA
 from ...nn.mice import MiCE
 from ...nn.mlp import LorentzSwiGLU
-from ...nn.norm import LorentzRMSNorm
-from ...nn.positional import PositionalTables
-from ...nn.residual import LorentzResidual
-from ...ops.attention import AttentionMask
-from ..modeling_common import HelmCausalLMBase, HelmDecoderModel, HelmPreTrainedModel, resolve_cache
+from ..modeling_common import HelmCausalLMBase, HelmDecoderLayer, HelmDecoderModel, HelmPreTrainedModel
 from ..task_heads import QuestionAnsweringHead, SequenceClassificationHead, TokenClassificationHead
 from .configuration_helm_mice import HelmMiCEConfig
 
 
-class HelmMiCEDecoderLayer(GradientCheckpointingLayer):
-    """``x ← x ⊕ HMLA(RMSNorm_L(x))``, then ``x ← x ⊕ MiCE(RMSNorm_L(x))`` (dense SwiGLU_L in the first
-    ``first_k_dense_replace`` layers; Eq. 3 self-attention instead of HMLA when ``attention_type="mha"``)."""
+class HelmMiCEDecoderLayer(HelmDecoderLayer):
+    """:class:`~helm.models.modeling_common.HelmDecoderLayer` with HMLA and MiCE (dense SwiGLU_L in the first
+    ``first_k_dense_replace`` layers; Eq. 3 self-attention instead of HMLA when ``attention_type="mha"``); a MiCE
+    layer keeps its balance loss in ``mlp.aux_loss``."""
 
     def __init__(self, config: HelmMiCEConfig, layer_idx: int):
-        super().__init__()
         k = config.k
-        self.input_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
         if config.attention_type == "hmla":
-            self.self_attn = HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
-                                  q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
-                                  qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
-                                  tau_init=config.tau_init, layer_idx=layer_idx, bias=config.attention_bias,
-                                  rms_norm_eps=config.rms_norm_eps, head_merge=config.head_merge,
-                                  absorb=config.hmla_absorb, config=config)
+            attention = HMLA(config.hidden_size, config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+                             q_lora_rank=config.q_lora_rank or 0, qk_nope_head_dim=config.qk_nope_head_dim,
+                             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, k=k,
+                             tau_init=config.tau_init, layer_idx=layer_idx, bias=config.attention_bias,
+                             rms_norm_eps=config.rms_norm_eps, head_merge=config.head_merge,
+                             absorb=config.hmla_absorb, config=config)
         else:
-            self.self_attn = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim,
-                                                  k=k, tau_init=config.tau_init, layer_idx=layer_idx,
-                                                  bias=config.attention_bias, head_merge=config.head_merge,
-                                                  config=config)
-        self.attn_residual = LorentzResidual(k=k, weight=config.residual_weight,
-                                             space_scale=config.residual_space_scale)
-        self.post_attention_layernorm = LorentzRMSNorm(config.hidden_size, k=k, eps=config.rms_norm_eps)
+            attention = LorentzSelfAttention(config.hidden_size, config.num_attention_heads, config.head_dim, k=k,
+                                             tau_init=config.tau_init, layer_idx=layer_idx, bias=config.attention_bias,
+                                             head_merge=config.head_merge, config=config)
         if layer_idx < config.first_k_dense_replace:
-            self.mlp = LorentzSwiGLU(config.hidden_size, config.intermediate_size, k=k, hidden_act=config.hidden_act,
-                                     bias=config.mlp_bias)
+            mlp = LorentzSwiGLU(config.hidden_size, config.intermediate_size, k=k, hidden_act=config.hidden_act,
+                                bias=config.mlp_bias)
         else:
-            self.mlp = MiCE(config.hidden_size, config.moe_intermediate_size, n_routed_experts=config.n_routed_experts,
-                            num_experts_per_tok=config.num_experts_per_tok, n_shared_experts=config.n_shared_experts,
-                            k=k, routed_curvatures=config.routed_curvatures,
-                            trainable_curvatures=config.trainable_curvatures, scoring_func=config.scoring_func,
-                            norm_topk_prob=config.norm_topk_prob, aux_loss_alpha=config.aux_loss_alpha,
-                            bias_update_speed=config.bias_update_speed, hidden_act=config.hidden_act,
-                            bias=config.mlp_bias, expert_combine=config.expert_combine,
-                            dispatch=config.moe_dispatch)
-        self.mlp_residual = LorentzResidual(k=k, weight=config.residual_weight,
-                                            space_scale=config.residual_space_scale)
-
-    def forward(self, hidden_states: torch.Tensor, *, position_embeddings: PositionalTables,
-                attention_mask: Optional[AttentionMask], past_key_values: Optional[Cache] = None,
-                cache: Optional[Cache] = None) -> torch.Tensor:
-        """Points ``[B, T, 1+n] -> [B, T, 1+n]``; a MiCE layer keeps its balance loss in ``mlp.aux_loss``."""
-        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=resolve_cache(past_key_values, cache))
-        hidden_states = self.attn_residual(hidden_states, attn)
-        return self.mlp_residual(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
+            mlp = MiCE(config.hidden_size, config.moe_intermediate_size, n_routed_experts=config.n_routed_experts,
+                       num_experts_per_tok=config.num_experts_per_tok, n_shared_experts=config.n_shared_experts,
+                       k=k, routed_curvatures=config.routed_curvatures,
+                       trainable_curvatures=config.trainable_curvatures, scoring_func=config.scoring_func,
+                       norm_topk_prob=config.norm_topk_prob, aux_loss_alpha=config.aux_loss_alpha,
+                       bias_update_speed=config.bias_update_speed, hidden_act=config.hidden_act,
+                       bias=config.mlp_bias, expert_combine=config.expert_combine, dispatch=config.moe_dispatch)
+        super().__init__(config, attention, mlp)
 
 
 class HelmMiCEPreTrainedModel(HelmPreTrainedModel):
