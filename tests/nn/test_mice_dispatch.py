@@ -118,3 +118,35 @@ def test_no_grad_sparse_dispatch_runs_only_the_chosen_experts_and_equals_dense(s
     if shape == (1, 1):
         assert len(calls) == 2
     torch.testing.assert_close(sparse, dense, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_scales_from_one_vector_equal_each_experts_own_on_outputs_and_gradients(monkeypatch):
+    """Under autograd the layer computes its routed experts' curvature scales from one vector of their ``log k``: the
+    outputs and every gradient (the curvatures' included) equal those of each expert computing its own. Without
+    autograd, or with a ``log_k`` on another device than the input (where an offload hook keeps it), each expert
+    computes its own."""
+    mice = layer(1)
+    x0 = lift(torch.randn(2, 9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2, k=0.7)
+    results = []
+    for own in (False, True):
+        if own:
+            monkeypatch.setattr(mice, "expert_scales", lambda x: [None] * len(mice.experts))
+        mice.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        out = mice.train()(x)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        results.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in mice.named_parameters()
+                                               if p.grad is not None}))
+    (out_v, gx_v, gp_v), (out_o, gx_o, gp_o) = results
+    assert any(name.endswith("log_k") and gp_v[name].abs().max() > 0 for name in gp_v)
+    torch.testing.assert_close(out_v, out_o, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(gx_v, gx_o, rtol=1e-12, atol=1e-13)
+    assert gp_v.keys() == gp_o.keys()
+    for name in gp_v:
+        torch.testing.assert_close(gp_v[name], gp_o[name], rtol=1e-12, atol=1e-13, msg=name)
+    monkeypatch.undo()
+    assert all(scales is not None for scales in mice.expert_scales(x0))
+    with torch.no_grad():
+        assert mice.expert_scales(x0) == [None] * 5
+    mice.experts[2].to("meta")
+    assert mice.expert_scales(x0) == [None] * 5
