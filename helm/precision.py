@@ -33,6 +33,9 @@ into the fp32 accumulation where one bf16 number carries 8.
 
 **Named exceptions** (each with its reason; nothing else leaves these rules):
 
+* MiCE's mixture sums ``Σ_j w_j x_j`` and ``Σ_j w_j e_j`` (:func:`helm.nn.mice.mixture_centroid`), products over
+  the ``N`` experts in the statistics dtype for the reason of attention's value side, just below.
+
 * attention's value side, ``ν·[w | e]`` (and HMLA's ``W_v (c - c_0)``, ``Σ a c``, ``Σ a [u | e]``), runs in the
   statistics dtype on the fp32 softmax weights: the normaliser ``N = k + E - <D, D>_L`` cancels ``E`` against
   ``<D, D>_L`` down to the scale of ``k`` (a one-hot row gives exactly ``k``), so ``D`` and ``E`` need fp32

@@ -89,7 +89,13 @@ def test_bf16_autocast_step_runs_every_gemm_in_bf16_and_nothing_in_fp64(family):
     value_side = [op for op in off if op[0] == "bmm" and set(op[1]) == {torch.float32}
                   and any(width in shape[-2:] for shape in op[2])]
     assert len(value_side) == 3 * model.config.num_hidden_layers, value_side
-    others = [op for op in off if op not in value_side]
+    # the other: MiCE's mixture sums over its N experts, w @ points and w @ e (forward), their two gradients each
+    experts = getattr(model.config, "n_routed_experts", 0) + getattr(model.config, "n_shared_experts", 0)
+    mixture = [op for op in off if op[0] == "bmm" and set(op[1]) == {torch.float32} and op not in value_side
+               and any(experts in shape[-2:] for shape in op[2])]
+    mice_layers = len(getattr(model, "mice_layers", list)())
+    assert len(mixture) == 6 * mice_layers and (family == "helm_mice") == (mice_layers > 0), mixture
+    others = [op for op in off if op not in value_side + mixture]
     assert not others, f"GEMMs with operands outside bf16 (not named in helm.precision): {others}"
     assert any(op[1] and set(op[1]) == {torch.bfloat16} for op in rec.gemms())
     # Llama's dtypes under autocast: fp32 residual stream (here: points), bf16 logits, fp32 loss

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..manifold.math import curvature_to_k, lift, normalize, origin, positive_exp, sqdist_one_pass, sqnorm
-from ..precision import to_stat
+from ..precision import no_autocast, to_stat
 from .validation import (
     CURVATURE_RANGE,
     SCORING_FUNCS,
@@ -87,12 +87,16 @@ def mixture_centroid(points: torch.Tensor, w: torch.Tensor, *, k) -> torch.Tenso
     """Paper Eq. 6's centroid ``sqrt(k) · s / sqrt(|<s, s>_L|)``, ``s = Σ_i w_i x_i``, of points ``[..., N, 1+n]`` with
     weights ``w [..., N]`` (``>= 0``): the norm from the points centred on their (detached) weighted mean
     (:func:`mixture_norm2`), clamped at the bound ``k (Σ w)²``. ``O(N n)``, unlike the pairwise form of
-    :func:`helm.manifold.centroid`. Shapes -> ``[..., 1+n]``."""
-    s = (w.unsqueeze(-1) * points).sum(-2)
-    weight = w.sum(-1, keepdim=True)
-    dev = points - (s / weight.clamp_min(torch.finfo(s.dtype).tiny)).detach().unsqueeze(-2)
-    e = (w * sqnorm(dev)).sum(-1, keepdim=True)
-    norm2 = mixture_norm2(weight, e, (w.unsqueeze(-1) * dev).sum(-2), k=k)
+    :func:`helm.manifold.centroid`; ``D = s - W c``. The weighted sums are products ``w @ points`` in the points'
+    dtype (outside autocast), whose gradients are products too, not ``[..., N, 1+n]`` temporaries of broadcast
+    operands. Shapes -> ``[..., 1+n]``."""
+    w_row = w.unsqueeze(-2)
+    with no_autocast(points.device.type):
+        s = (w_row @ points).squeeze(-2)
+        weight = w.sum(-1, keepdim=True)
+        c = (s / weight.clamp_min(torch.finfo(s.dtype).tiny)).detach()
+        e = (w_row @ sqnorm(points - c.unsqueeze(-2), keepdim=True)).squeeze(-2)
+    norm2 = mixture_norm2(weight, e, s - weight * c, k=k)
     return normalize(s, k=k, norm2=norm2, floor=k * weight.square())
 
 
