@@ -180,15 +180,6 @@ def tokenizer_special_ids(cfg, tokenizer) -> dict:
     return {name: getattr(tokenizer, name) for name in SPECIAL_IDS if name not in cfg.model.overrides}
 
 
-def use_special_ids(model, ids: dict) -> None:
-    """Write ``ids`` into the model's config and generation config (a pretrained folder's generation_config.json
-    was read as it was saved), so that save_pretrained writes them and generate stops at the tokenizer's eos."""
-    for name, value in ids.items():
-        setattr(model.config, name, value)
-        if getattr(model, "generation_config", None) is not None:
-            setattr(model.generation_config, name, value)
-
-
 def check_inputs(cfg, config, tokenizer) -> None:
     source = cfg.model.preset or cfg.model.pretrained
     if len(tokenizer) > config.vocab_size:
@@ -221,7 +212,7 @@ def load_data(cfg, tokenizer, accelerator):
     if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
                           f"but the training data packs into only {len(rows['input_ids'])} rows of data.seq_len tokens")
-    return PackedRows(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), validation, False
+    return PackedRows(rows, seed=cfg.train.seed), validation, False
 
 
 def build_model(cfg, config, device, special_ids: dict):
@@ -231,10 +222,10 @@ def build_model(cfg, config, device, special_ids: dict):
     attention = {} if cfg.model.attn_implementation is None else {"attn_implementation": cfg.model.attn_implementation}
     try:  # HELM's from_pretrained re-wraps the Lorentz tables as ManifoldParameters
         model = AutoModelForCausalLM.from_config(config, **attention) if cfg.model.pretrained is None else \
-            AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32,
-                                                 trust_remote_code=cfg.model.trust_remote_code,
-                                                 **attention, **{**special_ids, **cfg.model.overrides})
-        use_special_ids(model, special_ids)
+            AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, config=config, dtype=torch.float32,
+                                                 trust_remote_code=cfg.model.trust_remote_code, **attention)
+        if model.generation_config is not None:  # a pretrained folder's generation_config.json was read as saved
+            model.generation_config.update(**special_ids)
         with torch.no_grad():
             model.to(device).eval()(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     except OSError as error:  # the weights of model.pretrained (missing, truncated, not matching their manifest)
@@ -269,14 +260,10 @@ def replan_schedule(optimizer, scheduler, step: int) -> tuple[float, float]:
     new schedule's at ``step`` (the scheduler built for the new length keeps its own warmup and cosine: its
     lambdas are not in the checkpoint, only its step count), not the old schedule's that the optimiser state
     holds. Returns the first group's learning rate before and after."""
-    inner = getattr(scheduler, "scheduler", scheduler)
-    groups = getattr(optimizer, "optimizer", optimizer).param_groups
-    before = groups[0]["lr"]
-    rates = [base * rule(step) for base, rule in zip(inner.base_lrs, inner.lr_lambdas)]
-    for group, rate in zip(groups, rates):
-        group["lr"] = rate
-    inner._last_lr = rates
-    return before, rates[0]
+    before, inner = optimizer.param_groups[0]["lr"], scheduler.scheduler
+    inner.last_epoch -= 1
+    inner.step()  # LambdaLR sets every group's rate to the new lambdas' at ``step`` (and its last_lr)
+    return before, optimizer.param_groups[0]["lr"]
 
 
 def check_same_data(cfg, checkpoint: Path, saved: dict, fingerprint: dict) -> None:
@@ -359,14 +346,13 @@ def demo_sample(cfg, model, tokenizer) -> str:
     """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
     torch.manual_seed(cfg.train.seed)
     prompt = tokenizer(cfg.demo.prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
-    options = dict(temperature=cfg.demo.temperature, top_k=cfg.demo.top_k) if cfg.demo.do_sample else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = model.eval().generate(**prompt, max_new_tokens=cfg.demo.max_new_tokens, pad_token_id=pad,
-                                eos_token_id=tokenizer.eos_token_id, do_sample=cfg.demo.do_sample, **options)
+                                eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.8, top_k=40)
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
-def train(cfg, resume, state: TrainerState) -> dict:
+def train(cfg, resume, state: TrainerState) -> None:
     """Run the recipe ``cfg`` (from the checkpoint ``resume`` names, if any); ``state`` (the caller's, so that it
     can say after a Ctrl-C how far the run got) holds the step reached."""
     out = Path(cfg.train.output_dir)
@@ -391,8 +377,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
     config = model_config(cfg)
     check_inputs(cfg, config, tokenizer)
     special_ids = tokenizer_special_ids(cfg, tokenizer)
-    for name, value in special_ids.items():  # before the model is built: embeddings read pad_token_id
-        setattr(config, name, value)
+    config.update(special_ids)  # before the model is built: embeddings read pad_token_id
 
     set_seed(cfg.train.seed)
     model = build_model(cfg, config, accelerator.device, special_ids)
@@ -498,7 +483,7 @@ def train(cfg, resume, state: TrainerState) -> dict:
     train_time, trained = time.perf_counter() - progress.run_start, cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
-    final, state_dict, result = out / "final", accelerator.get_state_dict(model), {}  # collective under FSDP
+    final, state_dict = out / "final", accelerator.get_state_dict(model)  # collective under FSDP
     if accelerator.is_main_process:
         # final/ is what users load: never written nor replaced with a model whose validation loss is not finite
         # (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
@@ -518,7 +503,6 @@ def train(cfg, resume, state: TrainerState) -> dict:
 
         save_final(unwrapped, tokenizer, out, state_dict, cfg.train.max_steps, check=check_final)
         accelerator.log({"val_loss": after, "val_ppl": perplexity(after)}, step=cfg.train.max_steps)
-        result = {"val_loss_before": initial, "val_loss_after": after, "final_dir": str(final)}
         tokens = trained * rows_per_step * L
         say(f"\n[train] trained {trained} steps, {tokens:,} tokens in {train_time:.0f} s "
             f"({tokens / max(train_time, 1e-9):,.0f} tokens/s)")
@@ -531,11 +515,9 @@ def train(cfg, resume, state: TrainerState) -> dict:
             say("[train] validation perplexity after training (reloaded model): "
                 f"{format_perplexity(perplexity(after))}")
         if cfg.demo.prompt:
-            result["sample"] = demo_sample(cfg, reloaded, tokenizer)
-            say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{result['sample']}")
+            say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{demo_sample(cfg, reloaded, tokenizer)}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return result
 
 
 def interrupted(cfg, state: TrainerState | None) -> str:
@@ -577,8 +559,6 @@ def main(argv=None) -> int:
                                                                          interrupted_while_loading):
             signal.signal(signal.SIGINT, stop_on_first_interrupt)  # not when the caller ignores it (background job)
         args, rest = parser.parse_known_args(argv)
-        if args.resume is not None and args.resume != "latest":
-            args.resume = os.path.expanduser(args.resume)
         cfg = load_run_config(args.config, cli_overrides(rest))
         if args.print_config:
             print(describe(cfg))

@@ -97,7 +97,7 @@ def hidden_subtasks(record: dict) -> set:
 
 
 def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = None, raw: bool = False,
-                stderr: bool = False, digits: int = 1) -> str:
+                stderr: bool = False) -> str:
     cells: dict[str, dict[tuple, tuple]] = {}  # model -> (task, metric) -> (value, stderr)
     shots, columns, sources = {}, [], {}
     for record in runs:
@@ -137,8 +137,8 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
             return "—"
         if not is_accuracy(column[1]) or raw:
             return f"{value:.4g}" + (f" ± {error:.2g}" if stderr and is_number(error) else "")
-        error = f" ± {scale * error:.{digits}f}" if stderr and is_number(error) else ""
-        return f"{scale * value:.{digits}f}{error}"
+        error = f" ± {scale * error:.1f}" if stderr and is_number(error) else ""
+        return f"{scale * value:.1f}{error}"
 
     head = ["Model"] + [f"{PAPER_TASK_NAMES.get(task, task)} ({metric}"
                         + (f", {shots[task]}-shot)" if task in shots else ")") for task, metric in columns]
@@ -150,7 +150,7 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
         parts = [model] + [cell(column, *row.get(column, (None, None))) for column in columns]
         if len(accuracies) >= 2:
             values = [row[c][0] for c in accuracies if is_number(row.get(c, (None,))[0])]
-            parts.append(f"{scale * sum(values) / len(values):.{digits}f}" if len(values) == len(accuracies) else "—")
+            parts.append(f"{scale * sum(values) / len(values):.1f}" if len(values) == len(accuracies) else "—")
         lines.append("| " + " | ".join(parts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -164,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", help="comma-separated tasks to show, in this order (default: all)")
     parser.add_argument("--raw", action="store_true", help="show accuracies as stored (0-1), not in percent")
     parser.add_argument("--stderr", action="store_true", help="append ± standard error where known")
-    parser.add_argument("--digits", type=int, choices=range(16), default=1, metavar="0..15",
-                        help="decimals for percentages (default 1)")
     parser.add_argument("--output", type=user_path, metavar="MD",
                         help="also write the table to this file (Markdown)")
     return parser
@@ -181,8 +179,7 @@ def main(argv: list[str] | None = None) -> str:
         if args.output.suffix.lower() not in ("", ".md", ".markdown", ".txt"):  # it holds a Markdown table
             raise EvalError(f"--output {str(args.output)!r}: the table is Markdown; give a .md, .markdown or .txt file")
     tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
-    table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr,
-                        digits=args.digits)
+    table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr)
     print(table, end="")
     if args.output:
         args.output.write_text(table, encoding="utf-8")

@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from helm.evaluation import (MODEL_SPEC_HELP, add_loading_arguments, add_text_arguments, at_least,
-                             check_window, check_writable, data_files, format_perplexity, load_checkpoint, run_script,
-                             split_model_spec, text_perplexity, texts_of, user_path, write_json)
+                             check_window, check_writable, data_files, format_perplexity, load_checkpoint, model_names,
+                             run_script, text_perplexity, texts_of, user_path, write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no targets at document starts (train.py's data.mask_document_starts)")
     parser.add_argument("--batch-size", type=at_least(1), default=8)
     add_loading_arguments(parser)
-    parser.add_argument("--label", help="task name in the result file (default: the text source)")
     parser.add_argument("--output", type=user_path, metavar="JSON",
                         help="write the result here, a .json file (eval/compare.py reads it)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -46,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    name, path = split_model_spec(args.model)
-    name = name or Path(path.rstrip("/")).name
+    [(name, path)] = model_names([args.model])
     if args.output:
         check_writable(args.output, "--output", inputs=data_files(args.data, args.split),
                        models=[path, *([args.tokenizer] if args.tokenizer else [])])
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     label = "+".join(Path(source).stem for source in args.data)
     if not Path(args.data[0]).is_file():  # a folder of splits or a hub dataset
         label += f"/{args.split}"
-    task = f"perplexity:{args.label or label}"
+    task = f"perplexity:{label}"
     print(f"{name}  {task}  seq_len={result['seq_len']} stride={result['stride']}  tokens={result['scored_tokens']}  "
           f"mean NLL={result['mean_nll']:.4f}  perplexity={format_perplexity(result['perplexity'], 3)}")
     record = {"model_name": name, "model_path": path, "source": "eval/perplexity.py", "results": {task: result},

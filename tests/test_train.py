@@ -489,7 +489,7 @@ def test_training_batches_hand_each_process_its_rows_in_order_from_any_step(work
 
     n, B, accum, world = 10, 2, 2, 2
     rows = {"input_ids": torch.arange(n * 4).view(n, 4), "labels": torch.arange(n * 4).view(n, 4)}
-    packed = PackedRows(rows, seed=3, shuffle=True)
+    packed = PackedRows(rows, seed=3)
     stream = [packed[i]["input_ids"] for i in range(4 * n)]
     assert torch.equal(torch.stack(stream[:n]).sort(0).values, rows["input_ids"])  # an epoch is a permutation
     assert not torch.equal(torch.stack(stream[:n]), torch.stack(stream[n:2 * n]))  # reshuffled each epoch
@@ -590,7 +590,7 @@ def test_checkpoint_round_trip_keeps_manifold_parameters(tmp_path):
     save_checkpoint(accelerator, tmp_path, 3, keep_last=1)
     checkpoint = tmp_path / "checkpoints" / "step-00000003"
     verify_checkpoint(checkpoint)
-    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "val_loss": None, "world_size": 1}
+    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "val_loss": None, "data": None, "world_size": 1}
 
     again, fresh, fresh_optimizer, fresh_state = build(0)
     again.load_state(str(checkpoint))

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 
-def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *,
+def _pack_flat(tokens: list[int], owner: list[int], seq_len: int, *,
                mask_document_starts: bool) -> dict[str, torch.Tensor]:
     """Cut ``tokens [T]`` (eos included; ``owner [T]`` = document index of each token) into rows, the last partial
     one dropped."""
-    n_rows = tokens.numel() // seq_len
-    input_ids = tokens[: n_rows * seq_len].view(n_rows, seq_len)
-    docs = owner[: n_rows * seq_len].view(n_rows, seq_len)
+    n_rows = len(tokens) // seq_len
+    input_ids = torch.tensor(tokens[: n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
+    docs = torch.tensor(owner[: n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
     starts = torch.ones_like(docs, dtype=torch.bool)
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
     columns = torch.arange(seq_len).expand(n_rows, seq_len)
@@ -39,8 +40,25 @@ def _pack_flat(tokens: torch.Tensor, owner: torch.Tensor, seq_len: int, *,
     labels = input_ids.clone()
     if mask_document_starts:
         labels[starts & (columns > 0)] = -100
-    return {"input_ids": input_ids.clone(), "labels": labels, "segment_ids": torch.cumsum(starts.long(), dim=1) - 1,
+    return {"input_ids": input_ids, "labels": labels, "segment_ids": torch.cumsum(starts.long(), dim=1) - 1,
             "position_ids": columns - begin, "attention_mask": torch.ones_like(input_ids)}
+
+
+def _packed_chunks(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, mask_document_starts: bool,
+                   rows_per_chunk: float) -> Iterator[dict[str, torch.Tensor]]:
+    """The rows of the documents, read lazily, ``[n, L]`` tensors of about ``rows_per_chunk`` rows at a time."""
+    tokens: list[int] = []
+    owners: list[int] = []
+    for index, ids in enumerate(token_id_lists):
+        tokens.extend(ids)
+        tokens.append(eos_id)
+        owners.extend(itertools.repeat(index, len(ids) + 1))
+        if len(tokens) >= rows_per_chunk * seq_len:
+            # Global document indices survive the cut: a document running into the next chunk stays one document.
+            n = len(tokens) // seq_len * seq_len
+            yield _pack_flat(tokens[:n], owners[:n], seq_len, mask_document_starts=mask_document_starts)
+            del tokens[:n], owners[:n]
+    yield _pack_flat(tokens, owners, seq_len, mask_document_starts=mask_document_starts)
 
 
 def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int,
@@ -50,38 +68,17 @@ def pack_documents(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos
     Returns ``input_ids, labels, segment_ids, position_ids, attention_mask``, each ``[N, seq_len]`` int64 with
     ``N = floor(T / seq_len)`` for ``T`` tokens including the eos tokens.
     """
-    flat, lengths = [], []
-    for ids in token_id_lists:
-        flat.extend(ids)
-        flat.append(eos_id)
-        lengths.append(len(ids) + 1)
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    return _pack_flat(torch.tensor(flat, dtype=torch.long), owner, seq_len,
-                      mask_document_starts=mask_document_starts)
+    return next(_packed_chunks(token_id_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts,
+                               rows_per_chunk=math.inf))
 
 
 def iter_packed(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int,
                 mask_document_starts: bool = False, rows_per_chunk: int = 256) -> Iterator[dict[str, torch.Tensor]]:
     """The rows of :func:`pack_documents` one at a time (``[L]`` tensors), reading documents lazily (streams)."""
-    tokens: list[int] = []
-    owners: list[int] = []
-
-    def emit(n: int) -> Iterator[dict[str, torch.Tensor]]:
-        rows = _pack_flat(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(owners[:n], dtype=torch.long),
-                          seq_len, mask_document_starts=mask_document_starts)
+    for rows in _packed_chunks(token_id_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts,
+                               rows_per_chunk=rows_per_chunk):
         for i in range(rows["input_ids"].shape[0]):
             yield {key: value[i] for key, value in rows.items()}
-
-    for index, ids in enumerate(token_id_lists):
-        tokens.extend(ids)
-        tokens.append(eos_id)
-        owners.extend(itertools.repeat(index, len(ids) + 1))
-        if len(tokens) >= rows_per_chunk * seq_len:
-            # Global document indices survive the cut: a document running into the next chunk stays one document.
-            n = len(tokens) // seq_len * seq_len
-            yield from emit(n)
-            del tokens[:n], owners[:n]
-    yield from emit(len(tokens))
 
 
 def tokenize(dataset, tokenizer, *, text_column: str = "text"):

@@ -46,14 +46,11 @@ class TrainerState:
     and the validation loss measured when it was saved (for ``train.keep_best``); registered with
     ``accelerator.register_for_checkpointing``."""
 
-    def __init__(self, config: dict, step: int = 0, data: dict | None = None):
-        self.config, self.step, self.data, self.val_loss = config, step, data, None
+    def __init__(self, config: dict, step: int = 0):
+        self.config, self.step, self.data, self.val_loss = config, step, None, None
 
     def state_dict(self) -> dict:
-        state = {"step": self.step, "config": self.config, "val_loss": self.val_loss}
-        if self.data is not None:
-            state["data"] = self.data
-        return state
+        return {"step": self.step, "config": self.config, "val_loss": self.val_loss, "data": self.data}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -146,7 +143,6 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
                                ", ".join(p.name for p in kept[:4]))
             elif path != best:
                 shutil.rmtree(path, ignore_errors=True)
-        remove_stale_tmp_checkpoints(output_dir)
     accelerator.wait_for_everyone()
 
 

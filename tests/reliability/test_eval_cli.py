@@ -185,7 +185,6 @@ CASES = [
     ("compare", ["{tmp}/twice"], 2, r"'final' has two results for t \(acc\): 0\.5 in .*a\.json, 0\.7 in .*b\.json"),
     ("pe_decay", ["--variants", "none", "--head-dim", "4", "--num-heads", "1", "--output", "{tmp}/pe.xyz"], 2,
      r"--output '.*pe\.xyz'.*'\.xyz'"),
-    ("compare", ["{text}", "--digits", "-2"], 2, r"--digits"),
     ("compare", ["{text}", "--metric", "t"], 2, r"TASK=METRIC"),
     # outputs are checked before anything is evaluated, and never overwrite an input or a model's files
     ("harness", ["--model", "{model}", "--suite", "local", "--output", "{text}/results.json"], 2,

@@ -1078,6 +1078,27 @@ def test_saved_configs_carry_the_tokenizers_special_ids(base, tmp_path, run_data
     assert json.loads((final / "config.json").read_text())["pad_token_id"] == 5
 
 
+def test_a_pretrained_model_takes_the_tokenizers_special_ids(tmp_path, run_data, capsys):
+    """The model.pretrained path of the test above: a folder saved with the preset's ids (0/0/1), trained on with a
+    tokenizer whose eos/bos are id 2 and pad id 3, saves config.json and generation_config.json with 2/2/3 (its own
+    generation_config.json is read as it was saved, so it must be rewritten too)."""
+    from transformers import AutoTokenizer
+
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 1, "save_every": 0}, demo={"prompt": None})
+    assert train_script.main(["--config", str(recipe)]) == 0, capsys.readouterr()
+    tokenizer = AutoTokenizer.from_pretrained(run_data / "tokenizer")
+    eos, pad = tokenizer.convert_ids_to_tokens([2, 3])
+    tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token = eos, eos, pad
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    first = tmp_path / "first"
+    (tmp_path / "run").rename(first)
+    assert train_script.main(["--config", str(recipe), "--model.preset=null", f"--model.pretrained={first / 'final'}",
+                              f"--data.tokenizer={tmp_path / 'tokenizer'}"]) == 0, capsys.readouterr()
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((tmp_path / "run" / "final" / name).read_text())
+        assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (2, 2, 3), (name, saved)
+
+
 def test_build_default_never_writes_into_the_users_own_data(tmp_path, run_data, capsys):
     """The tiny recipes say data.build_default: true; pointed at a folder of the user's own data (no corpus
     manifest), train.py trains on it as it is. It rebuilt the default corpus there before, overwriting train.jsonl,
