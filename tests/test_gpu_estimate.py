@@ -50,6 +50,33 @@ def test_simulation_is_bound_by_the_host_or_the_device():
     assert est.simulate(big + small, gpu) == pytest.approx(1e-3 + 10e-6 + 100 * 1e-6)
 
 
+def test_rms_norm_is_recorded_as_cudas_two_fused_kernels_with_its_gradients_unchanged():
+    """``F.rms_norm`` (HELM's norms) is one kernel each way on CUDA: recorded so, after a strided copy of a
+    non-contiguous operand, the decomposition the CPU runs muted; the gradients are the plain function's."""
+    x0 = torch.randn(4, 7, 66)
+    weight0 = torch.rand(65) + 0.5
+    trace = est.Trace(nonzero_fraction=0.5, value_side="bf16x6")
+    undo = est.patch_fused_rms_norm(trace)
+    try:
+        x, weight = x0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        with trace:
+            y = torch.nn.functional.rms_norm(x[..., 1:], (65,), weight, 1e-6)
+            y.backward(torch.ones_like(y))
+    finally:
+        undo()
+    assert torch.nn.functional.rms_norm.__name__ == "rms_norm"
+    launched = [(op.name, op.strided) for op in trace.ops if op.launches]
+    # the slice is copied for each kernel (the backward reads the saved input again); slice_backward is the slice's
+    assert [op for op in launched if op[0] not in ("ones_like", "slice_backward")] == [
+        ("contiguous", True), ("_fused_rms_norm", False), ("contiguous", True), ("_fused_rms_norm_backward", False)]
+    x_ref, w_ref = x0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    y_ref = torch.nn.functional.rms_norm(x_ref[..., 1:], (65,), w_ref, 1e-6)
+    y_ref.backward(torch.ones_like(y_ref))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(weight.grad, w_ref.grad)
+
+
 def test_a_small_step_of_each_family_is_estimated_and_nothing_stays_changed(capsys):
     from helm.ops import lm_loss
 
@@ -57,6 +84,7 @@ def test_a_small_step_of_each_family_is_estimated_and_nothing_stays_changed(caps
     rows = est.main(["--pairs", "helm-d", "mice", "--attn-impl", "sdpa", "triton", "--batch-size", "1",
                      "--seq-len", "128"])
     assert "cpu" not in lm_loss._CHUNK_ELEMENTS_ON and lm_loss._epilogue.__name__ == "_epilogue"
+    assert torch.nn.functional.rms_norm.__name__ == "rms_norm"
     from triton.runtime.jit import KernelInterface
 
     assert KernelInterface.__getitem__.__qualname__ == "KernelInterface.__getitem__"
