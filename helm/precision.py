@@ -111,8 +111,9 @@ def stat_dtype(x: torch.Tensor | torch.dtype) -> torch.dtype:
 
 
 def to_stat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in :func:`stat_dtype` (half precision promoted to fp32; fp32 and fp64 returned as they are)."""
-    return x.float() if x.dtype in HALF else x
+    """``x`` in :func:`stat_dtype` (half precision promoted to fp32, written contiguous whatever ``x``'s layout, so
+    the ops after the cast read whole rows; fp32 and fp64 returned as they are)."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format) if x.dtype in HALF else x
 
 
 def split_hi_lo(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ import triton.language as tl
 
 # One centring rule for every attention path: the kernels centre the values with helm.ops.centring's functions,
 # which the eager and sdpa paths use, so a change to the rule cannot leave one path behind.
+from ...manifold.math import sqnorm
 from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
@@ -280,8 +281,7 @@ def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int, grou
     vf = v.float()
     c = value_centres(vf, groups)
     w = _last_dim_contiguous((vf - c).to(v.dtype))
-    wide = w.double() if w.device.type != "mps" else w.float()
-    e = (wide[..., 1:].pow(2).sum(-1) - wide[..., 0].pow(2)).float().contiguous()
+    e = sqnorm(w.double() if w.device.type != "mps" else w.float()).float()  # whole rows: no strided slices
     c_rows = c.expand(B, H, Tk, c.shape[-1])[:, :, Tk - q_len:].contiguous()
     return w, e, c_rows
 
