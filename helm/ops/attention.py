@@ -12,10 +12,12 @@ centroid normalisation. Implementations, registered by name in :data:`ATTENTION_
 
 * ``eager``  explicit ``-d²/τ`` scores, masks and softmax: the readable spec (use it in float64 in tests).
 * ``sdpa``   :func:`torch.nn.functional.scaled_dot_product_attention` on the reduction above (its operands zero-padded
-  to one head width, a multiple of 8, so the flash / memory-efficient backends are eligible: :func:`_pad_heads`).
+  to one head width, a multiple of 8, so the flash / memory-efficient backends are eligible: :func:`_pad_heads`);
+  in half precision the weights are materialised instead (see Precision below).
 * ``triton`` the fused kernel of :mod:`helm.ops.lorentz_attention_triton` (loaded lazily; CUDA, or the Triton
   interpreter).
-* ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere; logs its choice once.
+* ``auto``   ``triton`` on CUDA tensors when the kernel can run, ``sdpa`` elsewhere (``eager`` in half precision,
+  which is what ``sdpa`` runs there); logs its choice once.
 
 **Normalisation far from the origin.** With ``Σ_j ν_ij = 1`` and ``S = Σ_j ν_j v_j``, the centroid identity for
 points of ``H_k`` (``<v_i, v_j>_L = -k - d²_ij/2``) gives ``|<S, S>_L| = k + ½ Σ_ij ν_i ν_j d²(v_i, v_j)``. For any
@@ -558,7 +560,7 @@ def _note_once(message: str, *args) -> None:
 
 
 def resolve_attention(requested: Optional[str], device: torch.device, *, mask: Optional[AttentionMask] = None,
-                      dense_bias: bool = False, absorbable: bool = False) -> str:
+                      dense_bias: bool = False, absorbable: bool = False, half: bool = False) -> str:
     """The path one attention call takes: ``eager``, ``sdpa``, ``triton`` or ``absorbed``; decided here only, at
     every call, from the requested implementation (``config._attn_implementation``; None means ``auto``).
 
@@ -571,6 +573,10 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
       kernel cannot run (no CUDA and no Triton interpreter, or ``triton`` not installed): a ``ValueError`` saying
       why.
     * ``auto``: ``triton`` on CUDA where it can run and take the call, else ``sdpa``.
+
+    Where ``triton`` or ``auto`` fall back in half precision (``half``: the call's GEMM dtype), they take ``eager``:
+    ``sdpa`` would materialise the weights there too (SDPA's half-precision ``[D | E]`` is what the normalisation
+    cannot take, :func:`_explicit_attention`), so no fallback is named after a flash kernel that does not run.
     """
     requested = check_attention_implementation(requested)
     requested = ATTENTION_ALIASES.get(requested, requested)
@@ -582,11 +588,12 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
     if requested in ("eager", "sdpa"):
         return requested
     takes_call = not dense_bias and (mask is None or mask.bottom_right)
+    fallback = "eager" if half else "sdpa"
     if requested == "triton":
         if not takes_call:
-            _note_once("helm attention 'triton': a dense score bias, static cache or 4-D mask; 'sdpa' takes it")
-        return "triton" if takes_call else "sdpa"
-    choice = "triton" if device.type == "cuda" and takes_call and _triton_unavailable(device) is None else "sdpa"
+            _note_once("helm attention 'triton': a dense score bias, static cache or 4-D mask; %r takes it", fallback)
+        return "triton" if takes_call else fallback
+    choice = "triton" if device.type == "cuda" and takes_call and _triton_unavailable(device) is None else fallback
     _note_once("helm attention 'auto' uses %r on %s", choice, device.type)
     return choice
 
@@ -679,7 +686,8 @@ def lorentz_attention(
         raise ValueError(f"value_centre must be [B, H, 1, 1+dv] for values [B, H, Tk, 1+dv+1], got "
                          f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
     _validate(query, key, value, tau, mask, position_bias, alibi_slopes)
-    name = resolve_attention(impl, query.device, mask=mask, dense_bias=position_bias is not None)
+    name = resolve_attention(impl, query.device, mask=mask, dense_bias=position_bias is not None,
+                             half=(compute_dtype(query) if dtype is None else dtype) in HALF)
     extra = {}
     if value_centre is not None:
         if name in ("sdpa", "triton"):

@@ -47,6 +47,27 @@ def test_triton_falls_back_to_sdpa_where_the_kernel_cannot_take_the_call(kernel_
         assert resolve_attention("triton", CPU, mask=mask, dense_bias=bias) == "sdpa"
 
 
+def test_fallbacks_in_half_precision_are_eager_not_a_flash_kernel_that_does_not_run(kernel_loads, monkeypatch):
+    """Issue 35 item 7: ``sdpa`` in half precision materialises the weights as eager does (its SDPA call would round
+    ``[D | E]`` to bf16), so where ``auto`` or ``triton`` fall back for a half-precision call they name it ``eager``;
+    an explicit ``sdpa`` stays what was asked for, and in fp32 the fallback is SDPA proper."""
+    static = AttentionMask(1, 1, 8, q_offset=3)
+    assert resolve_attention("auto", CUDA, half=True) == "triton"
+    assert resolve_attention("auto", CUDA, dense_bias=True, half=True) == "eager"
+    assert resolve_attention("auto", CUDA, mask=static, half=True) == "eager"
+    assert resolve_attention("triton", CPU, dense_bias=True, half=True) == "eager"
+    assert resolve_attention("auto", CPU, half=True) == "eager"
+    assert resolve_attention("sdpa", CUDA, half=True) == "sdpa"
+    assert resolve_attention("auto", CUDA, dense_bias=True, half=False) == "sdpa"
+    chosen = []  # and lorentz_attention tells it the call's GEMM dtype: bf16 under autocast
+    monkeypatch.setattr(ops, "resolve_attention", lambda *a, **kw: chosen.append(kw["half"]) or "eager")
+    q = ops.lift(torch.randn(1, 1, 4, 8), k=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ops.lorentz_attention(q, q, q, k=1.0, tau=1.0, impl="auto")
+    ops.lorentz_attention(q, q, q, k=1.0, tau=1.0, impl="auto")
+    assert chosen == [True, False]
+
+
 def test_hmla_absorbed_decode_is_a_path_of_every_name_but_eager(kernel_loads):
     assert [resolve_attention(n, CUDA, absorbable=True) for n in ("auto", "sdpa", "triton", None)] == ["absorbed"] * 4
     assert resolve_attention("eager", CUDA, absorbable=True) == "eager"
