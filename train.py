@@ -212,7 +212,7 @@ def load_data(cfg, tokenizer, accelerator):
     if len(rows["input_ids"]) < (need := cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} x grad_accum x processes = {need} rows per step, "
                           f"but the training data packs into only {len(rows['input_ids'])} rows of data.seq_len tokens")
-    return PackedRows(rows, seed=cfg.train.seed), validation, False
+    return PackedRows(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), validation, False
 
 
 def build_model(cfg, config, device, special_ids: dict):
@@ -346,9 +346,10 @@ def demo_sample(cfg, model, tokenizer) -> str:
     """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
     torch.manual_seed(cfg.train.seed)
     prompt = tokenizer(cfg.demo.prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    options = dict(temperature=cfg.demo.temperature, top_k=cfg.demo.top_k) if cfg.demo.do_sample else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = model.eval().generate(**prompt, max_new_tokens=cfg.demo.max_new_tokens, pad_token_id=pad,
-                                eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.8, top_k=40)
+                                eos_token_id=tokenizer.eos_token_id, do_sample=cfg.demo.do_sample, **options)
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 

@@ -12,7 +12,9 @@ Two working dtypes, decided here and nowhere else (ARCHITECTURE.md, "Precision p
   ``N = k + E - <D, D>_L``, MiCE's mixture), RMS statistics, softmax statistics and logits, ``logsumexp``,
   curvatures, temperatures, residual weights, routing scores, positional angles and biases.
 
-Nothing is widened beyond the statistics dtype: no fp64 on fp32/bf16/fp16 inputs in any forward or backward.
+Nothing is widened beyond the statistics dtype: no fp64 on fp32/bf16/fp16 inputs in any forward or backward. The
+fp32 products below (the named exceptions) assume fp32 matmuls are fp32: leave TF32 off (PyTorch's default; not
+``torch.backends.cuda.matmul.allow_tf32 = True`` nor the Trainer's ``tf32=True``), which would round them to 10 bits.
 Accuracy far from the origin comes from the formulations instead: difference forms ``<x - y, x - y>_L`` for
 nearby points (:func:`helm.manifold.sqdist`, the residual), centred sums (attention's values, MiCE's
 :func:`helm.nn.mice.mixture_norm2`), the pairwise norm of :func:`helm.manifold.centroid`. The plain

@@ -121,8 +121,9 @@ class LorentzSelfAttention(LorentzAttentionBase):
     one more column ``[B, H, T, 1+d+1]``: its centred norm ``e = <v - c, v - c>_L`` (fp32) for the centre
     ``c`` = the value of the cache's first key (per batch row and head, fixed for the life of the cache; not in
     training mode, whose forward with a cache stays that of ``helm.ops``). A decode
-    step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``; ``eager``
-    recomputes its centres, the reference), instead of re-centring and re-casting the whole cache every step
+    step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``, and
+    ``eager`` as a half-precision fallback; requested, ``eager`` recomputes its centres, the reference), instead of
+    re-centring the whole cache every step
     (:func:`helm.ops.lorentz_attention`, ``value_centre``). Caches other than ``transformers``' dynamic and static
     ones, and a cache written without the column, keep plain values: among them continuous batching's paged cache
     (a :class:`PagedBatch`), whose rows hold exactly the keys and values (:meth:`cache_payload`).

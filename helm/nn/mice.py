@@ -385,7 +385,8 @@ class MiCE(RealignAfterLoading, nn.Module):
             return self.combine_lresnet_official(x, weights, selected)
         if self.sparse_dispatch():
             return self.combine_sparse(x, weights, selected)
-        outs = [e(x, c) for e, c in zip(self.experts, self.expert_scales(x))] + [s(x) for s in self.shared_experts]
+        outs = [e(x, c) for e, c in zip(self.experts, self.expert_scales(x), strict=True)]
+        outs += [s(x) for s in self.shared_experts]
         points = torch.stack(outs, dim=-2)  # [B, T, N_r + N_s, 1+n]
         w = torch.cat([weights, weights.new_ones(*weights.shape[:-1], len(self.shared_experts))], dim=-1)
         return mixture_centroid(points, w, k=self.k)
@@ -393,10 +394,12 @@ class MiCE(RealignAfterLoading, nn.Module):
     def expert_scales(self, x: torch.Tensor) -> list:
         """Each routed expert's :meth:`CurvatureExpert.curvature_scales` for input ``x``, with autograd computed from
         one vector of their ``log k`` (a dozen scalar kernels per layer, not per expert); ``None`` where each expert
-        computes its own: without autograd (each then caches them) or with a ``log_k`` not on ``x``'s device (an
-        offload hook loads it in the expert's forward)."""
+        computes its own: without autograd (each then caches them), or with a ``log_k`` that only the expert's own
+        forward makes whole: on another device (an offload hook), sharded (an FSDP2 ``DTensor``: ``placements``), or
+        a flat shard of another size (FSDP1)."""
         log_k = [e.log_k for e in self.experts]
-        if not torch.is_grad_enabled() or any(t.device != x.device for t in log_k):
+        if not torch.is_grad_enabled() or any(t.device != x.device or t.numel() != 1 or hasattr(t, "placements")
+                                              for t in log_k):
             return [None] * len(log_k)
         kj = bounded_log_k(to_stat(torch.cat(log_k))).exp()
         kd = kj.to(to_stat(x).dtype)
@@ -425,7 +428,7 @@ class MiCE(RealignAfterLoading, nn.Module):
         total = torch.stack(shared).sum(0) if shared else to_stat(flat).new_zeros(flat.shape)
         routed = []  # (rows, weights, outputs): the centred norms need every output again
         start = 0
-        for j, (expert, count, scales) in enumerate(zip(self.experts, counts, self.expert_scales(x))):
+        for j, (expert, count, scales) in enumerate(zip(self.experts, counts, self.expert_scales(x), strict=True)):
             rows = pairs[start:start + count] - j * tokens
             start += count
             if count == 0 and not torch.is_grad_enabled():
@@ -453,7 +456,7 @@ class MiCE(RealignAfterLoading, nn.Module):
         """
         dtype = torch.promote_types(to_stat(x).dtype, weights.dtype)
         y = origin(*x.shape, k=self.k, dtype=dtype, device=x.device)
-        for j, (expert, scales) in enumerate(zip(self.experts, self.expert_scales(x))):
+        for j, (expert, scales) in enumerate(zip(self.experts, self.expert_scales(x), strict=True)):
             g = weights[..., j:j + 1]
             step = scaled_lresnet(y, expert(x, scales), g, k=self.k, space_scale=OFFICIAL_CHAIN_SCALE)
             y = torch.where(selected[..., j:j + 1], step, y)

@@ -396,12 +396,14 @@ class record_attention_weights:
 
 
 def eager_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
-                    alibi_slopes=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                    alibi_slopes=None, value_centre: Optional[torch.Tensor] = None,
+                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Reference: explicit ``-d²/τ`` scores, masks and softmax, Lorentz centroid of values
-    (:func:`_explicit_attention`); the weights go to an active :class:`record_attention_weights`."""
+    (:func:`_explicit_attention`); the weights go to an active :class:`record_attention_weights`. ``value_centre``:
+    as :func:`sdpa_attention` (a fallback's decode step reads the cache's norms; as requested, eager centres)."""
     q, kk, v, scale, keep, bias, gemm = _prepare(query, key, value, tau, mask, position_bias, alibi_slopes, dtype)
     record = record_attention_weights.active
-    return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask,
+    return _explicit_attention(q, kk, v, scale, keep, bias, gemm, k=k, mask=mask, value_centre=value_centre,
                                weights_out=None if record is None else record.weights)
 
 
@@ -690,9 +692,10 @@ def lorentz_attention(
                              half=(compute_dtype(query) if dtype is None else dtype) in HALF)
     extra = {}
     if value_centre is not None:
-        if name in ("sdpa", "triton"):
+        # eager as requested, the reference, centres the values itself; as a half-precision fallback it reads them
+        if name != "eager" or ATTENTION_ALIASES.get(impl, impl) != "eager":
             extra = {"value_centre": value_centre}
-        else:  # eager, the reference, centres the values itself
+        else:
             value = value[..., :-1]
     return ATTENTION_FUNCTIONS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,
                                      alibi_slopes=alibi_slopes, dtype=dtype, **extra)

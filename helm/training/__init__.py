@@ -5,7 +5,7 @@ from .checkpoint import (LOCK, CheckpointError, TrainerState, find_checkpoint, l
                          output_lock, read_trainer_state, save_checkpoint, save_final, verify_checkpoint)
 from .config import (ConfigError, RunConfig, all_keys, cli_overrides, describe, key_docs, load_run_config,
                      recipe_differences)
-from .data import (PackedRows, StreamRows, data_fingerprint, fingerprint_differences, load_splits,
+from .data import (PackedRows, StepRows, StreamRows, data_fingerprint, fingerprint_differences, load_splits,
                    load_tokenizer, pack_split, training_batches)
 from .step import StepMetrics, train_step
 from .tracking import JSONLTracker

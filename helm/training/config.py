@@ -74,12 +74,14 @@ class DataConfig:
     other."""
     mask_document_starts: bool = False
     """Do not train the prediction of a document's first token from the end of the previous one."""
+    shuffle: bool = True
+    """Reshuffle the packed rows every epoch (in-memory data only; streams are read in order)."""
     resume_on_changed_data: bool = False
     """Let --resume continue on a data stream other than the checkpoint's: changed dataset files (recorded as a
     fingerprint in every checkpoint), or another dataset, dataset_config, tokenizer, text_column, train_split,
-    validation_split, holdout_documents, streaming, seq_len or mask_document_starts. The run goes on from the saved
-    step on the new stream, so it is no longer the run that was interrupted. false: such a resume exits with
-    status 2 naming what changed. The model, optim and batch keys stay refused either way."""
+    validation_split, holdout_documents, streaming, seq_len, mask_document_starts or shuffle. The run goes on from
+    the saved step on the new stream, so it is no longer the run that was interrupted. false: such a resume exits
+    with status 2 naming what changed. The model, optim and batch keys stay refused either way."""
     num_workers: int = 0
     """DataLoader worker processes preparing the next batches while the model trains. 0: the training process
     fetches them, best for in-memory rows (an indexing away) and on a CPU, where workers take cores from the
@@ -181,6 +183,12 @@ class DemoConfig:
     """Text generated from this prompt by the reloaded model at the end; null = no sample."""
     max_new_tokens: int = 48
     """Tokens to generate."""
+    do_sample: bool = True
+    """Sample (true) or greedy decoding (false)."""
+    temperature: float = 0.8
+    """Sampling temperature."""
+    top_k: int = 40
+    """Sample among the top_k most likely tokens (0 = no top-k filter)."""
 
 
 @dataclass
@@ -296,8 +304,8 @@ def expand_home(c: RunConfig) -> None:
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
            "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
            "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
-           "train.keep_last": 1, "demo.max_new_tokens": 1}
-POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip")
+           "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
+POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
            "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager"),
            "train.compile": ("auto", "true", "false")}
@@ -348,6 +356,8 @@ RESUMABLE_CHANGES = frozenset({
     "train.logger", "train.progress_bar",
     "train.gradient_checkpointing", "train.compile", "train.compile_backend",
     "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens",
+    "demo.do_sample",
+    "demo.temperature", "demo.top_k",
 })
 
 
@@ -356,6 +366,7 @@ RESUMABLE_CHANGES = frozenset({
 DATA_STREAM_KEYS = frozenset({
     "data.dataset", "data.dataset_config", "data.tokenizer", "data.text_column", "data.train_split",
     "data.validation_split", "data.holdout_documents", "data.streaming", "data.seq_len", "data.mask_document_starts",
+    "data.shuffle",
 })
 
 

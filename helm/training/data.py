@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 from datasets.distributed import split_dataset_by_node
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..data import iter_packed, load_text_dataset, looks_local, pack_rows, tokenize
 from ..data.loading import local_files
@@ -39,9 +39,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 
 def data_fingerprint(data: DataConfig, tokenizer) -> dict:
-    """What defines the training and validation streams, for ``--resume`` to refuse another one: each local data
-    file's size and SHA-256 (or the hub dataset's name and configuration), a hash of the tokenizer (its serialised
-    vocabulary and rules, and its special tokens), the sequence length and the packing settings."""
+    """What defines the training and validation streams beyond the recipe's data keys (which ``--resume`` compares
+    itself), for it to refuse another stream: each local data file's size and SHA-256 and a hash of the tokenizer
+    (its serialised vocabulary and rules, and its special tokens)."""
     from ..manifest import hash_file
 
     files = {}
@@ -127,8 +127,8 @@ class PackedRows(Dataset):
     ``len()`` is ``N``, the rows of one epoch.
     """
 
-    def __init__(self, rows: dict[str, torch.Tensor], *, seed: int):
-        self.rows, self.seed = rows, seed
+    def __init__(self, rows: dict[str, torch.Tensor], *, seed: int, shuffle: bool = True):
+        self.rows, self.seed, self.shuffle = rows, seed, shuffle
         self.n = rows["input_ids"].shape[0]
         self._epoch, self._perm = -1, None
 
@@ -138,13 +138,38 @@ class PackedRows(Dataset):
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.n, generator=generator)
+            self._perm = torch.randperm(self.n, generator=generator) if self.shuffle else torch.arange(self.n)
             self._epoch = epoch
         return self._perm
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self._permutation(index // self.n)[index % self.n]
         return {key: value[row] for key, value in self.rows.items()}
+
+
+class StepRows(Sampler[int]):
+    """The global row indices one process reads, in training order, from ``start_step`` to ``max_steps``.
+
+    A step reads ``G = batch_size x world_size x grad_accum`` rows of the stream: step ``s`` rows
+    ``[s·G, (s+1)·G)``, micro-batch ``m`` of process ``r`` the ``batch_size`` rows from
+    ``s·G + (m·world_size + r)·batch_size``. So the rows of a step do not depend on how it is split between
+    processes and micro-batches, and the data position is the step.
+    """
+
+    def __init__(self, *, start_step: int, max_steps: int, batch_size: int, grad_accum: int, rank: int = 0,
+                 world_size: int = 1):
+        self.steps = range(start_step, max_steps)
+        self.batch_size, self.grad_accum, self.rank, self.world_size = batch_size, grad_accum, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        per_step = self.batch_size * self.world_size * self.grad_accum
+        for step in self.steps:
+            for micro in range(self.grad_accum):
+                first = step * per_step + (micro * self.world_size + self.rank) * self.batch_size
+                yield from range(first, first + self.batch_size)
+
+    def __len__(self) -> int:
+        return len(self.steps) * self.grad_accum * self.batch_size
 
 
 class StreamRows(IterableDataset):
@@ -184,7 +209,7 @@ def training_batches(rows: PackedRows | StreamRows, *, start_step: int, max_step
     """The DataLoader of this process's micro-batches (``[batch_size, seq_len]`` tensors) from ``start_step`` on,
     ``grad_accum`` per step, in training order.
 
-    Workers keep the order: in-memory rows are fetched by index and handed out in sampler
+    Workers keep the order: in-memory rows are fetched by index (:class:`StepRows`) and handed out in sampler
     order; a stream is read by one worker at most, since its rows can only be packed in sequence (and it is
     endless: the caller takes what it needs). ``pin_memory``
     (for CUDA) lets the training step copy batches to the device without blocking.
@@ -195,9 +220,6 @@ def training_batches(rows: PackedRows | StreamRows, *, start_step: int, max_step
     if isinstance(rows, StreamRows):  # this process's shard, read again up to where start_step begins
         rows = StreamRows(rows.dataset, rows.tokenizer, rows.data, skip_rows=start_step * grad_accum * batch_size)
         return DataLoader(rows, num_workers=min(num_workers, 1), **options)
-    # step s reads rows [s·G, (s+1)·G) of the stream (G = batch_size x world_size x grad_accum), micro-batch m of
-    # process r the batch_size rows from s·G + (m·world_size + r)·batch_size: the data position is the step
-    per_step = batch_size * world_size * grad_accum
-    order = (step * per_step + (micro * world_size + rank) * batch_size + i for step in range(start_step, max_steps)
-             for micro in range(grad_accum) for i in range(batch_size))
-    return DataLoader(rows, sampler=order, num_workers=num_workers, **options)
+    sampler = StepRows(start_step=start_step, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
+                       rank=rank, world_size=world_size)
+    return DataLoader(rows, sampler=sampler, num_workers=num_workers, **options)

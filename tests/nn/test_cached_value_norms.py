@@ -116,6 +116,27 @@ def test_a_decode_step_does_not_recentre_the_cache(monkeypatch):
           past_key_values=cache)
 
 
+@pytest.mark.parametrize("impl", ["auto", "eager"])
+def test_a_half_precision_decode_step_reads_the_cached_norms_unless_eager_is_asked_for(impl, monkeypatch):
+    """Under bf16 autocast ``auto`` falls back to eager (what sdpa runs there), which then reads the cache's norms as
+    sdpa does; requested, eager (the reference) re-centres. The outputs agree."""
+    x = lift(torch.randn(1, 12, HIDDEN - 1, generator=torch.Generator().manual_seed(2)), k=1.0)
+    outputs = []
+    for fallback in (False, True):
+        layer, cache = make_layer("auto" if fallback else impl), DynamicCache()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            decode(layer, x[:, :11], cache, prefill=11)
+            calls = []
+            real = attention_ops.value_centres
+            monkeypatch.setattr(attention_ops, "value_centres", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+            pe = build_positional_encoding("hope", head_dim=HEAD - 1, num_heads=HEADS, max_position_embeddings=128)
+            outputs.append(layer(x[:, 11:], position_embeddings=pe(torch.tensor([[11]]), kv_len=12),
+                                 attention_mask=AttentionMask(1, 1, 12), past_key_values=cache))
+            monkeypatch.setattr(attention_ops, "value_centres", real)
+        assert bool(calls) == (impl == "eager" and not fallback)
+    assert_close(outputs[0].float(), outputs[1].float(), rtol=2e-2)
+
+
 def test_training_mode_keeps_plain_values():
     """A training forward with a cache stays the reference's (per-document centres), outputs and gradients."""
     x = lift(torch.randn(2, 10, HIDDEN - 1), k=1.0)

@@ -148,5 +148,8 @@ def test_expert_scales_from_one_vector_equal_each_experts_own_on_outputs_and_gra
     assert all(scales is not None for scales in mice.expert_scales(x0))
     with torch.no_grad():
         assert mice.expert_scales(x0) == [None] * 5
+    flat = layer(1)
+    flat.experts[0].log_k = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))  # an FSDP1 rank's empty shard
+    assert flat.expert_scales(x0) == [None] * 5
     mice.experts[2].to("meta")
     assert mice.expert_scales(x0) == [None] * 5

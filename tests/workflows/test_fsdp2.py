@@ -131,6 +131,31 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def test_mice_experts_sharded_as_their_own_units_give_the_unsharded_loss(one_rank_group):
+    """``fully_shard`` on each curvature expert as well as on the layers: the layer reads no expert's sharded ``log_k``
+    outside that expert's forward (MiCE's one-vector scales fall back to each expert's own), so the loss and the
+    curvatures' gradients are the unsharded model's."""
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for shard in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("helm_mice")).train()
+        if shard:
+            for layer in model.model.layers:
+                for expert in getattr(layer.mlp, "experts", []):
+                    fully_shard(expert)
+                fully_shard(layer)
+            fully_shard(model)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = [e.log_k.grad.full_tensor() if shard else e.log_k.grad for e in model.model.layers[-1].mlp.experts]
+        runs.append((loss.detach(), torch.cat(grads)))
+    torch.testing.assert_close(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1])
+
+
 def test_torchrun_two_process_fsdp2_matches_one_process(tmp_path, tokenizer):
     """HELM-MiCE with a Lorentz token table and a distance head (both manifold points): 2 processes x batch 2
     under FSDP2 against 1 process x batch 2 x grad_accum 2, the same rows in every step."""
