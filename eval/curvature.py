@@ -29,7 +29,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from helm.evaluation import (  # noqa: E402
     MODEL_SPEC_HELP, EvalError, add_loading_arguments, add_text_arguments, at_least, check_window, check_writable,
     data_files, load_checkpoint, model_names, run_script, texts_of, token_stream, user_path, write_json)
-from helm.manifold.math import curvature_to_k, manifold_error  # noqa: E402
+from helm.manifold.math import curvature_to_k  # noqa: E402
 
 
 def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> np.ndarray:
@@ -79,11 +79,13 @@ def check_hyperboloid(points: torch.Tensor, k: float, *, dtype: torch.dtype, whe
     """An :class:`EvalError` unless every row of ``points`` is a point of the hyperboloid ``<x, x>_L = -k``, time
     coordinate first and positive, up to the rounding of ``dtype`` (the hidden states' own): the Lorentz distance of
     other vectors (a Euclidean model's hidden states) is no distance of theirs. ``where`` names the model."""
-    # manifold_error: |<x, x>_L + k| relative to |x|², whose scale the rounding error grows with; >= 1 off the sheet
-    off = manifold_error(points, k) > 1e-3 * k / points.double().pow(2).sum(-1) + 8 * torch.finfo(dtype).eps
-    if bool(off.any()):
+    x = points.double()
+    inner = x[:, 1:].pow(2).sum(-1) - x[:, 0].pow(2)
+    scale = x.pow(2).sum(-1)  # the rounding error of <x, x>_L grows with the squared coordinates
+    off = (inner + k).abs() > 1e-3 * k + 8 * torch.finfo(dtype).eps * scale
+    if bool(off.any()) or bool((x[:, 0] <= 0).any()):
         raise EvalError(f"--distance lorentz: the final hidden states of {where} are not points of the hyperboloid "
-                        f"<x, x>_L = -{k:g} ({int(off.sum())} of {len(points)} off it): use --distance euclidean")
+                        f"<x, x>_L = -{k:g} ({int(off.sum())} of {x.shape[0]} off it): use --distance euclidean")
 
 
 def embedding_sample(name: str, path: str, texts: list[str], args) -> tuple[torch.Tensor, dict]:
