@@ -100,6 +100,14 @@ def mixture_centroid(points: torch.Tensor, w: torch.Tensor, *, k) -> torch.Tenso
     return normalize(s, k=k, norm2=norm2, floor=k * weight.square())
 
 
+def rescale_factors(log_k: torch.Tensor, k: float, dtype: torch.dtype) -> tuple:
+    """Elementwise over ``log_k``: ``k_j = exp(bounded_log_k(log k_j))`` (fp32) and the factors ``sqrt(k_j / k)``,
+    ``sqrt(k / k_j)`` (in ``dtype``) of ``rescale`` onto an expert's hyperboloid and back."""
+    kj = bounded_log_k(to_stat(log_k)).exp()
+    kd = kj.to(dtype)
+    return kj, (kd / k).sqrt(), (k / kd).sqrt()
+
+
 @torch.no_grad()
 def update_routing_bias_(bias: torch.Tensor, load: torch.Tensor, speed: float) -> None:
     """Aux-loss-free balancing, in place: ``b_j += γ · sign(mean load - load_j)`` (overloaded experts lose)."""
@@ -162,23 +170,17 @@ class CurvatureExpert(nn.Module):
         return bounded_log_k(to_stat(self.log_k.reshape(()))).exp()
 
     def curvature_scales(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``k_j`` (fp32), ``sqrt(k_j / k)`` and ``sqrt(k / k_j)`` (0-dim, in ``dtype``): the expert's curvature and
-        the factors of ``rescale`` onto its hyperboloid and back.
+        """This expert's :func:`rescale_factors` (0-dim): its curvature and the factors onto its hyperboloid and back.
 
         Without autograd (decoding) they are computed once per value of ``log_k`` (its storage and version
         counter: an optimiser step, a load or an offload hook that swaps the tensor recomputes them), which
         saves a dozen scalar kernels per expert call; with autograd, or under ``torch.compile``, every call."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self._curvature_scales(dtype)
+            return rescale_factors(self.log_k.reshape(()), self.k, dtype)
         key = (self.log_k.data_ptr(), self.log_k._version, self.log_k.device, dtype)
         if getattr(self, "_scales_key", None) != key:
-            self._scales, self._scales_key = self._curvature_scales(dtype), key
+            self._scales, self._scales_key = rescale_factors(self.log_k.reshape(()), self.k, dtype), key
         return self._scales
-
-    def _curvature_scales(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kj = self.k_expert
-        kd = kj.to(dtype)
-        return kj, (kd / self.k).sqrt(), (self.k / kd).sqrt()
 
     def forward(self, x: torch.Tensor, scales: Optional[tuple] = None) -> torch.Tensor:
         # k_j is read here, where accelerate's offload hooks have loaded log_k, unless the layer passes ``scales``
@@ -401,9 +403,7 @@ class MiCE(RealignAfterLoading, nn.Module):
         if not torch.is_grad_enabled() or any(t.device != x.device or t.numel() != 1 or hasattr(t, "placements")
                                               for t in log_k):
             return [None] * len(log_k)
-        kj = bounded_log_k(to_stat(torch.cat(log_k))).exp()
-        kd = kj.to(to_stat(x).dtype)
-        return list(zip(kj.unbind(), (kd / self.k).sqrt().unbind(), (self.k / kd).sqrt().unbind()))
+        return list(zip(*(t.unbind() for t in rescale_factors(torch.cat(log_k), self.k, to_stat(x).dtype))))
 
     def sparse_dispatch(self) -> bool:
         """Whether :meth:`combine_sparse` runs: ``dispatch="sparse"``, outside ``torch.compile`` (its slices have
