@@ -65,7 +65,7 @@ from helm.training import (LOCK, CheckpointError, ConfigError, JSONLTracker, Pac
                            pack_split, read_trainer_state, recipe_differences, save_checkpoint, save_final, train_step,
                            training_batches)
 from helm.training.checkpoint import (OVERWRITTEN, list_checkpoints, not_overwritable, remove_stale_tmp_checkpoints,
-                                      set_aside_later_checkpoints, write_run_marker)
+                                      write_run_marker)
 from helm.training.config import DATA_STREAM_KEYS
 
 
@@ -89,13 +89,16 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, accelerator) -> bool:
-    """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``) of this folder's own
-    ``checkpoint``, train.overwrite, or no old files (a checkpoint of another folder starts a new run here).
-    Returns whether the run continues this folder's own checkpoint.
+def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, accelerator) -> None:
+    """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``) of this folder's newest
+    ``checkpoint`` (an earlier one while later ones exist would mix two histories), train.overwrite, or no old files
+    (a checkpoint of another folder starts a new run here).
     train.overwrite deletes only what train.py wrote (:data:`OVERWRITTEN`) in a folder marked as a run folder (or
     holding the config.yaml of an older train.py), never a folder of other files, nor what the recipe reads."""
     resuming = checkpoint is not None and Path(checkpoint).resolve().parent == (out / "checkpoints").resolve()
+    if later := [p.name for _, p in list_checkpoints(out / "checkpoints") if resuming and p.name > checkpoint.name]:
+        raise CheckpointError(f"--resume {str(checkpoint)!r}: this run has later checkpoints ({', '.join(later)}), "
+                              "whose history resuming here would replace: move them out of checkpoints/ first")
     run_folder = is_run_folder(out)
     ours = (LOCK, RUN_MARKER, "config.yaml") if run_folder else (LOCK,)
     previous = sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
@@ -132,7 +135,6 @@ def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, acc
         write_run_marker(out)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), encoding="utf-8")
         remove_stale_tmp_checkpoints(out)
-    return resuming
 
 
 def ensure_default_data(cfg, accelerator) -> None:
@@ -367,7 +369,7 @@ def train(cfg, resume, state: TrainerState) -> None:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    resuming = prepare_output_dir(cfg, out, checkpoint, resume is not None, accelerator)
+    prepare_output_dir(cfg, out, checkpoint, resume is not None, accelerator)
     if resume is not None and checkpoint is None:
         say(f"[train] --resume: no checkpoint in {out} yet; starting from step 0")
     ensure_default_data(cfg, accelerator)
@@ -422,11 +424,6 @@ def train(cfg, resume, state: TrainerState) -> None:
             raise CheckpointError(f"--resume {str(checkpoint)!r}: a file of it holds more than tensors (a pickled "
                                   "object torch refuses to load safely); do not load it unless you trust its source")
         say(f"[train] resumed from {checkpoint} at step {start_step}")
-        if accelerator.is_main_process and resuming:
-            for before, after in set_aside_later_checkpoints(out / "checkpoints", start_step):
-                say(f"[train] {before.name} is later than the checkpoint resumed from, so it belongs to the history "
-                    f"this run replaces: set aside as {after} (kept; --resume it to go back to it, or delete it)")
-        accelerator.wait_for_everyone()
         if (was := saved["config"]["train"]["max_steps"]) != cfg.train.max_steps:
             before, now = replan_schedule(optimizer, scheduler, start_step)
             say(f"[train] train.max_steps changed from {was} to {cfg.train.max_steps}: the schedule is re-planned, the "

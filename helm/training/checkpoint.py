@@ -193,27 +193,6 @@ def write_run_marker(output_dir: Path) -> None:
     (Path(output_dir) / RUN_MARKER).write_text(json.dumps({"written_by": "train.py"}) + "\n", encoding="utf-8")
 
 
-def set_aside_later_checkpoints(root: Path, step: int) -> list[tuple[Path, Path]]:
-    """Rename the checkpoints under ``root`` later than ``step`` (the one a run was resumed from: they belong to
-    the history that the resumed run replaces) to ``abandoned-step-XXXXXXXX`` (``-2``, ``-3``, ... when that name is
-    taken), so that neither rotation nor a plain ``--resume`` takes one of them for the resumed run's newest; they
-    are kept (``--resume`` one of them explicitly, or delete them) and ``train.overwrite`` deletes them with the
-    other checkpoints. Returns ``(old, new)`` paths."""
-    moved = []
-    for later, path in list_checkpoints(root):
-        if later <= step:
-            continue
-        target, n = root / f"abandoned-{path.name}", 1
-        while target.exists():
-            n += 1
-            target = root / f"abandoned-{path.name}-{n}"
-        path.rename(target)
-        moved.append((path, target))
-    if moved:
-        fsync_dir(root)
-    return moved
-
-
 def remove_stale_tmp_checkpoints(output_dir: Path) -> None:
     """Delete ``checkpoints/.tmp-step-XXXXXXXX`` folders, left by a write that was interrupted (train.py's names
     only)."""

@@ -494,7 +494,7 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
     transformers' Trainer does, when the new length lies past the checkpoint's step; the warmup + cosine schedule is
     recomputed for the new length and the learning rate continues on it from the resumed step (logged lrs equal the
     new schedule's, not the old one's). A length at or before the checkpoint's step is refused (exit 2). Resuming
-    from an earlier checkpoint sets the later ones aside."""
+    from an earlier checkpoint of the run while later ones exist is refused (exit 2) naming them, nothing changed."""
     from helm.training import load_run_config
     from tests.test_train import read_metrics
 
@@ -514,19 +514,22 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
     assert [rates[s] for s in range(5, 9)] == [new[s] for s in range(5, 9)], rates
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6, 8]
     assert json.loads((run / "final" / "manifest.json").read_text())["step"] == 8
-    # end earlier: 8 -> 6 from step 2 (the checkpoint's recipe said 4)
-    assert train_script.main(["--config", str(recipe), "--resume", str(run / "checkpoints" / "step-00000002"),
-                              "--train.max_steps=6"]) == 0, capsys.readouterr()
+    # from step 2 while 4, 6 and 8 exist: two histories would mix, so it is refused naming the later ones
+    two = ["--config", str(recipe), "--resume", str(run / "checkpoints" / "step-00000002"), "--train.max_steps=6"]
+    metrics = (run / "metrics.jsonl").read_text()
+    assert train_script.main(two) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "step-00000002" in error and all(f"step-0000000{s}" in error for s in (4, 6, 8)), error
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6, 8]
+    assert (run / "metrics.jsonl").read_text() == metrics
+    # end earlier: 8 -> 6 from step 2 (the checkpoint's recipe said 4), once the later ones are moved out
+    for step in (4, 6, 8):
+        shutil.move(run / "checkpoints" / f"step-0000000{step}", tmp_path / f"step-0000000{step}")
+    assert train_script.main(two) == 0, capsys.readouterr()
     rates, six = {m["step"]: m["lr"] for m in read_metrics(run) if "lr" in m}, _schedule(config, 6)
     assert sorted(rates) == list(range(1, 7)) and [rates[s] for s in range(3, 7)] == [six[s] for s in range(3, 7)]
-    # the checkpoints of the replaced history (4, 6, 8 of the 8-step run) are set aside, not taken by rotation or a
-    # plain --resume for this run's newest; train.overwrite would delete them with the others
-    out = capsys.readouterr().out
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6]
-    assert sorted(p.name for p in (run / "checkpoints").glob("abandoned-*")) == [
-        "abandoned-step-00000004", "abandoned-step-00000006", "abandoned-step-00000008"]
-    assert "step-00000008 is later than the checkpoint resumed from" in out and "set aside as" in out, out
-    assert json.loads((run / "checkpoints" / "abandoned-step-00000008" / "manifest.json").read_text())["step"] == 8
+    capsys.readouterr()
     # a length not past the checkpoint's step: refused, naming both
     six_steps = str(run / "checkpoints" / "step-00000006")
     for steps in (5, 3):
