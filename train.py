@@ -348,10 +348,9 @@ def demo_sample(cfg, model, tokenizer) -> str:
     """The reloaded model's continuation of demo.prompt: seeded, and starting a document like the packed rows."""
     torch.manual_seed(cfg.train.seed)
     prompt = tokenizer(cfg.demo.prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
-    options = dict(temperature=cfg.demo.temperature, top_k=cfg.demo.top_k) if cfg.demo.do_sample else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = model.eval().generate(**prompt, max_new_tokens=cfg.demo.max_new_tokens, pad_token_id=pad,
-                                eos_token_id=tokenizer.eos_token_id, do_sample=cfg.demo.do_sample, **options)
+                                eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.8, top_k=40)
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
@@ -468,16 +467,12 @@ def train(cfg, resume, state: TrainerState) -> None:
                                          f"after it was saved. {divergence_causes(cfg)}")
             if log:
                 progress.log(done, metrics, routed)
-            val = None
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and not last:
                 val = validation_loss(unwrapped, validation, accelerator, B)
                 accelerator.log({"val_loss": val, "val_ppl": perplexity(val)}, step=done)
                 say(f"[train] step {done}: validation loss {val:.4f}, perplexity {format_perplexity(perplexity(val))}")
             if save:
-                if cfg.train.keep_best and val is None:  # the best checkpoint is chosen by validation loss
-                    val = validation_loss(unwrapped, validation, accelerator, B)
-                state.val_loss = val
-                save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last, keep_best=cfg.train.keep_best)
+                save_checkpoint(accelerator, out, done, keep_last=cfg.train.keep_last)
     train_time, trained = time.perf_counter() - progress.run_start, cfg.train.max_steps - start_step
 
     # Save with save_pretrained, reload with AutoModelForCausalLM, report perplexity and a sample.
@@ -505,13 +500,9 @@ def train(cfg, resume, state: TrainerState) -> None:
         say(f"\n[train] trained {trained} steps, {tokens:,} tokens in {train_time:.0f} s "
             f"({tokens / max(train_time, 1e-9):,.0f} tokens/s)")
         say(f"[train] saved to {final}  (reload: import helm; AutoModelForCausalLM.from_pretrained({str(final)!r}))")
-        if initial is not None:
-            before_ppl, after_ppl = perplexity(initial), perplexity(after)
-            say(f"[train] validation perplexity: {format_perplexity(before_ppl)} before training -> "
-                f"{format_perplexity(after_ppl)} after (measured on the reloaded model)")
-        else:
-            say("[train] validation perplexity after training (reloaded model): "
-                f"{format_perplexity(perplexity(after))}")
+        before = f"{format_perplexity(perplexity(initial))} before training -> " if initial is not None else ""
+        say(f"[train] validation perplexity: {before}{format_perplexity(perplexity(after))} after (measured on the "
+            "reloaded model)")
         if cfg.demo.prompt:
             say(f"[train] sample for the prompt {cfg.demo.prompt!r}:\n{demo_sample(cfg, reloaded, tokenizer)}")
     accelerator.wait_for_everyone()

@@ -19,8 +19,6 @@ from helm.evaluation import MODEL_SPEC_HELP, EvalError, check_writable, run_scri
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "perplexity")
 ACCURACY_METRICS = ("acc", "acc_norm", "exact_match")
-PAPER_TASK_NAMES = {"commonsense_qa": "CommonsenseQA", "hellaswag": "HellaSwag", "openbookqa": "OpenBookQA",
-                    "mmlu": "MMLU", "arc_challenge": "ARC-Challenge", "arc_easy": "ARC-Easy"}
 
 
 def is_number(value) -> bool:
@@ -96,20 +94,18 @@ def hidden_subtasks(record: dict) -> set:
     return hidden
 
 
-def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = None, raw: bool = False,
-                stderr: bool = False) -> str:
-    cells: dict[str, dict[tuple, tuple]] = {}  # model -> (task, metric) -> (value, stderr)
+def build_table(runs: list[dict], *, metrics: dict) -> str:
+    cells: dict[str, dict[tuple, float]] = {}  # model -> (task, metric) -> value
     shots, columns, sources = {}, [], {}
     for record in runs:
         hidden = hidden_subtasks(record)
         shots.update({t: n for t, n in (record.get("n-shot") or {}).items() if isinstance(n, int)})
         row = cells.setdefault(record["_label"], {})
         for task, values in record["results"].items():
-            if task in hidden or (tasks and task not in tasks) or not isinstance(values, dict):
+            if task in hidden or not isinstance(values, dict):
                 continue
             available = {metric_name(k): v for k, v in values.items()
                          if "_stderr" not in k and (is_number(v) or v is None)}
-            errors = {metric_name(k.replace("_stderr", "")): v for k, v in values.items() if "_stderr" in k}
             primary = (record.get("primary_metrics") or {}).get(task)
             if task in metrics:
                 chosen = [metrics[task]] if metrics[task] in available else []
@@ -124,33 +120,27 @@ def build_table(runs: list[dict], *, metrics: dict, tasks: list[str] | None = No
                 if first[0] != available[metric]:
                     raise EvalError(f"{record['_label']!r} has two results for {task} ({metric}): {first[0]} in "
                                     f"{first[1]}, {available[metric]} in {record.get('_file')}; name them, NAME=PATH")
-                row[(task, metric)] = (available[metric], errors.get(metric))
-    if tasks:
-        columns.sort(key=lambda column: tasks.index(column[0]))
+                row[(task, metric)] = available[metric]
     if not columns:
-        raise EvalError("no metrics to show (check --tasks / --metric)")
+        raise EvalError("no metrics to show (check --metric)")
     accuracies = [c for c in columns if is_accuracy(c[1])]
-    scale = 1.0 if raw else 100.0
 
-    def cell(column, value, error):
+    def cell(column, value):
         if not is_number(value):
             return "—"
-        if not is_accuracy(column[1]) or raw:
-            return f"{value:.4g}" + (f" ± {error:.2g}" if stderr and is_number(error) else "")
-        error = f" ± {scale * error:.1f}" if stderr and is_number(error) else ""
-        return f"{scale * value:.1f}{error}"
+        return f"{100 * value:.1f}" if is_accuracy(column[1]) else f"{value:.4g}"
 
-    head = ["Model"] + [f"{PAPER_TASK_NAMES.get(task, task)} ({metric}"
+    head = ["Model"] + [f"{task} ({metric}"
                         + (f", {shots[task]}-shot)" if task in shots else ")") for task, metric in columns]
     head += ["Avg"] if len(accuracies) >= 2 else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for model, row in cells.items():
         if not row:
             continue
-        parts = [model] + [cell(column, *row.get(column, (None, None))) for column in columns]
+        parts = [model] + [cell(column, row.get(column)) for column in columns]
         if len(accuracies) >= 2:
-            values = [row[c][0] for c in accuracies if is_number(row.get(c, (None,))[0])]
-            parts.append(f"{scale * sum(values) / len(values):.1f}" if len(values) == len(accuracies) else "—")
+            values = [row[c] for c in accuracies if is_number(row.get(c))]
+            parts.append(f"{100 * sum(values) / len(values):.1f}" if len(values) == len(accuracies) else "—")
         lines.append("| " + " | ".join(parts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -161,9 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"result JSON files or folders; {MODEL_SPEC_HELP}")
     parser.add_argument("--metric", action="append", default=[], metavar="TASK=METRIC",
                         help="show METRIC for TASK (repeatable), e.g. hellaswag=acc")
-    parser.add_argument("--tasks", help="comma-separated tasks to show, in this order (default: all)")
-    parser.add_argument("--raw", action="store_true", help="show accuracies as stored (0-1), not in percent")
-    parser.add_argument("--stderr", action="store_true", help="append ± standard error where known")
     parser.add_argument("--output", type=user_path, metavar="MD",
                         help="also write the table to this file (Markdown)")
     return parser
@@ -178,8 +165,7 @@ def main(argv: list[str] | None = None) -> str:
         check_writable(args.output, "--output", inputs=input_files(args.inputs))
         if args.output.suffix.lower() not in ("", ".md", ".markdown", ".txt"):  # it holds a Markdown table
             raise EvalError(f"--output {str(args.output)!r}: the table is Markdown; give a .md, .markdown or .txt file")
-    tasks = [task.strip() for task in args.tasks.split(",")] if args.tasks else None
-    table = build_table(records(args.inputs), metrics=overrides, tasks=tasks, raw=args.raw, stderr=args.stderr)
+    table = build_table(records(args.inputs), metrics=overrides)
     print(table, end="")
     if args.output:
         args.output.write_text(table, encoding="utf-8")

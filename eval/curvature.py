@@ -15,21 +15,18 @@ import argparse
 import math
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
+import networkx as nx
+import numpy as np
+import ot
+import torch
+from scipy.sparse.csgraph import dijkstra
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import networkx as nx  # noqa: E402
-import numpy as np  # noqa: E402
-import ot  # noqa: E402
-import torch  # noqa: E402
-from scipy.sparse.csgraph import dijkstra  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from helm.evaluation import (  # noqa: E402
+from helm.evaluation import (
     MODEL_SPEC_HELP, EvalError, add_loading_arguments, add_text_arguments, at_least, check_window, check_writable,
     data_files, load_checkpoint, model_names, run_script, texts_of, token_stream, user_path, write_json)
-from helm.manifold.math import curvature_to_k  # noqa: E402
+from helm.manifold.math import curvature_to_k
 
 
 def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> np.ndarray:
@@ -45,33 +42,30 @@ def pairwise_distances(points: torch.Tensor, *, metric: str, k: float = 1.0) -> 
     return (2.0 * math.sqrt(k) * torch.asinh(chord / (2.0 * math.sqrt(k)))).numpy()
 
 
-def knn_graph(dist: np.ndarray, knn: int, *, weighted: bool = False) -> nx.Graph:
-    """Each point joined to its ``knn`` nearest others; weight 1 (hops) or the distance with ``weighted``."""
+def knn_graph(dist: np.ndarray, knn: int) -> nx.Graph:
+    """Each point joined to its ``knn`` nearest others, each edge of length 1 (hops)."""
     n = dist.shape[0]
     if not 1 <= knn < n:
         raise EvalError(f"--knn must lie in [1, number of points - 1 = {n - 1}], got {knn}")
     graph = nx.Graph()
     graph.add_nodes_from(range(n))
     nearest = np.argsort(dist + np.diag(np.full(n, np.inf)), axis=1)[:, :knn]
-    graph.add_weighted_edges_from((i, int(j), float(dist[i, j]) if weighted else 1.0)
-                                  for i in range(n) for j in nearest[i])
+    graph.add_weighted_edges_from((i, int(j), 1.0) for i in range(n) for j in nearest[i])
     return graph
 
 
 def ollivier_ricci(graph: nx.Graph, *, alpha: float = 0.5, progress: bool = True) -> dict:
-    """``{(x, y): κ(x, y)}`` for every edge of a weighted graph (see the top of this file)."""
-    nodes = list(graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
-    shortest = dijkstra(nx.to_scipy_sparse_array(graph, nodelist=nodes, weight="weight"), directed=False)
+    """``{(x, y): κ(x, y)}`` for every edge of a weighted graph of nodes 0 .. n-1 (see the top of this file)."""
+    shortest = dijkstra(nx.to_scipy_sparse_array(graph, nodelist=range(len(graph)), weight="weight"), directed=False)
 
     def measure(node):
-        neighbours = [index[v] for v in graph.neighbors(node)]
-        return [index[node], *neighbours], np.array([alpha] + [(1.0 - alpha) / len(neighbours)] * len(neighbours))
+        neighbours = list(graph.neighbors(node))
+        return [node, *neighbours], np.array([alpha] + [(1.0 - alpha) / len(neighbours)] * len(neighbours))
 
     curvature = {}
     for x, y in tqdm(list(graph.edges), desc="Ollivier-Ricci", unit="edge", disable=not progress):
         (sx, mx), (sy, my) = measure(x), measure(y)
-        curvature[(x, y)] = 1.0 - float(ot.emd2(mx, my, shortest[np.ix_(sx, sy)])) / shortest[index[x], index[y]]
+        curvature[(x, y)] = 1.0 - float(ot.emd2(mx, my, shortest[np.ix_(sx, sy)])) / shortest[x, y]
     return curvature
 
 
@@ -119,20 +113,21 @@ def curvature_of_points(points: torch.Tensor, measure: dict, args) -> tuple[np.n
     dist = pairwise_distances(points, metric=distance, k=measure["k"])
     # a zero-length edge has no curvature: keep the first of every group of (numerically) equal points
     keep = ~np.triu(dist <= 1e-9 * (float(np.median(dist)) or 1.0), k=1).any(axis=0)
-    graph = knn_graph(dist[np.ix_(keep, keep)], args.knn, weighted=args.edge_weights == "distance")
+    graph = knn_graph(dist[np.ix_(keep, keep)], args.knn)
     values = np.array(list(ollivier_ricci(graph, alpha=args.alpha, progress=not args.no_progress).values()))
     q05, q25, median, q75, q95 = np.quantile(values, [0.05, 0.25, 0.5, 0.75, 0.95]).tolist()
     stats = {"mean": float(values.mean()), "std": float(values.std()), "median": median, "min": float(values.min()),
              "max": float(values.max()), "q05": q05, "q25": q25, "q75": q75, "q95": q95,
              "fraction_negative": float((values < 0).mean()), "edges": int(values.size), "points": int(keep.sum()),
              "duplicates_dropped": int((~keep).sum()), "knn": args.knn, "alpha": args.alpha, "distance": distance,
-             "edge_weights": args.edge_weights, "seq_len": seq_len}
+             "seq_len": seq_len}
     return values, stats
 
 
 def plot(curvatures: dict, output: Path, *, title: str):
     """Overlaid density histograms of edge curvature, one per model."""
-    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
     bins = np.linspace(min(v.min() for v in curvatures.values()), max(v.max() for v in curvatures.values()), 41)
     for name, values in curvatures.items():
         ax.hist(values, bins=bins, density=True, alpha=0.5, label=f"{name} (mean {values.mean():+.3f})")
@@ -159,13 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "only for hidden states that are its points (a HELM model's), refused (before any "
                              "curvature is computed) for others, e.g. a Llama's; euclidean: straight-line distance; "
                              "auto (default): lorentz for HELM models, euclidean otherwise")
-    parser.add_argument("--edge-weights", choices=["unit", "distance"], default="unit",
-                        help="kNN edge lengths: unit (hop count, default) or the embedding distance")
     parser.add_argument("--seq-len", type=at_least(1),
                         help="window length (default: min(max_position_embeddings, 512))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
     add_loading_arguments(parser)
-    parser.add_argument("--output-dir", type=user_path, default=Path("curvature"), help="where the PNG, JSON, CSVs go")
+    parser.add_argument("--output-dir", type=user_path, default=Path("curvature"), help="where the PNG and JSON go")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 
@@ -177,13 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0.0 <= args.alpha < 1.0:
         raise EvalError(f"--alpha must lie in [0, 1), got {args.alpha}")
     models = model_names(args.model)
-    if slashed := [name for name, _ in models if "/" in name or "\\" in name]:
-        raise EvalError(f"--model name {slashed[0]!r} names the file curvature_NAME.csv, so it cannot hold a slash")
     check_writable(args.output_dir, "--output-dir", folder=True, inputs=data_files(args.data, args.split),
-                   files=["curvature.png", "curvature.json", *(f"curvature_{name}.csv" for name, _ in models)],
+                   files=["curvature.png", "curvature.json"],
                    models=[path for _, path in models])
     texts = texts_of(args)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     curvatures, runs = {}, []
     # every model's sample (and its check) before the first graph, whose optimal transport takes the time
     samples = {name: embedding_sample(name, path, texts, args) for name, path in models}
@@ -193,8 +183,6 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append({"model_name": name, "model_path": path, "source": "eval/curvature.py",
                      "results": {"ricci_curvature": stats},
                      "primary_metrics": {"ricci_curvature": ["mean", "median", "fraction_negative"]}})
-        np.savetxt(args.output_dir / f"curvature_{name}.csv", values, fmt="%.6f", header="ollivier_ricci_curvature",
-                   comments="")
         print(f"{name}: {stats['edges']} edges over {stats['points']} tokens ({stats['distance']} distance), "
               f"κ mean {stats['mean']:+.4f}, median {stats['median']:+.4f}, "
               f"{100 * stats['fraction_negative']:.1f}% negative")

@@ -2,8 +2,7 @@
 """Benchmark a checkpoint with lm-evaluation-harness: the paper's suite, the offline local tasks, or any tasks.
 
 A saved HELM checkpoint works with the stock `lm_eval --model hf`; this wrapper runs a suite (groups of
-tasks, each with its own number of shots) on one loaded model into one lm-eval-style result file, and prints
-the equivalent stock commands (--dry-run: only them).
+tasks, each with its own number of shots) on one loaded model into one lm-eval-style result file.
 
     python eval/harness.py --model runs/helm-d --suite paper --batch-size 16 --output results/helm-d.json
 """
@@ -14,18 +13,16 @@ import argparse
 import difflib
 import math
 import os
-import shlex
 from pathlib import Path
 
 import lm_eval
-import torch
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
-from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_model_folder,
-                             check_vocabulary, check_writable, loaded, run_script, split_model_spec, user_path,
-                             write_json)
+from helm.evaluation import (MODEL_SPEC_HELP, EvalError, add_loading_arguments, at_least, check_device,
+                             check_model_folder, check_vocabulary, check_writable, loaded, run_script, split_model_spec,
+                             user_path, write_json)
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 # A suite is (task, shots, reported metric) rows. "paper" is Table 1 of the HELM paper (§5.1, App. C.3),
@@ -37,19 +34,6 @@ SUITES = {"paper": [("commonsense_qa", 0, "acc"), ("hellaswag", 0, "acc"), ("hel
 def runs(suite: list) -> list[tuple[list[str], int]]:
     """lm-eval applies one number of shots per run: the suite's tasks grouped by shots, in order."""
     return [([task for task, n, _ in suite if n == shots], shots) for shots in dict.fromkeys(n for _, n, _ in suite)]
-
-
-def stock_command(path: str, tasks: list[str], shots: int, args, device: str) -> str:
-    argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path},trust_remote_code=True",
-            "--tasks", ",".join(tasks), "--num_fewshot", str(shots), "--batch_size", str(args.batch_size),
-            "--device", device]
-    if any(task.startswith("helm_") for task in tasks):
-        argv += ["--include_path", str(TASK_DIR)]
-    if args.limit is not None:
-        argv += ["--limit", f"{args.limit:g}"]
-    if args.output:
-        argv += ["--output_path", str(Path(args.output).parent)]
-    return shlex.join(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction < 1)")
     parser.add_argument("--output", type=user_path, metavar="JSON", help="write the merged results here (a .json file)")
     parser.add_argument("--log-samples", action="store_true", help="keep per-document outputs in the result file")
-    parser.add_argument("--dry-run", action="store_true", help="print the equivalent stock lm_eval commands and exit")
     return parser
 
 
@@ -89,11 +72,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.output:  # a task may be a YAML file, an input like the model
         check_writable(args.output, "--output", models=[path],
                        inputs=[Path(task) for tasks, _ in groups for task in tasks if Path(task).is_file()])
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    commands = [stock_command(path, tasks, shots, args, device) for tasks, shots in groups]
-    print("equivalent stock lm-eval commands:\n  " + "\n  ".join(commands))
-    if args.dry_run:
-        return None
+    device = str(check_device(args.device))  # the default (cuda if available, else cpu), or a one-line error
     return evaluate(args, name, path, groups, device)
 
 
@@ -105,11 +84,10 @@ def evaluate(args, name: str, path: str, groups: list[tuple[list[str], int]], de
         raise EvalError("--tasks: no lm-eval task, group or tag " + ", ".join(f"{task!r}" + "".join(
             f" (did you mean {near!r}?)" for near in difflib.get_close_matches(task, names, 1)) for task in unknown))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
     # importing helm (with helm.evaluation) registered the HELM model types, so HFLM needs no remote code for them
     lm = loaded("--model", path, lambda name: HFLM(pretrained=name, trust_remote_code=args.trust_remote_code,
-                                                   batch_size=batch_size, device=device, dtype=args.dtype))
+                                                   batch_size=args.batch_size, device=device, dtype=args.dtype))
     check_vocabulary(lm.model, lm.tokenizer, f"the tokenizer saved with --model {path!r}")
     record = {"model_name": name or Path(path.rstrip("/")).name, "model_path": path, "source": "eval/harness.py",
               "suite": None if args.tasks else args.suite, "primary_metrics": {

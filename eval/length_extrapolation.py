@@ -16,13 +16,10 @@ import csv
 import sys
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from helm.evaluation import (  # noqa: E402
+from helm.evaluation import (
     MODEL_SPEC_HELP, ROPE_SCALINGS, EvalError, add_loading_arguments, add_text_arguments, at_least, check_window,
     check_writable, data_files, format_perplexity, load_checkpoint, model_names, perplexity, rows_nll, run_script,
     sliding_windows, texts_of, token_stream, user_path, with_rope_scaling, write_json)
@@ -66,7 +63,8 @@ def extrapolation_rows(name: str, path: str, texts: list[str], args, scaling: st
 
 def plot(rows: list[dict], output: Path, *, title: str):
     """Perplexity against the length factor (log2 axis), one line per model; log y once it spans 10x."""
-    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
     scored = [row for row in rows if row["perplexity"] != ""]
     for name in dict.fromkeys(row["model"] for row in rows):
         points = [(row["factor"], row["perplexity"]) for row in scored if row["model"] == name]
@@ -121,7 +119,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not any(row["perplexity"] != "" for row in rows):  # a table of notes only: exit 2, not a result
         raise EvalError(f"no length could be scored: every one of the {len(rows)} model x factor x scaling cells "
                         f"failed (see the warnings above); nothing was written to {str(args.output_dir)!r}")
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     csv_file, png_file, json_file = (args.output_dir / file for file in OUTPUT_FILES)
     with csv_file.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)

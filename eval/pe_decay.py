@@ -9,31 +9,27 @@ and a head at temperature tau = 2 (logit scale 1), the logit of a pair splits as
 
 where q_s', k_s' are the space parts after the variant's rotation (hope, rope3d) or absolute embedding
 (learned) and bias its logit bias (alibi, hope_boost). Rotations fix the time coordinate, so all the distance
-dependence lives in the space score, the analogue of seed 000's qᵀ M k; the CSV also has the time term.
+dependence lives in the space score, the analogue of seed 000's qᵀ M k.
 Panels, over --samples draws per head: aligned k_s = q_s (Fig. 4, mean), and a Gaussian query with a fresh
 Gaussian key per position (Fig. 5: the mean, and the standard deviation = how much content can still move a
-logit). ``learned`` uses a fresh table; ``alibi`` shows one head (--alibi-head). Distance axis: linear to 1,
+logit). ``learned`` uses a fresh table; ``alibi`` shows its last head (gentlest slope). Distance axis: linear to 1,
 then logarithmic.
 
-    python eval/pe_decay.py --output figures/pe_decay.png --csv figures/pe_decay.csv
+    python eval/pe_decay.py --output figures/pe_decay.png
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
+import torch
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from helm.evaluation import EvalError, at_least, check_distinct, check_writable, run_script, user_path  # noqa: E402
-from helm.manifold.math import curvature_to_k, lift  # noqa: E402
-from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,  # noqa: E402
+from helm.evaluation import EvalError, at_least, check_writable, run_script, user_path
+from helm.manifold.math import curvature_to_k, lift
+from helm.nn.positional import (POSITIONAL_ENCODINGS, NoPositionalEncoding, alibi_slopes,
                                 build_positional_encoding)
 
 PANELS = (("aligned", "mean", "aligned: k = q (mean over draws)"),
@@ -71,8 +67,6 @@ def check_arguments(args) -> None:
     """The options argparse's types cannot check alone, refused as one line before anything is computed."""
     if args.head_dim % 2:
         raise EvalError(f"--head-dim (space dims per head) must be even for the rotary variants, got {args.head_dim}")
-    if args.alibi_head is not None and not 0 <= args.alibi_head < args.num_heads:
-        raise EvalError(f"--alibi-head must lie in [0, {args.num_heads}), got {args.alibi_head}")
     if not args.curvature < 0:
         raise EvalError(f"--curvature must be negative (the paper's K < 0), got {args.curvature}")
 
@@ -81,10 +75,9 @@ def decay_curves(args) -> dict:
     """``{setting: {variant: {"mean", "std", "time_mean"}}}``, each a ``[D+1]`` tensor over distances.
 
     ``mean``/``std`` are of the space score, ``time_mean`` of the time term ``q_t k_t``, over ``--samples``
-    draws and all heads (alibi: every head's draws with the slope of head ``--alibi-head``).
+    draws and all heads (alibi: every head's draws with the slope of the last head).
     """
     heads, dim, distance = args.num_heads, args.head_dim, args.max_distance
-    alibi_head = heads - 1 if args.alibi_head is None else args.alibi_head
     k = curvature_to_k(args.curvature)
     generator = torch.Generator().manual_seed(args.seed)
     q_s = torch.randn(args.samples, heads, dim, generator=generator, dtype=torch.float64)
@@ -100,7 +93,7 @@ def decay_curves(args) -> dict:
             space, time = scores_by_distance(pe, q_s, k_s, max_distance=distance, k=k)
             if kind == "alibi":  # every head's content with one head's slope: the bias is content-free
                 plain, _ = scores_by_distance(NoPositionalEncoding(), q_s, k_s, max_distance=distance, k=k)
-                space = plain + (space - plain)[:, alibi_head:alibi_head + 1]
+                space = plain + (space - plain)[:, -1:]
             space, time = space.reshape(-1, space.shape[-1]), time.reshape(-1, time.shape[-1])
             curves[setting][kind] = {"mean": space.mean(0), "std": space.std(0), "time_mean": time.mean(0)}
     return curves
@@ -108,7 +101,8 @@ def decay_curves(args) -> dict:
 
 def plot(curves: dict, *, output: str | Path, title: str, alibi_label: str):
     """Three panels against distance (log scale past 1): aligned mean, random mean, random spread."""
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(17, 4.8), constrained_layout=True)
+    fig = Figure(figsize=(17, 4.8), layout="constrained")
+    axes = fig.subplots(1, len(PANELS))
     for ax, (setting, stat, panel_title) in zip(axes, PANELS, strict=True):
         for kind, curve in curves[setting].items():
             y = curve[stat].numpy()
@@ -122,20 +116,8 @@ def plot(curves: dict, *, output: str | Path, title: str, alibi_label: str):
         ax.grid(alpha=0.3)
         ax.legend(title="positional encoding", fontsize=8)
     fig.suptitle(title)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     return fig
-
-
-def write_csv(curves: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["setting", "variant", "distance", "space_score_mean", "space_score_std", "time_term_mean"])
-        writer.writerows([setting, kind, distance, f"{mean:.6g}", f"{std:.6g}", f"{time:.6g}"]
-                         for setting, per_kind in curves.items() for kind, curve in per_kind.items()
-                         for distance, (mean, std, time) in enumerate(zip(curve["mean"].tolist(), curve["std"].tolist(),
-                                                                          curve["time_mean"].tolist(), strict=True)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,13 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-distance", type=at_least(1), default=1024, help="largest relative distance D")
     parser.add_argument("--samples", type=at_least(2), default=16, help="random draws per head")
     parser.add_argument("--curvature", type=float, default=-1.0, help="the paper's K < 0 (default -1)")
-    parser.add_argument("--alibi-head", type=int, help="ALiBi head to show (default: the last, gentlest slope)")
     parser.add_argument("--rope3d-chunk-size", type=at_least(1), default=512, help="rope3d chunk size (default 512)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=user_path, default="pe_decay.png",
                         help="figure to write, its format taken from the suffix (.png, .pdf, .svg, ...; refused "
                              "before anything is computed if matplotlib cannot write it) (default: pe_decay.png)")
-    parser.add_argument("--csv", type=user_path, help="also write the curves as CSV (a .csv file)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -162,23 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     check_arguments(args)
-    check_distinct({"--output": args.output, "--csv": args.csv})
     check_writable(args.output, "--output")
-    formats = plt.figure().canvas.get_supported_filetypes()
+    formats = Figure().canvas.get_supported_filetypes()
     if args.output.suffix.lstrip(".").lower() not in formats:
         raise EvalError(f"--output {str(args.output)!r}: matplotlib writes no {args.output.suffix or 'suffix-less'!r} "
                         f"figure; give one of {', '.join('.' + f for f in sorted(formats))}")
-    if args.csv:
-        check_writable(args.csv, "--csv")
     curves = decay_curves(args)
-    head = args.num_heads - 1 if args.alibi_head is None else args.alibi_head
-    slope = alibi_slopes(args.num_heads)[head]
-    fig = plot(curves, output=args.output, alibi_label=f"alibi (head {head}, slope {slope:.3g})",
+    slope = alibi_slopes(args.num_heads)[-1]
+    fig = plot(curves, output=args.output, alibi_label=f"alibi (head {args.num_heads - 1}, slope {slope:.3g})",
                title=f"Score vs relative distance: {args.head_dim} space dims per head, K = {args.curvature:g}, "
                      f"{args.samples}×{args.num_heads} draws")
-    if args.csv:
-        write_csv(curves, args.csv)
-    print(f"wrote {args.output}" + (f" and {args.csv}" if args.csv else ""))
+    print(f"wrote {args.output}")
     return curves, fig
 
 

@@ -33,8 +33,7 @@ from .data.paths import MODEL_FILES, TOKENIZER_FILES
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["EvalError", "add_loading_arguments", "add_text_arguments", "at_least", "check_distinct",
-           "check_model_folder",
+__all__ = ["EvalError", "add_loading_arguments", "add_text_arguments", "at_least", "check_model_folder",
            "check_vocabulary", "check_window", "check_writable",
            "data_files",
            "learned_position_limit", "load_checkpoint", "load_texts", "model_names", "perplexity",
@@ -109,20 +108,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def check_distinct(outputs: dict) -> None:
-    """An :class:`EvalError` when two outputs of one run (``{option: path}``, ``None`` for an option not given) name
-    the same file, so that one would silently replace the other."""
-    seen: dict[str, str] = {}
-    for name, path in outputs.items():
-        if path is None:
-            continue
-        key = os.path.realpath(Path(os.fspath(path)).expanduser())
-        if key in seen:
-            raise EvalError(f"{seen[key]} and {name} both name {os.fspath(path)!r}; the second would overwrite the "
-                            "first, give each its own path")
-        seen[key] = name
 
 
 def data_files(sources: Iterable, split: str) -> list[Path]:

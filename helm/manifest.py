@@ -60,10 +60,11 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def write_manifest(folder: Path, step: Optional[int], which: Optional[Callable[[str], bool]] = None) -> None:
+def write_manifest(folder: Path, step: Optional[int], which: Optional[Callable[[str], bool]] = None,
+                   extra: Optional[dict] = None) -> None:
     """Hash (and flush to disk) every file in ``folder`` (those whose relative path ``which`` selects, when given),
-    then write ``manifest.json`` atomically, last. ``step`` is None for a folder written outside training
-    (``save_pretrained``, which lists only the weight files)."""
+    then write ``manifest.json`` atomically, last, with the keys of ``extra`` beside its own. ``step`` is None for a
+    folder written outside training (``save_pretrained``, which lists only the weight files)."""
     folder = Path(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
@@ -72,7 +73,7 @@ def write_manifest(folder: Path, step: Optional[int], which: Optional[Callable[[
         files[path.relative_to(folder).as_posix()] = {"sha256": digest, "bytes": size}
     tmp = folder / (MANIFEST + ".tmp")
     with tmp.open("w", encoding="utf-8") as handle:
-        json.dump({"format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
+        json.dump({**(extra or {}), "format": FORMAT, "step": step, "files": files}, handle, indent=1, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(folder / MANIFEST)

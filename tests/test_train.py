@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,7 +160,7 @@ def test_paper_recipes_follow_the_paper():
 
 def test_overrides_are_typed(tmp_path, run_data):
     recipe = write_recipe(tmp_path, run_data)
-    overrides = cli_overrides(["--optim.lr=1e-3", "--train.max_steps", "7", "--demo.prompt=null",
+    overrides = cli_overrides(["--optim.lr=1e-3", "--train.max_steps=7", "--demo.prompt=null",
                                "--model.overrides.num_hidden_layers=2", "--data.dataset_config=20231101.en"])
     assert overrides[:2] == ["optim.lr=1e-3", "train.max_steps=7"]
     c = load_run_config(recipe, overrides)
@@ -175,8 +176,8 @@ def test_overrides_are_typed(tmp_path, run_data):
                          (["--train.output_dir=''"], "train.output_dir")):
         with pytest.raises(ConfigError, match=culprit):
             load_run_config(recipe, cli_overrides(bad))
-    for bad, message in ((["max_steps=3"], "unrecognised argument"), (["--train.max_steps"], "has no value")):
-        with pytest.raises(ConfigError, match=message):
+    for bad in (["max_steps=3"], ["--train.max_steps", "7"], ["--train=3"]):
+        with pytest.raises(ConfigError, match=re.escape(repr(bad[0]))):
             cli_overrides(bad)
 
 
@@ -377,6 +378,7 @@ def test_tensorboard_and_jsonl_metrics_resume_without_duplicate_steps(tmp_path, 
     first = [r for r in read_metrics(run) if "loss" in r]
     events = list((run / "tensorboard").rglob("events.out.tfevents.*"))
     assert events and sum(e.stat().st_size for e in events) > 0
+    shutil.rmtree(run / "checkpoints" / "step-00000004")  # as if killed before it was written
     code, output = run_main(["--config", recipe, "--resume", run / "checkpoints" / "step-00000002"], capsys)
     assert code == 0, output
     again = [r for r in read_metrics(run) if "loss" in r]
@@ -590,7 +592,7 @@ def test_checkpoint_round_trip_keeps_manifold_parameters(tmp_path):
     save_checkpoint(accelerator, tmp_path, 3, keep_last=1)
     checkpoint = tmp_path / "checkpoints" / "step-00000003"
     verify_checkpoint(checkpoint)
-    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "val_loss": None, "data": None, "world_size": 1}
+    assert read_trainer_state(checkpoint) == {"step": 3, "config": {"note": "x"}, "data": None, "world_size": 1}
 
     again, fresh, fresh_optimizer, fresh_state = build(0)
     again.load_state(str(checkpoint))
@@ -732,6 +734,7 @@ def test_streamed_dataset_with_held_out_documents_resumes_exactly(tmp_path, run_
     assert "streamed" in output
     run = tmp_path / "run"
     first = [r for r in read_metrics(run) if "loss" in r]
+    shutil.rmtree(run / "checkpoints" / "step-00000008")  # as if killed before it was written
     code, output = run_main(["--config", recipe, "--resume", run / "checkpoints" / "step-00000004"], capsys)
     assert code == 0, output
     again = [r for r in read_metrics(run) if "loss" in r]

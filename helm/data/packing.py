@@ -86,9 +86,8 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text"):
     tokens, with ``datasets.map(batched=True)`` (lazily for streams)."""
     def encode(batch):
         texts = batch[text_column]
-        if any(not isinstance(text, str) for text in texts):  # a stream is checked here, as it is read
-            bad = next(text for text in texts if not isinstance(text, str))
-            raise ValueError(f"field {text_column!r} must hold strings, got a record with {bad!r}")
+        if bad := [text for text in texts if not isinstance(text, str)]:  # a stream is checked here, as it is read
+            raise ValueError(f"field {text_column!r} must hold strings, got a record with {bad[0]!r}")
         return {"input_ids": tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]}
 
     import datasets
@@ -100,11 +99,10 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text"):
 def pack_rows(token_id_lists: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, max_rows: int | None = None,
               mask_document_starts: bool = False) -> dict[str, torch.Tensor]:
     """:func:`pack_documents`, or only its first ``max_rows`` rows read lazily (``{}`` when there are none)."""
-    if max_rows is None:
-        return pack_documents(token_id_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts)
-    rows = list(itertools.islice(iter_packed(token_id_lists, seq_len, eos_id=eos_id,
-                                             mask_document_starts=mask_document_starts), max_rows))
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]} if rows else {}
+    rows = next(_packed_chunks(token_id_lists, seq_len, eos_id=eos_id, mask_document_starts=mask_document_starts,
+                               rows_per_chunk=math.inf if max_rows is None else max_rows))
+    rows = {key: value[:max_rows] for key, value in rows.items()}
+    return rows if max_rows is None or len(rows["input_ids"]) else {}
 
 
 def packed_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

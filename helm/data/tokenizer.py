@@ -22,13 +22,13 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message
 
 
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_dir: str | os.PathLike, *,
-                    vocab_size: int = 8192, min_frequency: int = 2, text_column: str = "text", progress: bool = False):
+                    vocab_size: int = 8192):
     """Train a byte-level BPE on ``files`` and ``save_pretrained`` it to ``out_dir``; returns the
     ``PreTrainedTokenizerFast`` (``AutoTokenizer.from_pretrained(out_dir)`` loads it offline).
 
-    ``files`` are read with :func:`helm.data.load_text_dataset` (``.jsonl``: one text per record, field
-    ``text_column``; ``.txt``: one text per file). ``vocab_size`` counts the 256 byte symbols and the two special
-    tokens; a pair must occur ``min_frequency`` times to be merged; ``progress`` shows the ``tokenizers`` bar.
+    ``files`` are read with :func:`helm.data.load_text_dataset` (``.jsonl``: one text per record, field ``text``;
+    ``.txt``: one text per file). ``vocab_size`` counts the 256 byte symbols and the two special tokens; a pair must
+    occur twice to be merged.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -36,15 +36,14 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike], out_
     files = [Path(files)] if isinstance(files, (str, os.PathLike)) else [Path(f) for f in files]
     if vocab_size < 258:
         raise ValueError(f"vocab_size must be at least 258 (256 bytes + 2 special tokens), got {vocab_size}")
-    texts = load_text_dataset(files, text_column=text_column)
+    texts = load_text_dataset(files)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((batch[text_column] for batch in texts.iter(batch_size=1000)), trainer=trainer,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((batch["text"] for batch in texts.iter(batch_size=1000)), trainer=trainer,
                                   length=len(texts))
     # Decoding must give back the exact text; transformers' clean-up would drop spaces before punctuation.
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import pickle
 import re
@@ -42,15 +41,14 @@ class CheckpointError(RuntimeError):
 
 class TrainerState:
     """The optimiser step (which is also the data position: step ``s`` reads global rows ``[s·G, (s+1)·G)``), the
-    recipe it was trained with, the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`)
-    and the validation loss measured when it was saved (for ``train.keep_best``); registered with
-    ``accelerator.register_for_checkpointing``."""
+    recipe it was trained with and the fingerprint of its data stream (:func:`helm.training.data.data_fingerprint`);
+    registered with ``accelerator.register_for_checkpointing``."""
 
     def __init__(self, config: dict, step: int = 0):
-        self.config, self.step, self.data, self.val_loss = config, step, None, None
+        self.config, self.step, self.data = config, step, None
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "config": self.config, "val_loss": self.val_loss, "data": self.data}
+        return {"step": self.step, "config": self.config, "data": self.data}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -110,9 +108,9 @@ def read_trainer_state(checkpoint: Path) -> dict:
     return state
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int, keep_best: bool = False) -> None:
-    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, prune old ones: all
-    but the last ``keep_last`` and, with ``keep_best``, the one of lowest validation loss (:func:`best_checkpoint`)."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int) -> None:
+    """``accelerator.save_state`` into a ``.tmp-`` folder, manifest last, rename into place, and delete all but the
+    last ``keep_last``."""
     root = output_dir / "checkpoints"
     tmp, final = root / f".tmp-step-{step:08d}", root / f"step-{step:08d}"
     if accelerator.is_main_process:
@@ -136,25 +134,13 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, *, keep_last: int,
         raise CheckpointError(f"could not write the checkpoint of step {step} ({' '.join(str(error).split())}; "
                               f"{cause}): {remedy}") from None
     if accelerator.is_main_process:
-        best = best_checkpoint(root) if keep_best else None
         for _, path in list_checkpoints(root)[:-keep_last]:
-            if path != best and (kept := foreign_files(path)):  # the user's files: the folder stays
+            if kept := foreign_files(path):  # the user's files: the folder stays
                 logger.warning("kept %s past train.keep_last: it holds files train.py did not write (%s)", path,
                                ", ".join(p.name for p in kept[:4]))
-            elif path != best:
+            else:
                 shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
-
-
-def best_checkpoint(root: Path) -> Path | None:
-    """The checkpoint under ``root`` whose trainer state records the lowest finite validation loss (the newest of
-    equal ones), or None when none records one."""
-    scored = []
-    for step, path in list_checkpoints(root):
-        loss = read_trainer_state(path).get("val_loss")
-        if loss is not None and math.isfinite(loss):
-            scored.append((loss, -step, path))
-    return min(scored)[2] if scored else None
 
 
 # what train.py deletes on train.overwrite: these entries of a run folder (other files there stay)

@@ -12,12 +12,13 @@ import inspect
 import math
 import os
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
@@ -153,11 +154,7 @@ class TrainConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0 = only at the end); written atomically."""
     keep_last: int = 2
-    """Checkpoints kept (older ones are deleted), besides the best one (keep_best)."""
-    keep_best: bool = True
-    """Also keep the checkpoint of lowest validation loss (measured on eval_rows rows at every checkpoint and
-    recorded in its trainer state), as Lightning's ModelCheckpoint does: a run that went wrong after its best
-    point keeps that point whatever keep_last deletes. false: only the last keep_last."""
+    """Checkpoints kept (older ones are deleted)."""
     logger: str = "jsonl"
     """accelerate trackers: jsonl (output_dir/metrics.jsonl), tensorboard (output_dir/tensorboard; needs
     ``pip install tensorboard``), or both."""
@@ -180,15 +177,10 @@ class TrainConfig:
 @dataclass
 class DemoConfig:
     prompt: Optional[str] = None
-    """Text generated from this prompt by the reloaded model at the end; null = no sample."""
+    """Text the reloaded model continues at the end (sampled: temperature 0.8, top-k 40, seed train.seed); null =
+    no sample."""
     max_new_tokens: int = 48
     """Tokens to generate."""
-    do_sample: bool = True
-    """Sample (true) or greedy decoding (false)."""
-    temperature: float = 0.8
-    """Sampling temperature."""
-    top_k: int = 40
-    """Sample among the top_k most likely tokens (0 = no top-k filter)."""
 
 
 @dataclass
@@ -240,17 +232,11 @@ def describe(config: Optional[RunConfig] = None, width: int = 116) -> str:
 
 
 def cli_overrides(args: list[str]) -> list[str]:
-    """``["--train.max_steps=5", "--optim.lr", "1e-3"]`` → the dotlist ``["train.max_steps=5", "optim.lr=1e-3"]``."""
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+    """``["--train.max_steps=5", "--optim.lr=1e-3"]`` → the dotlist ``["train.max_steps=5", "optim.lr=1e-3"]``."""
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
             raise ConfigError(f"unrecognised argument {arg!r}: overrides are written --section.key=value")
-        if "=" not in arg and i + 1 == len(args):
-            raise ConfigError(f"override {arg!r} has no value (write {arg}=VALUE)")
-        out.append(arg[2:] if "=" in arg else f"{arg[2:]}={args[i + 1]}")
-        i += 1 if "=" in arg else 2
-    return out
+    return [arg[2:] for arg in args]
 
 
 def _message(error: OmegaConfBaseException) -> str:
@@ -270,6 +256,11 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         raise ConfigError(f"--config {str(path)!r}: {problem}")
     try:
         recipe, dotlist = OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
+        for section, name in (key.split(".") for key in RETIRED):
+            body = recipe.get(section) if isinstance(recipe, DictConfig) else None  # another shape is refused below
+            if isinstance(body, DictConfig) and name in body:
+                warnings.warn(f"--config {str(path)!r}: {section}.{name} is no longer a recipe key; ignored")
+                del body[name]
         if placeholders := sorted(OmegaConf.missing_keys(dotlist)):  # the merge would drop such an override
             raise ConfigError(f"--{placeholders[0]}=???: '???' marks a required key, it is not a value")
         # a required key left unset is OmegaConf's MissingMandatoryValue, which names it
@@ -284,6 +275,10 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     expand_home(config)
     validate(config)
     return config
+
+
+# Keys that earlier versions of train.py wrote into every config.yaml: such a recipe still loads, without them.
+RETIRED = ("train.keep_best", "demo.do_sample", "demo.temperature", "demo.top_k")
 
 
 # The recipe keys that name local paths (model.preset and model.pretrained may also name a preset or a hub id,
@@ -304,8 +299,8 @@ def expand_home(c: RunConfig) -> None:
 MINIMUM = {"data.seq_len": 2, "data.holdout_documents": 0, "data.num_workers": 0, "optim.weight_decay": 0,
            "optim.stabilize": 1, "train.seed": 0, "train.max_steps": 1, "train.batch_size": 1, "train.grad_accum": 1,
            "train.log_every": 1, "train.eval_every": 0, "train.eval_rows": 1, "train.save_every": 0,
-           "train.keep_last": 1, "demo.max_new_tokens": 1, "demo.top_k": 0}
-POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip", "demo.temperature")
+           "train.keep_last": 1, "demo.max_new_tokens": 1}
+POSITIVE = ("optim.lr", "optim.manifold_lr", "optim.eps", "optim.grad_clip")
 CHOICES = {"train.mixed_precision": ("no", "bf16", "fp16", "auto"), "train.distributed": ("ddp", "fsdp"),
            "train.logger": ("jsonl", "tensorboard", "both"), "train.compile_backend": ("inductor", "aot_eager"),
            "train.compile": ("auto", "true", "false")}
@@ -352,12 +347,10 @@ RESUMABLE_CHANGES = frozenset({
     "model.attn_implementation", "model.trust_remote_code", "train.output_dir", "train.overwrite", "train.max_steps",
     "train.log_every",
     "train.eval_every",
-    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last", "train.keep_best",
+    "train.eval_rows", "train.eval_at_start", "train.save_every", "train.keep_last",
     "train.logger", "train.progress_bar",
     "train.gradient_checkpointing", "train.compile", "train.compile_backend",
     "data.build_default", "data.num_workers", "data.resume_on_changed_data", "demo.prompt", "demo.max_new_tokens",
-    "demo.do_sample",
-    "demo.temperature", "demo.top_k",
 })
 
 

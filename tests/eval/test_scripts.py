@@ -80,7 +80,6 @@ CURVATURE = ["--model", "{helm}", "--files", "{text}", "--output-dir", "{tmp}", 
     ("curvature", [*CURVATURE, "--max-points", "40", "--alpha", "1"], "--alpha"),
     ("curvature", [*CURVATURE, "--max-points", "2"], "--max-points"),
     ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], "--head-dim"),
-    ("pe_decay", ["--num-heads", "4", "--alibi-head", "4", "--output", "{tmp}/a.png"], "--alibi-head"),
     ("harness", ["--model", "{helm}", "--tasks", "helm_local_mc", "--num-fewshot", "-1"], "--num-fewshot"),
 ])
 def test_bad_arguments_are_clear_errors(name, argv, message, make_checkpoint, text_file, tmp_path, capsys):
@@ -99,22 +98,6 @@ def test_harness_tasks_take_shots_and_a_limit(make_checkpoint, capsys):
     assert record["n-samples"]["helm_local_mc"]["effective"] == 5
     [sample] = record["samples"]["helm_local_mc"][:1]
     assert sample["arguments"][0][0].count("Question:") == 3  # two shots and the question itself
-    assert "--num_fewshot 2" in capsys.readouterr().out
-
-
-def test_paper_suite_dry_run_prints_the_stock_commands(make_checkpoint, capsys):
-    harness = load_script("harness")
-    folder = make_checkpoint("helm_d")
-    assert harness.main(["--model", str(folder), "--suite", "paper", "--dry-run", "--batch-size", "8",
-                         "--device", "cpu", "--limit", "10"]) is None
-    out = capsys.readouterr().out
-    zero, five = [line.strip() for line in out.splitlines() if line.strip().startswith("lm_eval ")]
-    assert zero == (f"lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True "
-                    "--tasks commonsense_qa,hellaswag,helm_openbookqa_letters --num_fewshot 0 --batch_size 8 "
-                    f"--device cpu --include_path {EVAL_DIR / 'tasks'} --limit 10")
-    assert "--tasks mmlu,arc_challenge --num_fewshot 5" in five
-    local = harness.main(["--model", str(folder), "--tasks", "helm_local_mc", "--dry-run"])
-    assert local is None and f"--include_path {EVAL_DIR / 'tasks'}" in capsys.readouterr().out
 
 
 def test_paper_suite_matches_the_table_of_the_readme():
@@ -154,7 +137,6 @@ def test_local_suite_result_feeds_compare(make_checkpoint, tmp_path, capsys):
                            "--output", str(out)])
     assert set(record["results"]) >= {"helm_local_mc", "helm_local_ppl", "helm_local_gen"}
     assert record["n-shot"]["helm_local_mc"] == 0
-    assert "--include_path" in capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["model_name"] == "mice" and saved["suite"] == "local" and "samples" not in saved
     table = compare.main([str(out)])
@@ -184,19 +166,16 @@ def test_compare_builds_the_paper_table(tmp_path):
     (tmp_path / "ppl.json").write_text(json.dumps({"model_name": "helm-d", "results": {
         "perplexity:validation": {"perplexity": 12.3456, "mean_nll": 2.513, "scored_tokens": 100}}}))
     (tmp_path / "notes.json").write_text(json.dumps({"something": "else"}))
-    table = compare.main([str(tmp_path), "--metric", "mmlu=acc", "--stderr"])
+    table = compare.main([str(tmp_path), "--metric", "mmlu=acc"])
     lines = table.splitlines()
-    assert lines[0] == ("| Model | CommonsenseQA (acc_norm, 0-shot) | HellaSwag (acc_norm, 0-shot) | "
-                        "MMLU (acc, 5-shot) | perplexity:validation (perplexity) | Avg |")
+    assert lines[0] == ("| Model | commonsense_qa (acc_norm, 0-shot) | hellaswag (acc_norm, 0-shot) | "
+                        "mmlu (acc, 5-shot) | perplexity:validation (perplexity) | Avg |")
     helm_row = next(line for line in lines if line.startswith("| helm-d |"))
     llama_row = next(line for line in lines if line.startswith("| llama |"))
-    assert "22.0 ± 2.0" in helm_row and "32.0 ± 2.0" in helm_row and "25.0 ± 1.0" in helm_row
+    assert "| 22.0 | 32.0 | 25.0 |" in helm_row and "±" not in table
     assert "12.35" in helm_row and helm_row.endswith(f"| {(22 + 32 + 25) / 3:.1f} |")
     assert llama_row.split(" | ")[4] == "—"  # no perplexity file for llama
     assert "anatomy" not in table and "mmlu_stem" not in table
-    plain = compare.main([str(tmp_path / "b.json"), "--raw", "--tasks", "hellaswag,commonsense_qa"])
-    assert plain.splitlines()[0] == "| Model | HellaSwag (acc_norm, 0-shot) | CommonsenseQA (acc_norm, 0-shot) | Avg |"
-    assert plain.splitlines()[2].startswith("| llama | 0.3 | 0.24 |")
 
 
 def test_compare_reads_multi_run_files_and_renames(tmp_path):

@@ -56,7 +56,7 @@ def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
     pe_decay = load_script("pe_decay")
     out = tmp_path / "decay.png"
     curves, fig = pe_decay.main(["--head-dim", "16", "--num-heads", "4", "--max-distance", "200", "--samples", "8",
-                                 "--rope3d-chunk-size", "64", "--output", str(out), "--csv", str(tmp_path / "d.csv"),
+                                 "--rope3d-chunk-size", "64", "--output", str(out),
                                  "--no-progress"])
     assert_png(out, (17 * 110, round(4.8 * 110)))
     assert_labelled(fig, n_lines_at_least=6)
@@ -80,10 +80,6 @@ def test_pe_decay_curves_have_the_properties_of_each_encoding(tmp_path):
     # rope3d equals hope while query (position 200 = 3·64 + 8) and key share a chunk, and differs across chunks
     assert torch.allclose(aligned["rope3d"]["mean"][:9], aligned["hope"]["mean"][:9])
     assert not torch.allclose(aligned["rope3d"]["mean"][9:], aligned["hope"]["mean"][9:])
-    rows = list(csv.DictReader((tmp_path / "d.csv").open()))
-    assert len(rows) == 2 * len(aligned) * 201 and {"space_score_mean", "space_score_std", "time_term_mean"} <= set(rows[0])
-    row = next(r for r in rows if (r["setting"], r["variant"], r["distance"]) == ("random", "alibi", "7"))
-    assert float(row["space_score_std"]) == pytest.approx(float(random["alibi"]["std"][7]), rel=1e-5)
 
 
 def test_length_extrapolation_table_and_plot(make_checkpoint, text_file, tmp_path):
@@ -167,11 +163,8 @@ def test_curvature_runs_on_helm_and_llama(make_checkpoint, text_file, tmp_path):
     for name, stats in runs.items():
         assert stats["points"] + stats["duplicates_dropped"] == 120 and stats["edges"] >= 6 * stats["points"] / 2
         assert stats["points"] >= 100
-        edges = np.loadtxt(tmp_path / f"curvature_{name}.csv", skiprows=1)
-        assert (tmp_path / f"curvature_{name}.csv").read_text().startswith("ollivier_ricci_curvature\n")
-        assert edges.size == stats["edges"] and -2.0 <= edges.min() and edges.max() <= 1.0  # unit edges: κ in [-2, 1]
-        assert stats["mean"] == pytest.approx(edges.mean(), abs=1e-6)
-        assert stats["fraction_negative"] == pytest.approx((edges < 0).mean(), abs=1e-12)
+        assert -2.0 <= stats["min"] <= stats["mean"] <= stats["max"] <= 1.0  # unit edges: κ in [-2, 1]
+        assert 0.0 <= stats["fraction_negative"] <= 1.0
     assert json.loads((tmp_path / "curvature.json").read_text()) == json.loads(json.dumps(record))
     assert_png(tmp_path / "curvature.png", (7 * 120, round(4.5 * 120)))
     values = {"a": torch.rand(50).numpy(), "b": -torch.rand(50).numpy()}

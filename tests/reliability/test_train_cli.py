@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from helm.manifest import RUN_MARKER
-from helm.training import list_checkpoints, load_run_config, verify_checkpoint
+from helm.training import ConfigError, list_checkpoints, load_run_config, verify_checkpoint
 from tests.test_train import REPO, fresh_accelerate_state, run_data, train_script, write_recipe  # noqa: F401  (fixtures)
 
 
@@ -610,24 +610,23 @@ def test_huge_learning_rate_diverges_with_exit_3(tmp_path, run_data):
     _checkpoint_weights_finite(tmp_path / "run")
 
 
-def test_keep_best_keeps_the_checkpoint_of_lowest_validation_loss_through_rotation(tmp_path, run_data, capsys,
-                                                                                  monkeypatch):
-    """train.keep_best (default true): keep_last=1 rotates older checkpoints away but keeps the one of lowest
-    validation loss (measured when it is saved, recorded in its trainer state) besides the newest; with
-    keep_best=false only the newest stays. The validation losses at steps 2, 4, 6, 8 are scripted: 2 is best."""
-    from helm.training import read_trainer_state
+def test_a_config_yaml_of_an_earlier_train_py_still_loads_without_its_retired_keys(tmp_path, run_data):
+    """Every config.yaml an earlier train.py wrote holds train.keep_best and demo.do_sample / temperature / top_k,
+    which are gone: such a recipe loads, each retired key named in a warning; set on the command line, one is an
+    unknown key as any other."""
+    from helm.training.config import RETIRED
 
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 8, "save_every": 2, "keep_last": 1,
-                                                     "eval_at_start": False}, demo={"prompt": None})
-    for keep_best, kept in ((True, [2, 8]), (False, [8])):
-        scripted = iter([1.0, 3.0, 2.0, 4.0])
-        monkeypatch.setattr(train_script, "validation_loss",
-                            lambda *args, distributed=True: next(scripted) if distributed else 1.0)
-        assert train_script.main(["--config", str(recipe), f"--train.keep_best={keep_best}",
-                                  "--train.overwrite=true"]) == 0, capsys.readouterr()
-        found = list_checkpoints(tmp_path / "run" / "checkpoints")
-        assert [step for step, _ in found] == kept, found
-        assert read_trainer_state(found[0][1])["val_loss"] == (1.0 if keep_best else None)
+    recipe = write_recipe(tmp_path, run_data)
+    current = load_run_config(recipe).to_dict()
+    old = yaml.safe_load(recipe.read_text())
+    old["train"]["keep_best"] = True
+    old.setdefault("demo", {}).update(do_sample=True, temperature=0.8, top_k=40)
+    recipe.write_text(yaml.safe_dump(old))
+    with pytest.warns(UserWarning) as caught:
+        assert load_run_config(recipe).to_dict() == current
+    assert sorted(key for key in RETIRED if any(key in str(w.message) for w in caught)) == sorted(RETIRED)
+    with pytest.raises(ConfigError, match="train.keep_best"):
+        load_run_config(write_recipe(tmp_path, run_data, name="new.yaml"), ["train.keep_best=true"])
 
 
 def test_ctrl_c_is_one_line_naming_the_newest_checkpoint_and_exit_130(tmp_path, run_data):
@@ -852,8 +851,8 @@ def test_a_checkpoint_file_holding_a_pickled_object_is_one_line(planted, tmp_pat
 
 def test_rotation_keeps_a_checkpoint_holding_the_users_file(tmp_path, run_data, capsys, caplog):
     """Fourth re-probe: keep_last pruning deleted an old checkpoint folder whole, the user's file in it too."""
-    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2, "keep_last": 1,
-                                                     "keep_best": False}, demo={"prompt": None})
+    recipe = write_recipe(tmp_path, run_data, train={"max_steps": 2, "save_every": 2, "keep_last": 1},
+                          demo={"prompt": None})
     assert train_script.main(["--config", str(recipe)]) == 0
     note = tmp_path / "run" / "checkpoints" / "step-00000002" / "mynote.txt"
     note.write_text("mine")
