@@ -89,14 +89,14 @@ def make_accelerator(cfg, out: Path, resume_step):
     return accelerator
 
 
-def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, asked: bool, accelerator) -> None:
+def prepare_output_dir(cfg, out: Path, checkpoint: Path | None, step: int | None, asked: bool, accelerator) -> None:
     """Never mix a fresh run into an old one, nor delete one unasked: --resume (``asked``) of this folder's newest
-    ``checkpoint`` (an earlier one while later ones exist would mix two histories), train.overwrite, or no old files
-    (a checkpoint of another folder starts a new run here).
+    ``checkpoint`` (of step ``step``; an earlier one while later ones exist would mix two histories),
+    train.overwrite, or no old files (a checkpoint of another folder starts a new run here).
     train.overwrite deletes only what train.py wrote (:data:`OVERWRITTEN`) in a folder marked as a run folder (or
     holding the config.yaml of an older train.py), never a folder of other files, nor what the recipe reads."""
     resuming = checkpoint is not None and Path(checkpoint).resolve().parent == (out / "checkpoints").resolve()
-    if later := [p.name for _, p in list_checkpoints(out / "checkpoints") if resuming and p.name > checkpoint.name]:
+    if later := [p.name for s, p in list_checkpoints(out / "checkpoints") if resuming and s > step]:
         raise CheckpointError(f"--resume {str(checkpoint)!r}: this run has later checkpoints ({', '.join(later)}), "
                               "whose history resuming here would replace: move them out of checkpoints/ first")
     run_folder = is_run_folder(out)
@@ -368,7 +368,7 @@ def train(cfg, resume, state: TrainerState) -> None:
         state.step = saved["step"]
 
     # Inputs: everything that can be wrong is checked here, before any heavy work.
-    prepare_output_dir(cfg, out, checkpoint, resume is not None, accelerator)
+    prepare_output_dir(cfg, out, checkpoint, saved["step"] if saved else None, resume is not None, accelerator)
     if resume is not None and checkpoint is None:
         say(f"[train] --resume: no checkpoint in {out} yet; starting from step 0")
     ensure_default_data(cfg, accelerator)
@@ -482,7 +482,7 @@ def train(cfg, resume, state: TrainerState) -> None:
         # (a resumed run whose newest checkpoint holds NaN weights trains 0 steps and would reach here)
         restored = trained == 0 and checkpoint is not None
         source = f" (restored from {checkpoint}, trained 0 steps since)" if restored else ""
-        advice = "Resume from an earlier checkpoint with --resume PATH" if restored else divergence_causes(cfg)
+        advice = "Move it out of checkpoints/ and --resume an earlier one" if restored else divergence_causes(cfg)
         reloaded, after = None, None
 
         def check_final(folder):

@@ -461,7 +461,8 @@ def check_device(device: Optional[str]) -> torch.device:
         raise EvalError(f"--device {device!r} is not a torch device ({error})") from None
     if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
         raise EvalError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda") and not getattr(torch, device.type).is_available():
+    backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu, ...; none for xla, meta, hpu
+    if device.type not in ("cpu", "cuda") and not (hasattr(backend, "is_available") and backend.is_available()):
         raise EvalError(f"--device {device}: not available on this machine")
     return device
 

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 LOCK = "train.lock"
+# the remedy for a damaged checkpoint (an earlier one of a run resumes only once the later ones are moved out)
+ANOTHER = "resume from another checkpoint (of this run: move this one out of checkpoints/ first)"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -75,12 +77,11 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
                               "(one interrupted while written, or another folder); give a checkpoint, "
                               "OUTPUT_DIR/checkpoints/step-XXXXXXXX, or --resume alone for the newest") from None
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"--resume {str(path)!r}: {MANIFEST} is unreadable ({error}); resume from another "
-                              "checkpoint") from None
+        raise CheckpointError(f"--resume {str(path)!r}: {MANIFEST} is unreadable ({error}); {ANOTHER}") from None
     if STATE_FILE not in manifest["files"]:
         raise CheckpointError(f"--resume {str(path)!r}: its {MANIFEST} lists no trainer state ({STATE_FILE})")
     if problem := manifest_problem(path, manifest):
-        raise CheckpointError(f"--resume {str(path)!r} {problem}; resume from another checkpoint")
+        raise CheckpointError(f"--resume {str(path)!r} {problem}; {ANOTHER}")
     return manifest
 
 

@@ -175,6 +175,8 @@ CASES = [
     ("harness", ["--model", "{model}", "--tasks", ""], 2, r"--tasks ''"),
     ("harness", ["--model", "{model}", "--suite", "local", "--batch-size", "0"], 2, r"--batch-size"),
     ("harness", ["--model", "{model}", "--device", "cuda:7"], 2, r"--device cuda:7"),
+    ("harness", ["--model", "{model}", "--device", "xla"], 2, r"--device xla"),
+    ("perplexity", ["--model", "{model}", "--files", "{text}", "--device", "meta"], 2, r"--device meta"),
     ("pe_decay", ["--head-dim", "15", "--output", "{tmp}/a.png"], 2, r"--head-dim"),
     ("pe_decay", ["--head-dim", "0", "--output", "{tmp}/a.png"], 2, r"--head-dim"),
     ("pe_decay", ["--num-heads", "0", "--output", "{tmp}/a.png"], 2, r"--num-heads"),

@@ -522,6 +522,10 @@ def test_resume_may_change_max_steps_past_the_checkpoint(tmp_path, run_data, cap
     assert "step-00000002" in error and all(f"step-0000000{s}" in error for s in (4, 6, 8)), error
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6, 8]
     assert (run / "metrics.jsonl").read_text() == metrics
+    # the same through a link of another name: the steps decide, not the names
+    (tmp_path / "zz").symlink_to(run / "checkpoints" / "step-00000002")
+    assert train_script.main([*two[:3], str(tmp_path / "zz"), *two[4:]]) == 2
+    assert "step-00000008" in capsys.readouterr().err
     # end earlier: 8 -> 6 from step 2 (the checkpoint's recipe said 4), once the later ones are moved out
     for step in (4, 6, 8):
         shutil.move(run / "checkpoints" / f"step-0000000{step}", tmp_path / f"step-0000000{step}")
