@@ -231,8 +231,6 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     it."""
     resolved = _resolve_sources(sources)
     out = Path(out_dir)
-    expected = {"manifest_version": MANIFEST_VERSION, "sources": {s.name: s.version() for s in resolved},
-                "vocab_size": vocab_size, "validation_fraction": validation_fraction, "seed": seed}
     tokenizer_dir = out / "tokenizer"
     foreign = sorted(p.name for p in tokenizer_dir.iterdir() if p.name not in TOKENIZER_OUTPUTS) \
         if tokenizer_dir.is_dir() else []
@@ -248,6 +246,7 @@ def build_default_data(out_dir: str | os.PathLike, *, vocab_size: int = 8192, so
     tokenizer = train_tokenizer([out / FILES[0]], out / "tokenizer", vocab_size=vocab_size)
     logger.info("tokenizer: %d tokens -> %s", len(tokenizer), out / "tokenizer")
     counts = {name: (out / name).read_bytes().count(b"\n") for name in FILES}
-    write_manifest(out, None, lambda name: name in FILES or name.startswith("tokenizer/"),
-                   extra={**expected, "documents": counts})
+    write_manifest(out, None, lambda name: name in FILES or name.startswith("tokenizer/"), extra={
+        "manifest_version": MANIFEST_VERSION, "sources": {s.name: s.version() for s in resolved},
+        "vocab_size": vocab_size, "validation_fraction": validation_fraction, "seed": seed, "documents": counts})
     return out
