@@ -87,9 +87,11 @@ class LorentzAttentionBase(RealignAfterLoading, nn.Module):
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, q_pe: torch.Tensor,
                k_pe: torch.Tensor, position_embeddings: PositionalTables, attention_mask: Optional[AttentionMask],
-               value_centre: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               value_centre: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+               key_time: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 3 on points ``q, key [B, H, T, 1+d]``, ``value [B, H, Tk, 1+dv]`` (with ``value_centre``: one more
-        column, the values' centred norms, see :func:`helm.ops.lorentz_attention`); ``q_pe, k_pe`` are the space
+        column, the values' centred norms; with ``key_time``, ``key`` is the keys' space parts: see
+        :func:`helm.ops.lorentz_attention`); ``q_pe, k_pe`` are the space
         coordinates the positional encoding acts on (its score bias reads them). The logit scale is
         ``position_embeddings.logit_scale · 2/τ`` (:meth:`logit_tau`). ``dtype``: the GEMM dtype of ``q·k``, that of
         the projections' outputs (:mod:`helm.precision`)."""
@@ -97,7 +99,7 @@ class LorentzAttentionBase(RealignAfterLoading, nn.Module):
         bias = position_embeddings.score_bias(q_pe, k_pe, 2.0 / tau)
         return lorentz_attention(q, key, value, k=self.k, tau=tau, mask=attention_mask, position_bias=bias,
                                  alibi_slopes=position_embeddings.alibi_slopes, impl=self.attn_implementation,
-                                 value_centre=value_centre, dtype=dtype)
+                                 value_centre=value_centre, dtype=dtype, key_time=key_time)
 
 
 class LorentzSelfAttention(LorentzAttentionBase):
@@ -117,16 +119,19 @@ class LorentzSelfAttention(LorentzAttentionBase):
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
     forward (None: no positional encoding; plain causal attention over the new tokens and the cache).
-    The cache stores per-head Lorentz keys (after the positional rotation) ``[B, H, T, 1+d]`` and values, each with
-    one more column ``[B, H, T, 1+d+1]``: its centred norm ``e = <v - c, v - c>_L`` (fp32) for the centre
-    ``c`` = the value of the cache's first key (per batch row and head, fixed for the life of the cache; not in
-    training mode, whose forward with a cache stays that of ``helm.ops``). A decode
-    step then normalises the centroid from ``SDPA(·, ·, [v | e])`` directly on the cache tensors (``sdpa``, and
-    ``eager`` as a half-precision fallback; requested, ``eager`` recomputes its centres, the reference), instead of
-    re-centring the whole cache every step
-    (:func:`helm.ops.lorentz_attention`, ``value_centre``). Caches other than ``transformers``' dynamic and static
-    ones, and a cache written without the column, keep plain values: among them continuous batching's paged cache
-    (a :class:`PagedBatch`), whose rows hold exactly the keys and values (:meth:`cache_payload`).
+    The cache stores per-head Lorentz keys (after the positional rotation) as their space parts ``[B, H, T, d]`` in
+    the compute dtype (that of the projections' outputs: bf16 under bf16 autocast; the dtype of the cache's first
+    write from then on), the form the ``q·k`` products read, and values with two more columns
+    ``[B, H, T, 1+d+2] = [v | e | k_t]``: the centred norm ``e = <v - c, v - c>_L`` for the centre ``c`` = the value
+    of the cache's first key (per batch row and head, fixed for the life of the cache) and the key's time coordinate
+    ``k_t``, both in the values' dtype (fp32). Not in training mode, whose forward with a cache stays that of
+    ``helm.ops``. A decode step then reads the cache as it is: the kernel takes the keys' space parts and ``k_t``
+    without a cast over the cache, and normalises the centroid from ``Σ ν [v | e]`` (``sdpa`` too, and ``eager`` as a
+    half-precision fallback; requested, ``eager`` recomputes its centres, the reference), instead of re-centring the
+    whole cache every step (:func:`helm.ops.lorentz_attention`, ``value_centre``, ``key_time``). Caches other than
+    ``transformers``' dynamic and static ones, and a cache written without the columns, keep plain keys and values:
+    among them continuous batching's paged cache (a :class:`PagedBatch`), whose rows hold exactly the keys and values
+    (:meth:`cache_payload`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
@@ -156,16 +161,20 @@ class LorentzSelfAttention(LorentzAttentionBase):
         q_s = pos.rotate(self._heads(self.q_proj, x))
         k_s = pos.rotate(self._heads(self.k_proj, x))
         q, key, value = lift(q_s, k=self.k), lift(k_s, k=self.k), lift(self._heads(self.v_proj, x), k=self.k)
-        centre = None
-        if past_key_values is not None:
-            # not in training mode: its forward keeps the per-document centres of helm.ops (outputs and gradients)
-            if not self.training and extends_cache(past_key_values, self.layer_idx, values=True,
-                                                   plain_width=self.head_dim):
-                centre = first_cached(past_key_values, self.layer_idx, value, values=True).detach()
-                value = torch.cat([value, sqnorm(value - centre, keepdim=True)], dim=-1)
+        centre = key_time = None
+        # not in training mode: its forward keeps the per-document centres of helm.ops (outputs and gradients)
+        if past_key_values is not None and not self.training and extends_cache(
+                past_key_values, self.layer_idx, values=True, plain_width=self.head_dim):
+            centre = first_cached(past_key_values, self.layer_idx, value, values=True).detach()
+            value = torch.cat([value, sqnorm(value - centre, keepdim=True), key[..., :1]], dim=-1)
+            key = key[..., 1:].to(cached_key_dtype(past_key_values, self.layer_idx, q_s.dtype))
             key, value = past_key_values.update(key, value, self.layer_idx)
-        out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key[..., 1:], position_embeddings=pos,
-                          attention_mask=attention_mask, value_centre=centre, dtype=q_s.dtype)
+            key_time, value = value[..., -1], value[..., :-1]
+        elif past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key if key_time is not None else key[..., 1:],
+                          position_embeddings=pos, attention_mask=attention_mask, value_centre=centre,
+                          dtype=q_s.dtype, key_time=key_time)
         return lorentz_linear(self.o_proj, self.merge_heads(out), k=self.k)
 
     def cache_payload(self) -> tuple[int, str]:
@@ -320,6 +329,15 @@ class PagedBatch:
     def replace_new(self, read: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``read [1, h, Tk, W]`` with the new tokens' rows replaced by ``new [1, h, Tq, W]``."""
         return read.index_copy(2, self.query_index, new.to(read.dtype))
+
+
+def cached_key_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype layer ``layer_idx`` of ``cache`` holds its keys in once written (a static cache's buffers take
+    no other), ``dtype`` before the first write."""
+    layers = cache.layers
+    if layer_idx < len(layers) and layers[layer_idx].is_initialized:
+        return layers[layer_idx].keys.dtype
+    return dtype
 
 
 def first_cached(cache, layer_idx: int, new: torch.Tensor, *, values: bool) -> torch.Tensor:

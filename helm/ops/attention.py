@@ -489,12 +489,14 @@ def _triton_unavailable(device: torch.device) -> Optional[str]:
 
 def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position_bias=None,
                      alibi_slopes=None, value_centre: Optional[torch.Tensor] = None,
-                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     dtype: Optional[torch.dtype] = None, key_time: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Fused Triton kernel (:func:`helm.ops.lorentz_attention_triton.lorentz_flash_attention`); it reads the mask's
     padding and segment ids and builds no dense mask.
 
     ``value_centre``: as :func:`sdpa_attention`; without gradients the kernel reads the cache's ``[v | e]`` as it is
     (no re-centring of the cache per decode step); with gradients the column is dropped and the values centred.
+    ``key_time``: ``key`` holds a cache's space parts in the compute dtype and ``key_time`` their time coordinates
+    (:func:`lorentz_attention`); the kernel reads both as they are.
 
     Precision as the other implementations (:mod:`helm.precision`): the space parts of ``q, k`` reach the kernel in
     the compute dtype ``dtype`` (default :func:`~helm.precision.compute_dtype` of the query: bf16 under bf16
@@ -513,7 +515,7 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
     return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
                   segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
                   qk_dtype=compute_dtype(query) if dtype is None else dtype,
-                  groups=mask.groups() if value_centre is None else None)
+                  groups=mask.groups() if value_centre is None else None, key_time=key_time)
 
 
 # The zoo's own registry (transformers' AttentionInterface pattern, kept out of transformers' global one): a name
@@ -600,18 +602,18 @@ def resolve_attention(requested: Optional[str], device: torch.device, *, mask: O
     return choice
 
 
-def _validate(query, key, value, tau, mask, position_bias, alibi_slopes):
+def _validate(query, key_shape, value, tau, mask, position_bias, alibi_slopes):
     B, H, Tq, D = query.shape
-    if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
+    if key_shape[:2] != (B, H) or value.shape[:2] != (B, H):
         raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
-    if key.shape[-1] != D:
-        raise ValueError(f"query and key must have the same head dim 1+d: got {D} and {key.shape[-1]}")
-    if value.shape[-2] != key.shape[-2]:
-        raise ValueError(f"key and value must have the same length: got {key.shape[-2]} and {value.shape[-2]}")
-    if Tq > key.shape[-2]:
-        raise ValueError(f"query length {Tq} exceeds key length {key.shape[-2]}")
-    Tk = key.shape[-2]
+                         f"{tuple(key_shape)}, {tuple(value.shape)}")
+    if key_shape[-1] != D:
+        raise ValueError(f"query and key must have the same head dim 1+d: got {D} and {key_shape[-1]}")
+    Tk = key_shape[-2]
+    if value.shape[-2] != Tk:
+        raise ValueError(f"key and value must have the same length: got {Tk} and {value.shape[-2]}")
+    if Tq > Tk:
+        raise ValueError(f"query length {Tq} exceeds key length {Tk}")
     if isinstance(tau, (int, float)):
         if not tau > 0:
             raise ValueError(f"tau must be positive, got {tau!r}")
@@ -643,6 +645,7 @@ def lorentz_attention(
     mask: Optional[AttentionMask] = None,
     value_centre: Optional[torch.Tensor] = None,
     dtype: Optional[torch.dtype] = None,
+    key_time: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Multi-head Lorentz attention (paper Eq. 3).
 
@@ -669,6 +672,10 @@ def lorentz_attention(
         dtype: the GEMM dtype of ``q·k`` and ``ν·v`` (:mod:`helm.precision`); default
             :func:`~helm.precision.compute_dtype` of ``query`` (the autocast dtype under autocast, else the
             query's dtype). Layers pass their projections' output dtype, so a bf16 model attends in bf16.
+        key_time: ``[B, H, Tk]``, the keys' time coordinates (statistics dtype); ``key`` is then their space parts
+            ``[B, H, Tk, d]`` only, in the compute dtype: how :class:`helm.nn.LorentzSelfAttention` caches keys.
+            ``triton`` reads both as they are (no cast over the cache per decode step); the other implementations
+            attend to the points ``[key_time | key]``.
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in the statistics dtype of ``dtype`` (fp32, or fp64 for fp64).
@@ -687,14 +694,24 @@ def lorentz_attention(
                                      or value_centre.shape[:2] != value.shape[:2]):
         raise ValueError(f"value_centre must be [B, H, 1, 1+dv] for values [B, H, Tk, 1+dv+1], got "
                          f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
-    _validate(query, key, value, tau, mask, position_bias, alibi_slopes)
+    key_shape = key.shape
+    if key_time is not None:
+        if tuple(key_time.shape) != tuple(key.shape[:3]):
+            raise ValueError(f"key_time must be [B, H, Tk] = {tuple(key.shape[:3])}, got {tuple(key_time.shape)}")
+        key_shape = torch.Size((*key.shape[:3], 1 + key.shape[3]))
+    _validate(query, key_shape, value, tau, mask, position_bias, alibi_slopes)
     name = resolve_attention(impl, query.device, mask=mask, dense_bias=position_bias is not None,
                              half=(compute_dtype(query) if dtype is None else dtype) in HALF)
     extra = {}
+    if key_time is not None:
+        if name == "triton":
+            extra["key_time"] = key_time
+        else:
+            key = torch.cat([key_time.unsqueeze(-1), key.to(key_time.dtype)], dim=-1)
     if value_centre is not None:
         # eager as requested, the reference, centres the values itself; as a half-precision fallback it reads them
         if name != "eager" or ATTENTION_ALIASES.get(impl, impl) != "eager":
-            extra = {"value_centre": value_centre}
+            extra["value_centre"] = value_centre
         else:
             value = value[..., :-1]
     return ATTENTION_FUNCTIONS[name](query, key, value, k=k, tau=tau, mask=mask, position_bias=position_bias,

@@ -98,8 +98,29 @@ def test_decoding_with_cached_norms_equals_the_reference(dtype, static):
     fast_cache = cache()
     got = decode(make_layer("sdpa", dtype), x, fast_cache, prefill=6, padding=padding)
     want = decode(make_layer("eager", dtype), x, cache(), prefill=6, padding=padding)
-    assert fast_cache.layers[0].values.shape[-1] == HEAD + 1 and fast_cache.layers[0].keys.shape[-1] == HEAD
+    assert fast_cache.layers[0].values.shape[-1] == HEAD + 2 and fast_cache.layers[0].keys.shape[-1] == HEAD - 1
     assert_close(got[padding], want[padding], rtol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_cache_holds_the_keys_space_parts_in_the_compute_dtype_and_their_times(autocast, monkeypatch):
+    """A prefill writes each key's space part in the compute dtype (what ``q·k`` reads) and its time coordinate,
+    unrounded, beside the value: bit for bit the key the same forward attends to without a cache. The attention
+    over them gives the forward's output."""
+    x = lift(torch.randn(2, 9, HIDDEN - 1, generator=torch.Generator().manual_seed(3)), k=1.0)
+    layer, seen = make_layer(), []
+    real = layer.attend
+    monkeypatch.setattr(layer, "attend", lambda q, key, value, **kw: seen.append(key) or real(q, key, value, **kw))
+    pe = build_positional_encoding("hope", head_dim=HEAD - 1, num_heads=HEADS, max_position_embeddings=128)
+    tables, mask = pe(torch.arange(9).expand(2, 9), kv_len=9), AttentionMask(2, 9, 9)
+    cache = DynamicCache()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = layer(x, position_embeddings=tables, attention_mask=mask)
+        got = layer(x, position_embeddings=tables, attention_mask=mask, past_key_values=cache)
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys.dtype == (torch.bfloat16 if autocast else torch.float32) and keys.shape == (2, HEADS, 9, HEAD - 1)
+    assert torch.equal(keys, seen[0][..., 1:].to(keys.dtype)) and torch.equal(values[..., -1], seen[0][..., 0])
+    assert_close(got, want, dtype=torch.bfloat16 if autocast else torch.float32)
 
 
 def test_a_decode_step_does_not_recentre_the_cache(monkeypatch):

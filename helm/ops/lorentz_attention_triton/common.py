@@ -15,8 +15,9 @@ the centres and ``README.md`` next to this file the pairwise form of ``N``).
 The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
 ``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` in fp32 (for queries and keys from
 their separate fp32 inputs ``qt``, ``kt``; for values converted at once) and the space part ``[BT, BLOCK_D]`` (for
-queries and keys in the GEMM dtype), so a head of ``1+64`` or ``1+128`` coordinates needs no padding and ``q_t k_t``
-never passes through half precision.
+queries and keys from their own ``[T, d]`` arrays in the GEMM dtype, rows starting at column 0: aligned and
+contiguous where the cast to that dtype made them), so a head of ``1+64`` or ``1+128`` coordinates needs no padding
+and ``q_t k_t`` never passes through half precision.
 """
 
 from __future__ import annotations
@@ -164,14 +165,20 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
             alibi_slopes, value_centre: Optional[torch.Tensor] = None,
-            qk_dtype: Optional[torch.dtype] = None, groups: Optional[KeyGroups] = None) -> Prepared:
+            qk_dtype: Optional[torch.dtype] = None, groups: Optional[KeyGroups] = None,
+            key_time: Optional[torch.Tensor] = None) -> Prepared:
     """Validate the public arguments and turn them into what the kernels read.
 
-    * ``q, k`` in the GEMM dtype ``qk_dtype`` (default: the promoted dtype of the three inputs; the dots of their
-      space parts run in it), and their time coordinates apart, ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32, taken
-      from the inputs before any rounding: the time part of ``<q, k>_L`` (large and nearly the same for every key
-      far from the origin) never passes through a half-precision dtype (helm.precision). The kernels read the
-      space parts from columns ``1..d`` of ``q, k`` and never their column 0.
+    * The space parts of ``q, k``, ``[B, H, T, d]`` in the GEMM dtype ``qk_dtype`` (default: the promoted dtype of
+      the three inputs; the dots run in it), and their time coordinates apart, ``qt [B*H, Tq]``, ``kt [B*H, Tk]``
+      fp32, taken from the inputs before any rounding: the time part of ``<q, k>_L`` (large and nearly the same for
+      every key far from the origin) never passes through a half-precision dtype (helm.precision). Where the GEMM
+      dtype differs from the points' the cast writes the space parts contiguous, rows of ``d`` from column 0 (16-byte
+      aligned for ``d`` a multiple of 8: vectorised loads); otherwise they stay views of the points.
+
+    * ``key_time`` ``[B, H, Tk]``: ``key`` is then not points but a cache's space parts ``[B, H, Tk, d]``, stored in
+      the GEMM dtype, and ``key_time`` their time coordinates in fp32 (:class:`helm.nn.LorentzSelfAttention`'s
+      cache): nothing over the cache is cast.
 
     * The values are centred (:func:`centre_values`), unless ``value_centre`` ``[B, H, 1, 1+dv]`` is given: then
       ``value`` is a cache's ``[B, H, Tk, 1+dv+1] = [v | e]`` with ``e_j = <v_j - c, v_j - c>_L`` for that one
@@ -200,8 +207,11 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
         raise ValueError(f"query, key and value must share [B, H]: got {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
-    if key.shape[3] != Dq:
-        raise ValueError(f"query and key must have the same head dim 1+d: got {Dq} and {key.shape[3]}")
+    if key_time is not None and tuple(key_time.shape) != (B, H, Tk):
+        raise ValueError(f"key_time must be [B, H, Tk] = {(B, H, Tk)}, got {tuple(key_time.shape)}")
+    if key.shape[3] + (key_time is not None) != Dq:
+        raise ValueError(f"query and key must have the same head dim 1+d: got {Dq} and {key.shape[3]}"
+                         + (" space coordinates" if key_time is not None else ""))
     if value.shape[2] != Tk:
         raise ValueError(f"key and value must have the same length: got {Tk} and {value.shape[2]}")
     if Tq > Tk or Tq == 0:
@@ -220,8 +230,14 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     if qk_dtype is not None and qk_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"qk_dtype must be fp16, bf16 or fp32, got {qk_dtype}")
     gemm = dtype if qk_dtype is None else qk_dtype
-    q, kk = (_last_dim_contiguous(t.to(gemm)) for t in (query, key))
-    qt, kt = (t[..., 0].to(torch.float32).reshape(B * H, t.shape[2]).contiguous() for t in (query, key))
+    q = _last_dim_contiguous(query[..., 1:].to(gemm))
+    qt = query[..., 0].to(torch.float32).reshape(B * H, Tq).contiguous()
+    if key_time is None:
+        kk = _last_dim_contiguous(key[..., 1:].to(gemm))
+        kt = key[..., 0].to(torch.float32).reshape(B * H, Tk).contiguous()
+    else:
+        kk = _last_dim_contiguous(key.to(gemm))
+        kt = key_time.to(torch.float32).reshape(B * H, Tk).contiguous()
     v = _last_dim_contiguous(value.to(dtype))
 
     tau_t = torch.as_tensor(tau, dtype=torch.float32, device=device)
@@ -384,14 +400,8 @@ def _load_points(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.cons
 @triton.jit
 def _load_split(p_x, p_xt, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``o_t`` of points stored apart: time ``[BT]`` fp32 from the contiguous ``p_xt``, space ``[BT, BLOCK_D]``
-    from columns ``1..D`` of the ``[T, 1+D]`` array ``p_x`` (in the GEMM dtype; its column 0 is not read)."""
-    b_t = tl.load(p_xt + o_t, mask=m_t, other=0.0)
-    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
-    if D == BLOCK_D:
-        b_s = tl.load(p_s, mask=m_t[:, None], other=0.0)
-    else:
-        b_s = tl.load(p_s, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
-    return b_t, b_s
+    from the ``[T, D]`` array ``p_x`` (in the GEMM dtype)."""
+    return tl.load(p_xt + o_t, mask=m_t, other=0.0), _load_rows(p_x, o_t, m_t, stride_t, o_d, D, BLOCK_D)
 
 
 @triton.jit
@@ -403,6 +413,16 @@ def _load_rows(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.conste
     else:
         b_x = tl.load(p, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
     return b_x
+
+
+@triton.jit
+def _store_rows(p_x, b_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a ``[BT, BLOCK_D]`` block into rows ``o_t`` of a ``[T, D]`` array."""
+    p = p_x + o_t[:, None] * stride_t + o_d[None, :]
+    if D == BLOCK_D:
+        tl.store(p, b_x.to(p_x.dtype.element_ty), mask=m_t[:, None])
+    else:
+        tl.store(p, b_x.to(p_x.dtype.element_ty), mask=m_t[:, None] & (o_d[None, :] < D))
 
 
 @triton.jit

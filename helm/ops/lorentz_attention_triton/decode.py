@@ -200,8 +200,8 @@ def _num_sms(device_index: int) -> int:
 def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     """Launch the split and combine kernels on prepared inputs (``Tq <= DECODE_BLOCK_M``). Returns ``O``."""
     q, k, v = p.q, p.k, p.v
-    B, H, Tq, Dq = q.shape
-    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    B, H, Tq, D = q.shape
+    Tk, DV = k.shape[2], v.shape[3] - 1
     if Tq > DECODE_BLOCK_M:
         raise ValueError(f"the decoding kernel takes at most {DECODE_BLOCK_M} query rows, got {Tq}")
     dev = q.device

@@ -38,6 +38,7 @@ from .common import (
     _load_split,
     _load_rows,
     _store_points,
+    _store_rows,
     alloc,
     autotune_configs,
     block_d,
@@ -281,8 +282,8 @@ def lorentz_attention_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i`` (space part into columns ``1..D`` of ``DK``,
-    whose column 0 gets 0, time part into ``DKT [B*H, Tk]`` fp32), ``dW = Σ_i P_ij dD_i`` and
+    """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i`` (space part into ``DK [B, H, Tk, D]``, time
+    part into ``DKT [B*H, Tk]`` fp32), ``dW = Σ_i P_ij dD_i`` and
     ``de = Σ_i P_ij dE_i`` (``DEK [B*H, Tk]``) for one key block."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -335,10 +336,8 @@ def lorentz_attention_bwd_dkdv_kernel(
                     m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
                     HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
-    # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input, and column 0
-    # of DK (never read by the forward) gets 0.
-    _store_points(DK + i_b * stride_dkb + i_h * stride_dkh, 0.0 * dk_t, c * dk_s, o_n, m_n, stride_dkt, o_d, D,
-                  BLOCK_D)
+    # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input.
+    _store_rows(DK + i_b * stride_dkb + i_h * stride_dkh, c * dk_s, o_n, m_n, stride_dkt, o_d, D, BLOCK_D)
     tl.store(DKT + i_bh.to(tl.int64) * Tk + o_n, -c * dk_t, mask=m_n)
     _store_points(DV_ + i_b * stride_dvb + i_h * stride_dvh, dv_t, dv_s, o_n, m_n, stride_dvt, o_dv, DV,
                   BLOCK_DV)
@@ -394,8 +393,8 @@ def lorentz_attention_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
-    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j`` (space part into columns ``1..D`` of ``DQ``,
-    whose column 0 gets 0, time part into ``DQT [B*H, Tq]`` fp32); per-row ``dc`` and ALiBi-slope pieces
+    """Grid ``(cdiv(Tq, BLOCK_M), B*H)``: ``dQ = c J Σ_j dz_ij k_j`` (space part into ``DQ [B, H, Tq, D]``, time
+    part into ``DQT [B*H, Tq]`` fp32); per-row ``dc`` and ALiBi-slope pieces
     into ``DSCALE, DSLOPE [B*H, Tq]`` (summed on the host)."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -450,8 +449,7 @@ def lorentz_attention_bwd_dq_kernel(
                 qk_scale, slope,
                 D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
-    _store_points(DQ + i_b * stride_dqb + i_h * stride_dqh, 0.0 * dq_t, c * dq_s, o_m, m_q, stride_dqt, o_d, D,
-                  BLOCK_D)
+    _store_rows(DQ + i_b * stride_dqb + i_h * stride_dqh, c * dq_s, o_m, m_q, stride_dqt, o_d, D, BLOCK_D)
     tl.store(DQT + p_row + o_m, -c * dq_t, mask=m_q)
     tl.store(DSCALE + p_row + o_m, b_dsc, mask=m_q)
     if HAS_ALIBI:
@@ -466,8 +464,8 @@ def lorentz_attention_bwd_dq_kernel(
 def _launch_fwd(p: Prepared, store_s: bool):
     """Launch the forward kernel. Returns ``(O, S, EBAR, LSE, FULL)``; the last four are None unless ``store_s``."""
     q, k, v = p.q, p.k, p.v
-    B, H, Tq, Dq = q.shape
-    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    B, H, Tq, D = q.shape
+    Tk, DV = k.shape[2], v.shape[3] - 1
     o = alloc((B, H, Tq, 1 + DV), OUT_DTYPE, q.device)
     s = ebar = lse = full = None
     if store_s:
@@ -496,8 +494,8 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
     """Launch the three backward kernels. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H] | None,
     dkc [1])``."""
     q, k, v = p.q, p.k, p.v
-    B, H, Tq, Dq = q.shape
-    Tk, D, DV = k.shape[2], Dq - 1, v.shape[3] - 1
+    B, H, Tq, D = q.shape
+    Tk, DV = k.shape[2], v.shape[3] - 1
     dev = q.device
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -558,8 +556,8 @@ T = torch.Tensor
 def lorentz_attention_fwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, slopes: Optional[T], kc: T,
                           qid: Optional[T], kid: Optional[T], causal: bool, centred: bool,
                           store_stats: bool) -> Tuple[T, T, T, T, T]:
-    """Forward kernel on prepared inputs (:func:`~.common.prepare`): ``q [B, H, Tq, 1+d]``, ``k [B, H, Tk, 1+d]``
-    in the GEMM dtype (columns ``1..d`` read) with their time coordinates ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32,
+    """Forward kernel on prepared inputs (:func:`~.common.prepare`): the space parts ``q [B, H, Tq, d]``,
+    ``k [B, H, Tk, d]`` in the GEMM dtype (unit last stride) with their time coordinates ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32,
     centred values ``w [B, H, Tk, 1+dv]`` (unit last stride), ``e [B, H, Tk]``, row centres ``c [B, H, Tq, 1+dv]``,
     ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids ``qid [B, Tq]``, ``kid [B, Tk]`` (int32)
     or None. ``centred=False``: ``w`` holds plain values and ``e`` their norms about one centre ``c`` (a cache's,
@@ -595,7 +593,7 @@ def lorentz_attention_bwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, 
                           causal: bool) -> Tuple[T, T, T, T, T, T, T, T, T]:
     """Backward kernels: inputs of :func:`lorentz_attention_fwd`, its saved ``S, EBAR, LSE, FULL`` and ``dO``
     ``[B, H, Tq, 1+dv]``. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H], dkc [1])``: ``dq, dk, dw``
-    contiguous in the dtypes of ``q, k, w`` (column 0 of ``dq, dk`` is 0: the time gradients are ``dqt, dkt``);
+    contiguous in the dtypes of ``q, k, w`` (space parts: the time gradients are ``dqt, dkt``);
     the rest fp32; ``dslopes`` zeros without slopes."""
     p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
                  causal=causal, centred=True)
@@ -659,6 +657,7 @@ def lorentz_flash_attention(
     value_centre: Optional[torch.Tensor] = None,
     qk_dtype: Optional[torch.dtype] = None,
     groups=None,
+    key_time: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
 
@@ -684,6 +683,8 @@ def lorentz_flash_attention(
             values keep their own dtype (the value side, ``ν·[w | e]``, is fp32 for fp32 values).
         groups: the keys' :class:`~helm.ops.centring.KeyGroups` for this ``attention_mask`` and ``segment_ids``
             when the caller has them (a model's layers share one mask's); computed here otherwise.
+        key_time: ``[B, H, Tk]`` fp32: ``key`` is then the keys' space parts ``[B, H, Tk, d]`` (a cache's, stored
+            in ``qk_dtype``) and these their time coordinates; the kernels read both as they are.
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
@@ -697,7 +698,7 @@ def lorentz_flash_attention(
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
                 segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype,
-                groups=groups)
+                groups=groups, key_time=key_time)
     args = (p.q, p.qt, p.k, p.kt, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
     if needs_grad(p):
         if not p.centred:

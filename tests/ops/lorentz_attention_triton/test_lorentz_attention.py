@@ -205,6 +205,52 @@ def test_half_precision_inputs(lk, dtype):
         assert_close(g, r, rtol=HALF_TOL[dtype], msg=gname)
 
 
+def test_space_parts_reach_the_kernel_aligned_in_the_compute_dtype(lk):
+    """The cast to the GEMM dtype writes the space parts as rows of ``d`` from column 0 (16-byte aligned: vectorised
+    loads); without a cast they stay views of the points (no copy)."""
+    _, q, kk, u, tau, kw = _case("aligned", B=1, Tq=9, d=64, seed=16)
+    args = dict(k=1.0, tau=tau, causal=True, attention_mask=None, segment_ids=None, alibi_slopes=None)
+    q, kk, v = q.to(DEVICE), kk.to(DEVICE), _values(u, kw).to(DEVICE)
+    cast = lk.common.prepare(q, kk, v, qk_dtype=torch.bfloat16, **args)
+    for name, t in (("q", cast.q), ("k", cast.k)):
+        assert t.dtype == torch.bfloat16 and t.shape[-1] == 64 and t.is_contiguous(), name
+        assert t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0, name
+    same = lk.common.prepare(q, kk, v, **args)
+    assert same.q.data_ptr() == q[..., 1:].data_ptr() and same.k.data_ptr() == kk[..., 1:].data_ptr()
+
+
+def test_cached_keys_reach_the_kernel_as_they_are(lk, monkeypatch):
+    """A cache's keys (:class:`helm.nn.LorentzSelfAttention`): space parts stored in bf16, fp32 time coordinates
+    beside them (``key_time``). The kernel reads the stored space parts without a copy and gives exactly what it
+    gives for the points, which its preparation casts: outputs and gradients, and on the decoding kernel."""
+    _, q, kk, u, tau, kw = _case("cached-keys", B=1, Tq=63, d=16, mask="left", seed=15)
+    kw = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    q, v = q.to(DEVICE), _values(u, kw).to(DEVICE)
+    points = kk.to(DEVICE).requires_grad_()
+    space = kk[..., 1:].to(device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    time = kk[..., 0].to(DEVICE).requires_grad_()
+    read = []
+    real = lk.fwd_bwd.prepare
+
+    def spy(*args, **kwargs):
+        read.append(real(*args, **kwargs))
+        return read[-1]
+
+    monkeypatch.setattr(lk.fwd_bwd, "prepare", spy)
+    want = lk.lorentz_flash_attention(q, points, v, tau=tau, qk_dtype=torch.bfloat16, **kw)
+    got = lk.lorentz_flash_attention(q, space, v, tau=tau, qk_dtype=torch.bfloat16, key_time=time, **kw)
+    assert read[-1].k.data_ptr() == space.data_ptr()
+    assert torch.equal(got, want)
+    do = torch.randn(want.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    (dpoints,) = torch.autograd.grad(want, points, do)
+    dspace, dtime = torch.autograd.grad(got, (space, time), do)
+    assert torch.equal(dspace.float(), dpoints[..., 1:]) and torch.equal(dtime, dpoints[..., 0])
+    with torch.no_grad():
+        step = [lk.lorentz_flash_attention(q[:, :, -1:], key, v, tau=tau, qk_dtype=torch.bfloat16, **extra, **kw)
+                for key, extra in ((points, {}), (space, {"key_time": time}))]
+    assert torch.equal(step[0], step[1])
+
+
 def test_helm_entry_point_impl_triton(lk):
     """``helm.ops.lorentz_attention(impl="triton")`` runs the kernel (forward kernel without grad: Tq > 16)."""
     _, q, kk, u, tau, kw = _case("entry", Tq=63, mask="left", alibi=True, seed=12)
