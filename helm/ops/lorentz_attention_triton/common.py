@@ -35,7 +35,7 @@ from ...manifold.math import sqnorm
 from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare", "centre_values", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
+           "launch_args", "needs_grad", "prepare", "centre_values", "document_runs", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
            "autotune_configs", "estimate_resources", "prune_configs"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
@@ -191,7 +191,8 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
     * Padding is folded into segment ids: ``qid [B, Tq]`` holds each query's document id (>= 0) and
       ``kid [B, Tk]`` each key's, with ``-1`` for padding keys, which therefore match no query. The kernel's
       masking is then ``causal & (qid_i == kid_j)``. Ids are shifted to start at 0 per row and stored as
-      int32, so the ids of one row must span less than 2^31.
+      int32, so the ids of one row must span less than 2^31. ``kid`` is ``[B, 3, Tk]``: the ids, then each
+      position's document span (:func:`document_runs`), which the kernels use to skip the blocks of other documents.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -268,7 +269,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
             seg = torch.zeros(B, Tk, dtype=torch.int64, device=device)
         qid = seg[:, Tk - Tq:].to(torch.int32).contiguous()
         kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
-        kid = kid.to(torch.int32).contiguous()
+        kid = torch.stack([kid, *document_runs(seg)], dim=1).to(torch.int32).contiguous()
     if cached_norms is None:
         w, e, c = centre_values(v, segment_ids, attention_mask, Tq, groups)
     else:
@@ -276,6 +277,21 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         c = value_centre.detach().to(torch.float32).expand(B, H, Tq, 1 + dv).contiguous()
     return Prepared(q=q, qt=qt, k=kk, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
                     causal=bool(causal), centred=cached_norms is None)
+
+
+def document_runs(seg: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(first, end)`` ``[B, T]``: for each position of a row of document ids ``seg [B, T]``, the first position of
+    its document and the position after its last, where the row's ids never decrease (documents packed one after
+    another: a document is a run); ``(0, T)`` for every position of a row whose ids go down somewhere (a document
+    may then come back later). Scans on the device, no host synchronisation."""
+    B, T = seg.shape
+    pos = torch.arange(T, device=seg.device).expand(B, T)
+    change = seg[:, 1:] != seg[:, :-1]
+    edge = torch.ones(B, 1, dtype=torch.bool, device=seg.device)
+    first = torch.where(torch.cat([edge, change], 1), pos, 0).cummax(dim=1).values
+    end = torch.where(torch.cat([change, edge], 1), pos + 1, T).flip(1).cummin(dim=1).values.flip(1)
+    runs = (seg[:, 1:] >= seg[:, :-1]).all(dim=1, keepdim=True)
+    return torch.where(runs, first, 0), torch.where(runs, end, T)
 
 
 def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int, groups: Optional[KeyGroups] = None):
@@ -382,6 +398,26 @@ def _block_keep(m_q, m_n, o_n, pos_q, b_qid, p_kid, CAUSAL: tl.constexpr, HAS_SE
         b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
         m_s = m_s & (b_qid[:, None] == b_kid[None, :])
     return m_s
+
+
+@triton.jit
+def _causal_free_end(pos_first, lo, hi, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the key blocks ``[lo, hi)`` that every row of a query block sees whole (its first row sits at position
+    ``pos_first``) end, so the causal mask is needed only from there: the two-stage loop. ``hi`` without ``CAUSAL``."""
+    if CAUSAL:
+        return tl.maximum(lo, tl.minimum(hi, ((pos_first + 1) // BLOCK_N) * BLOCK_N))
+    return hi
+
+
+@triton.jit
+def _document_span(p_kid, o_t, m_t, Tk, shift, lo, hi, BLOCK: tl.constexpr):
+    """``[lo, hi)`` narrowed to the rows that can share a document with the positions ``o_t`` (mask ``m_t``): from
+    the first position of their first document to the end of their last (:func:`document_runs`, the rows ``1, 2`` of
+    ``KID``), less ``shift`` (query rows: ``Tk - Tq``), ``lo`` rounded down to a multiple of ``BLOCK``. Empty
+    (``hi <= lo``) when ``m_t`` keeps no row."""
+    first = tl.min(tl.load(p_kid + Tk + o_t, mask=m_t, other=Tk), 0) - shift
+    last = tl.max(tl.load(p_kid + 2 * Tk + o_t, mask=m_t, other=0), 0) - shift
+    return tl.maximum(lo, (tl.maximum(first, 0) // BLOCK) * BLOCK), tl.minimum(hi, last)
 
 
 @triton.jit

@@ -109,7 +109,7 @@ def lorentz_attention_decode_split_kernel(
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
         acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q,
         K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, V + i_b * stride_vb + i_h * stride_vh,
-        E + i_bh.to(tl.int64) * Tk, KID + i_b * Tk,
+        E + i_bh.to(tl.int64) * Tk, KID + i_b * 3 * Tk,
         stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
 

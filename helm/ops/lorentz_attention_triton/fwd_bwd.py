@@ -31,7 +31,9 @@ from .common import (
     _attend_blocks,
     _block_keep,
     _block_logits,
+    _causal_free_end,
     _centroid_normalise,
+    _document_span,
     _dot,
     _dot_v,
     _load_points,
@@ -100,7 +102,7 @@ def lorentz_attention_fwd_kernel(
     p_v = V + i_b * stride_vb + i_h * stride_vh
     p_e = E + i_bh.to(tl.int64) * Tk
     p_kt = KT + i_bh.to(tl.int64) * Tk
-    p_kid = KID + i_b * Tk
+    p_kid = KID + i_b * 3 * Tk
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_q = o_m < Tq
@@ -116,20 +118,30 @@ def lorentz_attention_fwd_kernel(
     b_qid = o_m
     if HAS_SEG:
         b_qid = tl.load(QID + i_b * Tq + o_m, mask=m_q, other=0)
+    lo = 0
     hi = Tk
     if CAUSAL:
         # Key blocks past the last row's position are fully masked: never visited.
         hi = tl.minimum(Tk, Tk - Tq + (i_m + 1) * BLOCK_M)
+    if HAS_SEG:
+        # Nor are those outside the rows' documents (the fallback pass below visits every key).
+        lo, hi = _document_span(p_kid, pos_q, m_q, Tk, 0, lo, hi, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_t = tl.zeros([BLOCK_M], tl.float32)
     acc_s = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_e = tl.zeros([BLOCK_M], tl.float32)
+    mid = _causal_free_end(Tk - Tq + i_m * BLOCK_M, lo, hi, CAUSAL, BLOCK_N)
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
         acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
-        stride_vt, 0, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False,
+        stride_vt, lo, mid, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_SEG, HAS_ALIBI, False,
         DOT_F32, PREC, SPLIT_V)
+    if CAUSAL:  # the diagonal blocks, with the causal mask
+        acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
+            acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
+            stride_vt, mid, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_SEG, HAS_ALIBI,
+            False, DOT_F32, PREC, SPLIT_V)
     # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
     # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
     m_full = m_q & (l_i == 0.0)
@@ -298,8 +310,9 @@ def lorentz_attention_bwd_dkdv_kernel(
     b_vt, b_vs = _load_points(V + i_b * stride_vb + i_h * stride_vh, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
     b_e = tl.load(E + i_bh.to(tl.int64) * Tk + o_n, mask=m_n, other=0.0)
     b_kid = o_n
+    p_kid = KID + i_b * 3 * Tk
     if HAS_SEG:
-        b_kid = tl.load(KID + i_b * Tk + o_n, mask=m_n, other=-1)
+        b_kid = tl.load(p_kid + o_n, mask=m_n, other=-1)
     c = tl.load(SCALE + i_h)
     qk_scale = c * LOG2E
     slope = 0.0
@@ -317,24 +330,39 @@ def lorentz_attention_bwd_dkdv_kernel(
     dv_s = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     de = tl.zeros([BLOCK_N], tl.float32)
     lo = 0
+    hi = Tq
     if CAUSAL:
         # Query rows before this key block's first position cannot see it (causally).
         lo = (tl.maximum(i_n * BLOCK_N - (Tk - Tq), 0) // BLOCK_M) * BLOCK_M
+    if HAS_SEG:
+        # Nor can rows outside the documents of its keys (padding keys belong to none).
+        lo, hi = _document_span(p_kid, o_n, m_n & (b_kid >= 0), Tk, Tk - Tq, lo, hi, BLOCK_M)
+    # Query blocks wholly at or after this key block's last position need no causal mask: a second loop without it.
+    mid = lo
+    if CAUSAL:
+        mid = tl.maximum(lo, tl.minimum(hi, tl.cdiv(tl.maximum((i_n + 1) * BLOCK_N - 1 - (Tk - Tq), 0), BLOCK_M)
+                                        * BLOCK_M))
+        dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
+            dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid, DS_T + p_row,
+            p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, mid, Tq, Tk, qk_scale, slope,
+            D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
     dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
         dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid, DS_T + p_row,
-        p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, lo, Tq, Tq, Tk, qk_scale, slope,
-        D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
-    if CAUSAL and HAS_SEG:
-        # ... unless their mask kept nothing: such rows attend to every key, future ones included.
+        p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, mid, hi, Tq, Tk,
+        qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
+    if HAS_SEG:
+        # ... unless their mask kept nothing: such rows attend to every key, future ones included. The blocks of
+        # rows before and after those the first pass visited (it gave such rows every key of this block).
         o_m0 = tl.arange(0, BLOCK_M)
-        for m0 in range(0, lo, BLOCK_M):
-            b_full = tl.load(FULL + p_row + m0 + o_m0, mask=m0 + o_m0 < Tq, other=0)
-            if tl.max(b_full.to(tl.int32), 0) > 0:
-                dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
-                    dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid,
-                    DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0,
-                    m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
-                    HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
+        for m0 in range(0, Tq, BLOCK_M):
+            if (m0 < lo) | (m0 >= hi):
+                b_full = tl.load(FULL + p_row + m0 + o_m0, mask=m0 + o_m0 < Tq, other=0)
+                if tl.max(b_full.to(tl.int32), 0) > 0:
+                    dk_t, dk_s, dv_t, dv_s, de = _bwd_kv_rows(
+                        dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m_n, b_kid, p_q, p_qt, p_qid,
+                        DS_T + p_row, p_dss, DE + p_row, LSE + p_row, DELTA + p_row, FULL + p_row, stride_qt, m0,
+                        m0 + BLOCK_M, Tq, Tk, qk_scale, slope, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
+                        HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
     # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input.
     _store_rows(DK + i_b * stride_dkb + i_h * stride_dkh, c * dk_s, o_n, m_n, stride_dkt, o_d, D, BLOCK_D)
@@ -426,23 +454,36 @@ def lorentz_attention_bwd_dq_kernel(
     p_v = V + i_b * stride_vb + i_h * stride_vh
     p_e = E + i_bh.to(tl.int64) * Tk
     p_kt = KT + i_bh.to(tl.int64) * Tk
-    p_kid = KID + i_b * Tk
+    p_kid = KID + i_b * 3 * Tk
+    lo = 0
     hi = Tk
     if CAUSAL:
         hi = tl.minimum(Tk, Tk - Tq + (i_m + 1) * BLOCK_M)
+    any_full = tl.max(b_full.to(tl.int32), 0) > 0
+    if HAS_SEG:
+        lo, hi = _document_span(p_kid, pos_q, m_q, Tk, 0, lo, hi, BLOCK_N)
+        if any_full:  # the first pass gives such rows every key of the blocks it visits, from the first
+            lo = 0
 
     dq_t = tl.zeros([BLOCK_M], tl.float32)
     dq_s = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     b_dsc = tl.zeros([BLOCK_M], tl.float32)
     b_dsl = tl.zeros([BLOCK_M], tl.float32)
+    mid = _causal_free_end(Tk - Tq + i_m * BLOCK_M, lo, hi, CAUSAL, BLOCK_N)
     dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
         dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-        p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, 0, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
-    if CAUSAL and HAS_SEG:
-        # Rows whose mask kept nothing also attend to the keys past the causal horizon: those after the last key
-        # block of the first pass, which already gave such rows every key of the blocks it visited.
-        if tl.max(b_full.to(tl.int32), 0) > 0:
+        p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, lo, mid, Tk, qk_scale, slope,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
+    if CAUSAL:  # the diagonal blocks, with the causal mask
+        dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
+            dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
+            p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, mid, hi, Tk, qk_scale, slope,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
+    if HAS_SEG:
+        # Rows whose mask kept nothing also attend to the keys past the causal horizon and the rows' documents:
+        # those after the last key block of the first pass, which already gave such rows every key of the blocks it
+        # visited.
+        if any_full:
             dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
                 dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
                 m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, tl.cdiv(hi, BLOCK_N) * BLOCK_N, Tk, Tk,

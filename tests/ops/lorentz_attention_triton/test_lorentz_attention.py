@@ -72,6 +72,8 @@ def _case(name, *, B=2, H=2, Tq=100, Tk=None, d=64, dv=None, causal=True, mask=N
         kw["attention_mask"] = am
     if segments:
         seg = 7 * _segments(B, Tk, gen) - 5  # arbitrary (here negative) ids: only equality matters
+        if segments == "interleaved":  # a document comes back after another: no block skipping, the same result
+            seg = seg % 2
         if mask == "right":  # padding forms its own document: its queries keep no key at all
             seg[0, Tk - 20:] = 1000
         kw["segment_ids"] = seg
@@ -96,6 +98,8 @@ FWD_BWD_CASES = [
     _case("noncausal-packed-right-padding", Tq=63, d=16, dv=32, causal=False, mask="right", segments=True,
           alibi=True, seed=4),
     _case("four-blocks-packed-left-padding-alibi", Tq=200, d=16, mask="left", segments=True, alibi=True, seed=13),
+    _case("four-blocks-packed-noncausal", Tq=200, d=16, causal=False, segments=True, seed=18),
+    _case("four-blocks-interleaved-documents", Tq=200, d=16, segments="interleaved", seed=19),
     _case("decode-shape-left-padding", Tq=3, Tk=100, mask="left", segments=True, tau_per_head=True, seed=5),
     _case("decode-shape-one-row", Tq=1, Tk=100, d=32, alibi=True, seed=6),
 ]
@@ -146,6 +150,15 @@ def test_forward_backward_match_eager_fp64(lk, case):
     assert len(grads) == len(ref_grads)
     for gname, g, r in zip(_grad_names(kw), grads, ref_grads, strict=True):
         assert_close(g, r, rtol=FP32_TOL, msg=f"{name}: {gname}")
+
+
+def test_document_runs(lk):
+    """The span of each position's document, where the row's documents come one after another; the whole row where a
+    document comes back (the kernels then skip no block)."""
+    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 1, 1, 3, 3], [-4, -4, -4, 9, 9, 9]])
+    first, end = lk.common.document_runs(seg)
+    assert first.tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6, [0, 0, 0, 3, 3, 3]]
+    assert end.tolist() == [[2, 2, 5, 5, 5, 6], [6] * 6, [3, 3, 3, 6, 6, 6]]
 
 
 def test_gradient_of_a_sum(lk):
