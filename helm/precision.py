@@ -50,10 +50,11 @@ into the fp32 accumulation where one bf16 number carries 8.
 * the Triton kernel (``impl="triton"``) takes the space parts of ``q, k`` in the compute dtype and their time
   coordinates as separate fp32 inputs (so ``q_t k_t`` never passes through half precision), the values in their own
   dtype (fp32 points: fp32 value-side products, as above). Its per-row normaliser accumulates ``<D, D>_L``, and
-  its host-side ``e_j``, in fp64 (``O(T·d_v)`` per head, off the tensor cores): a one-hot row needs
-  ``E - <D, D>_L = 0`` to ``u·k`` from two terms of size ``|v|²`` summed in different orders (on the host and in the
-  kernel), which fp32 misses by ``u·|v|²`` (7e-4 output error at ``|v| = 100``); ``helm.ops`` gets it in fp32
-  because there both norms come from one function on bitwise-equal inputs.
+  each key's ``e_j``, in fp64 inside the kernels (``O(T·d_v)`` per head and key block, off the tensor cores; the
+  host's preparation has none): a one-hot row needs ``E - <D, D>_L = 0`` to ``u·k`` from two terms of size ``|v|²``
+  summed over a key block's tile and a query block's, whose reduction orders differ on a GPU, which fp32 misses by
+  ``u·|v|²`` (7e-4 output error at ``|v| = 100``); ``helm.ops`` gets it in fp32 because there both norms come from
+  one function on bitwise-equal inputs of one layout.
 * :func:`helm.manifold.manifold_error`: a diagnostic in fp64, never called by a forward.
 * positional tables (rotary per-digit angle tables, frequencies, sinusoidal tables): built once per
   ``(device, dtype)`` in fp64 on the host and cached, read by the forward in the statistics dtype; the first

@@ -31,7 +31,6 @@ import triton.language as tl
 
 # One centring rule for every attention path: the kernels centre the values with helm.ops.centring's functions,
 # which the eager and sdpa paths use, so a change to the rule cannot leave one path behind.
-from ...manifold.math import sqnorm
 from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
@@ -271,7 +270,7 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
         kid = torch.stack([kid, *document_runs(seg)], dim=1).to(torch.int32).contiguous()
     if cached_norms is None:
-        w, e, c = centre_values(v, segment_ids, attention_mask, Tq, groups)
+        (w, c), e = centre_values(v, segment_ids, attention_mask, Tq, groups), None
     else:
         w, e = v, cached_norms.to(torch.float32).contiguous()
         c = value_centre.detach().to(torch.float32).expand(B, H, Tq, 1 + dv).contiguous()
@@ -295,10 +294,10 @@ def document_runs(seg: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int, groups: Optional[KeyGroups] = None):
-    """``(w, e, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride), ``e_j = <w_j,
-    w_j>_L`` ``[B, H, Tk]`` fp32 (from the stored ``w``, accumulated in fp64: the named exception of
-    ``helm/precision.py``, see :func:`_centroid_normalise`) and the centre of each query row
-    ``c [B, H, Tq, 1+dv]`` fp32 (detached). ``w`` and ``e`` stay in the autograd graph.
+    """``(w, c)``: centred values ``w_j = v_j - c_j`` (in ``v``'s dtype, unit last stride; in the autograd graph) and
+    the centre of each query row ``c [B, H, Tq, 1+dv]`` fp32 (detached). The kernels compute ``e_j = <w_j, w_j>_L``
+    from the ``w_j`` they load (:func:`_lorentz_sqnorm`, accumulated in fp64: the named exception of
+    ``helm/precision.py``, see :func:`_centroid_normalise`) and carry its gradient into ``dw`` themselves.
 
     The normaliser ``N = k + (E - <D, D>_L)`` does not depend on the centres as long as every key a row attends to
     has the same one; only its rounding does. Keys are grouped by document (segment id) and padding flag
@@ -313,9 +312,8 @@ def centre_values(v: torch.Tensor, segment_ids, attention_mask, q_len: int, grou
     vf = v.float()
     c = value_centres(vf, groups)
     w = _last_dim_contiguous((vf - c).to(v.dtype))
-    e = sqnorm(w.double() if w.device.type != "mps" else w.float()).float()  # whole rows: no strided slices
     c_rows = c.expand(B, H, Tk, c.shape[-1])[:, :, Tk - q_len:].contiguous()
-    return w, e, c_rows
+    return w, c_rows
 
 
 def needs_grad(p: Prepared) -> bool:
@@ -325,12 +323,13 @@ def needs_grad(p: Prepared) -> bool:
     return any(t is not None and t.requires_grad for t in (p.q, p.qt, p.k, p.kt, p.v, p.e, p.scale, p.slopes, p.kc))
 
 
-def launch_args(p: Prepared) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stand-ins for optional pointers (never read: the matching ``HAS_*`` flag is off)."""
+def launch_args(p: Prepared) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(slopes, qid, kid, kc, e)`` with stand-ins for the optional pointers (never read: the matching ``HAS_*``
+    flag is off, or for ``e`` ``CENTRED`` is on)."""
     slopes = p.slopes if p.slopes is not None else p.scale
     qid = p.qid if p.qid is not None else p.scale
     kid = p.kid if p.kid is not None else p.scale
-    return slopes, qid, kid, p.kc
+    return slopes, qid, kid, p.kc, p.e if p.e is not None else p.scale
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,6 +472,15 @@ def _store_points(p_x, b_t, b_s, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _lorentz_sqnorm(b_t, b_s):
+    """``<x, x>_L = |x_s|² - x_t²`` of each row of a block (time ``[BT]``, space ``[BT, BLOCK_D]``), accumulated in fp64
+    and rounded to fp32: the named fp64 exception (:func:`_centroid_normalise` says why)."""
+    b_s64 = b_s.to(tl.float64)
+    b_t64 = b_t.to(tl.float64)
+    return (tl.sum(b_s64 * b_s64, 1) - b_t64 * b_t64).to(tl.float32)
+
+
+@triton.jit
 def _centroid_normalise(b_dt, b_ds, b_e, b_ct, b_cs, kc):
     """Lorentz normalisation of the rows from their centred sums ``D`` (time ``b_dt``, space ``b_ds``), ``E`` and
     centres ``c``: ``N = k + (E - <D, D>_L)`` with ``<D, D>_L`` accumulated in fp64, ``O_s = sqrt(k) (c_s + D_s) /
@@ -480,14 +488,14 @@ def _centroid_normalise(b_dt, b_ds, b_e, b_ct, b_cs, kc):
     ``k/2`` never binds for values on the manifold (as ``helm.ops``). Recomputing ``O_t`` puts the output on the
     hyperboloid to rounding. Returns ``(O_t, O_s, N)`` (``N`` before the floor).
 
-    fp64 here and in the host's ``e_j`` is a named exception of ``helm/precision.py`` (``O(T·d_v)`` per head, off
-    the tensor cores): for a one-hot row (every sequence's first token, a saturated softmax) ``E - <D, D>_L`` must
-    come out 0 to ``u·k`` while both terms are ``~|v|²``; ``helm.ops`` gets that in fp32 because there ``D`` is
-    bitwise ``w_j`` and both norms come from one function, but here ``e_j`` is summed on the host and ``<D, D>_L``
-    in this kernel, in different orders (fp32: ``u·|v|²`` error, 7e-4 output error at ``|v| = 100``)."""
-    b_ds64 = b_ds.to(tl.float64)
-    b_dt64 = b_dt.to(tl.float64)
-    b_dd = (tl.sum(b_ds64 * b_ds64, 1) - b_dt64 * b_dt64).to(tl.float32)
+    fp64 here and in the kernels' ``e_j`` (:func:`_lorentz_sqnorm`) is a named exception of ``helm/precision.py``
+    (``O(T·d_v)`` per head and key block, off the tensor cores): for a one-hot row (every sequence's first token, a
+    saturated softmax) ``E - <D, D>_L`` must come out 0 to ``u·k`` while both terms are ``~|v|²``; ``helm.ops`` gets
+    that in fp32 because there ``D`` is bitwise ``w_j`` and both norms come from one function, and so does this one,
+    but ``e_j`` is summed over a key block's tile and ``<D, D>_L`` over a query block's, whose reduction orders differ
+    on a GPU with the layouts (fp32: ``u·|v|²`` error, 7e-4 output error at ``|v| = 100``; the interpreter happens to
+    sum both in one order)."""
+    b_dd = _lorentz_sqnorm(b_dt, b_ds)
     b_n = (b_e - b_dd) + kc
     b_a = tl.sqrt(kc) / tl.sqrt(tl.maximum(b_n, 0.5 * kc))
     b_os = (b_ds + b_cs) * b_a[:, None]
@@ -501,12 +509,13 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, FALLBACK: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                   SPLIT_V: tl.constexpr):
+                   SPLIT_V: tl.constexpr, CENTRED: tl.constexpr):
     """Online softmax over the key blocks starting in ``[lo, hi)`` for one block of query rows.
 
     Carries, per row, the running max ``m_i`` and sum ``l_i`` of ``2^(z log2 e)`` and the unnormalised sums
     ``acc_t [BM]`` (time) and ``acc_s [BM, BLOCK_DV]`` (space) of ``2^(...) w`` and ``acc_e [BM]`` of
-    ``2^(...) e``. The keys' time coordinates come from ``p_kt`` (fp32), their space parts from ``p_k``. Normal
+    ``2^(...) e``. The keys' time coordinates come from ``p_kt`` (fp32), their space parts from ``p_k``; ``e_j`` is
+    computed from the loaded ``w_j`` (``CENTRED``) or read from ``p_e`` (a cache's norms). Normal
     pass: keys kept by the causal / segment mask. ``FALLBACK`` pass: only rows flagged in ``m_rows`` take part, and
     they attend to every key (the convention for rows whose mask keeps nothing).
     """
@@ -518,7 +527,10 @@ def _attend_blocks(acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid,
         m_n = o_n < Tk
         b_kt, b_ks = _load_split(p_k, p_kt, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
-        b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
+        if CENTRED:
+            b_e = _lorentz_sqnorm(b_vt, b_vs)
+        else:
+            b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FALLBACK:
             m_s = m_rows[:, None] & m_n[None, :]

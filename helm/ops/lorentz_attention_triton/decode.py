@@ -76,6 +76,7 @@ def lorentz_attention_decode_split_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
+    CENTRED: tl.constexpr,
 ):
     """Grid ``(n_splits, B*H)``. Partial softmax state of all ``Tq <= BLOCK_M`` rows over the keys
     ``[split * keys_per_split, (split+1) * keys_per_split)``, stored in ``[B*H, n_splits, BLOCK_M(, BLOCK_DV)]``
@@ -111,7 +112,7 @@ def lorentz_attention_decode_split_kernel(
         K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, V + i_b * stride_vb + i_h * stride_vh,
         E + i_bh.to(tl.int64) * Tk, KID + i_b * 3 * Tk,
         stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V, CENTRED)
 
     o_part = (i_bh.to(tl.int64) * n_splits + i_s) * BLOCK_M + o_m
     tl.store(M_PART + o_part, m_i)
@@ -174,7 +175,7 @@ def lorentz_attention_decode_combine_kernel(
                 K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk,
                 V + i_b * stride_vb + i_h * stride_vh, E + i_bh.to(tl.int64) * Tk, K,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V, CENTRED)
 
     l_safe = tl.where(l_g == 0.0, 1.0, l_g)
     b_ct, b_cs = _load_points(C + i_bh.to(tl.int64) * Tq * (1 + DV), o_m, m_q, 1 + DV, o_dv, DV, BLOCK_DV)
@@ -218,18 +219,18 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
     acc_t = alloc((B * H, n_splits, BM), torch.float32, dev)
     acc_s = alloc((B * H, n_splits, BM, BDV), torch.float32, dev)
     acc_e = alloc((B * H, n_splits, BM), torch.float32, dev)
-    slopes, qid, kid, kc = launch_args(p)
+    slopes, qid, kid, kc, e = launch_args(p)
     common = dict(D=D, DV=DV, BLOCK_M=BM, BLOCK_D=block_d(D), BLOCK_DV=BDV, HAS_SEG=p.qid is not None,
                   HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET, PREC=dot_precision(q.dtype),
                   SPLIT_V=v.dtype == torch.float32)
     lorentz_attention_decode_split_kernel[(n_splits, B * H)](
-        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
+        q, p.qt, k, p.kt, v, e, p.scale, slopes, qid, kid, m_part, l_part, acc_t, acc_s, acc_e,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, Tq, Tk, keys_per_split, n_splits,
-        CAUSAL=p.causal, **common,
+        CAUSAL=p.causal, CENTRED=p.centred, **common,
     )
     o = alloc((B, H, Tq, 1 + DV), torch.float32, dev)
     lorentz_attention_decode_combine_kernel[(B * H,)](
-        q, p.qt, k, p.kt, v, p.e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
+        q, p.qt, k, p.kt, v, e, p.c, p.scale, slopes, kc, m_part, l_part, acc_t, acc_s, acc_e, o,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, Tq, Tk, n_splits,
         BLOCK_N=COMBINE_BLOCK_N, CENTRED=p.centred, num_warps=4, **common,
     )
@@ -243,7 +244,7 @@ def lorentz_attention_decode_fwd(p: Prepared) -> torch.Tensor:
 
 @torch.library.custom_op("helm::lorentz_attention_decode", mutates_args=())
 def lorentz_attention_decode(q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor,
-                             w: torch.Tensor, e: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
+                             w: torch.Tensor, e: Optional[torch.Tensor], c: torch.Tensor, scale: torch.Tensor,
                              slopes: Optional[torch.Tensor], kc: torch.Tensor, qid: Optional[torch.Tensor],
                              kid: Optional[torch.Tensor], causal: bool, centred: bool) -> torch.Tensor:
     """Split-K forward on prepared inputs (arguments as ``helm::lorentz_attention_fwd``, ``Tq <= 16``); returns

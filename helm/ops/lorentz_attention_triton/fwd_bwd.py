@@ -35,6 +35,7 @@ from .common import (
     _centroid_normalise,
     _document_span,
     _dot,
+    _lorentz_sqnorm,
     _dot_v,
     _load_points,
     _load_split,
@@ -136,12 +137,12 @@ def lorentz_attention_fwd_kernel(
     acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
         acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
         stride_vt, lo, mid, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_SEG, HAS_ALIBI, False,
-        DOT_F32, PREC, SPLIT_V)
+        DOT_F32, PREC, SPLIT_V, CENTRED)
     if CAUSAL:  # the diagonal blocks, with the causal mask
         acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
             acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt,
             stride_vt, mid, hi, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_SEG, HAS_ALIBI,
-            False, DOT_F32, PREC, SPLIT_V)
+            False, DOT_F32, PREC, SPLIT_V, CENTRED)
     # Only padding can leave a row with no key (its own position is kept otherwise). Such rows attend to
     # every key, as build_attention_mask specifies; they start from l = 0, acc = 0, so one more pass suffices.
     m_full = m_q & (l_i == 0.0)
@@ -150,7 +151,7 @@ def lorentz_attention_fwd_kernel(
             acc_t, acc_s, acc_e, l_i, m_i = _attend_blocks(
                 acc_t, acc_s, acc_e, l_i, m_i, b_qt, b_qs, pos_q, m_q, b_qid, m_full, p_k, p_kt, p_v, p_e, p_kid,
                 stride_kt, stride_vt, 0, Tk, Tk, qk_scale, slope, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG,
-                HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
+                HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V, CENTRED)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past Tq only
     b_st = acc_t / l_safe
@@ -286,7 +287,7 @@ def _bwd_kv_rows(dk_t, dk_s, dv_t, dv_s, de, b_kt, b_ks, b_vt, b_vs, b_e, o_n, m
                  prune_configs_by={"early_config_prune": prune_configs("dkdv")})
 @triton.jit
 def lorentz_attention_bwd_dkdv_kernel(
-    Q, QT, K, KT, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DKT, DV_, DEK,
+    Q, QT, K, KT, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DK, DKT, DV_,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     H, Tq, Tk,
@@ -295,8 +296,8 @@ def lorentz_attention_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(cdiv(Tk, BLOCK_N), B*H)``: ``dK = c J Σ_i dz_ij q_i`` (space part into ``DK [B, H, Tk, D]``, time
-    part into ``DKT [B*H, Tk]`` fp32), ``dW = Σ_i P_ij dD_i`` and
-    ``de = Σ_i P_ij dE_i`` (``DEK [B*H, Tk]``) for one key block."""
+    part into ``DKT [B*H, Tk]`` fp32) and ``dW = Σ_i P_ij dD_i + 2 J w_j de_j`` with ``de_j = Σ_i P_ij dE_i``
+    (through ``e_j = <w_j, w_j>_L``, computed here from the loaded ``w_j``) for one key block."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -308,7 +309,7 @@ def lorentz_attention_bwd_dkdv_kernel(
     b_kt, b_ks = _load_split(K + i_b * stride_kb + i_h * stride_kh, KT + i_bh.to(tl.int64) * Tk, o_n, m_n, stride_kt,
                              o_d, D, BLOCK_D)
     b_vt, b_vs = _load_points(V + i_b * stride_vb + i_h * stride_vh, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
-    b_e = tl.load(E + i_bh.to(tl.int64) * Tk + o_n, mask=m_n, other=0.0)
+    b_e = _lorentz_sqnorm(b_vt, b_vs)
     b_kid = o_n
     p_kid = KID + i_b * 3 * Tk
     if HAS_SEG:
@@ -367,14 +368,16 @@ def lorentz_attention_bwd_dkdv_kernel(
     # z = c (-q_t k_t + q_s·k_s): dK_t carries the Minkowski sign; it goes to the fp32 time input.
     _store_rows(DK + i_b * stride_dkb + i_h * stride_dkh, c * dk_s, o_n, m_n, stride_dkt, o_d, D, BLOCK_D)
     tl.store(DKT + i_bh.to(tl.int64) * Tk + o_n, -c * dk_t, mask=m_n)
+    # e_j = -w_t² + |w_s|²: de_j adds -2 w_t de_j to the time coordinate, 2 w_s de_j to the space part.
+    dv_t += -2.0 * b_vt * de
+    dv_s += 2.0 * b_vs.to(tl.float32) * de[:, None]
     _store_points(DV_ + i_b * stride_dvb + i_h * stride_dvh, dv_t, dv_s, o_n, m_n, stride_dvt, o_dv, DV,
                   BLOCK_DV)
-    tl.store(DEK + i_bh.to(tl.int64) * Tk + o_n, de, mask=m_n)
 
 
 @triton.jit
 def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-                  p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
+                  p_k, p_kt, p_v, p_kid, stride_kt, stride_vt, lo, hi, Tk, qk_scale, slope,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, FULL_ONLY: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -389,7 +392,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
         m_n = o_n < Tk
         b_kt, b_ks = _load_split(p_k, p_kt, o_n, m_n, stride_kt, o_d, D, BLOCK_D)
         b_vt, b_vs = _load_points(p_v, o_n, m_n, stride_vt, o_dv, DV, BLOCK_DV)
-        b_e = tl.load(p_e + o_n, mask=m_n, other=0.0)
+        b_e = _lorentz_sqnorm(b_vt, b_vs)
         b_qk, b_s = _block_logits(b_qt, b_qs, b_kt, b_ks, o_n, pos_q, qk_scale, slope, HAS_ALIBI, DOT_F32, PREC)
         if FULL_ONLY:
             m_s = b_full[:, None] & m_n[None, :]
@@ -413,7 +416,7 @@ def _bwd_q_blocks(dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_ls
                  prune_configs_by={"early_config_prune": prune_configs("dq")})
 @triton.jit
 def lorentz_attention_bwd_dq_kernel(
-    Q, QT, K, KT, V, E, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DQT, DSCALE, DSLOPE,
+    Q, QT, K, KT, V, SCALE, SLOPES, QID, KID, DS_T, DS_S, DE, LSE, DELTA, FULL, DQ, DQT, DSCALE, DSLOPE,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dqb, stride_dqh, stride_dqt,
     H, Tq, Tk,
@@ -452,7 +455,6 @@ def lorentz_attention_bwd_dq_kernel(
         slope = tl.load(SLOPES + i_h) * LOG2E
     p_k = K + i_b * stride_kb + i_h * stride_kh
     p_v = V + i_b * stride_vb + i_h * stride_vh
-    p_e = E + i_bh.to(tl.int64) * Tk
     p_kt = KT + i_bh.to(tl.int64) * Tk
     p_kid = KID + i_b * 3 * Tk
     lo = 0
@@ -472,12 +474,12 @@ def lorentz_attention_bwd_dq_kernel(
     mid = _causal_free_end(Tk - Tq + i_m * BLOCK_M, lo, hi, CAUSAL, BLOCK_N)
     dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
         dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-        p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, lo, mid, Tk, qk_scale, slope,
+        p_k, p_kt, p_v, p_kid, stride_kt, stride_vt, lo, mid, Tk, qk_scale, slope,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
     if CAUSAL:  # the diagonal blocks, with the causal mask
         dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
             dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q, m_q,
-            p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, mid, hi, Tk, qk_scale, slope,
+            p_k, p_kt, p_v, p_kid, stride_kt, stride_vt, mid, hi, Tk, qk_scale, slope,
             D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_SEG, HAS_ALIBI, False, DOT_F32, PREC, SPLIT_V)
     if HAS_SEG:
         # Rows whose mask kept nothing also attend to the keys past the causal horizon and the rows' documents:
@@ -486,7 +488,7 @@ def lorentz_attention_bwd_dq_kernel(
         if any_full:
             dq_t, dq_s, b_dsc, b_dsl = _bwd_q_blocks(
                 dq_t, dq_s, b_dsc, b_dsl, b_qt, b_qs, b_dst, b_dss, b_de, b_lse, b_delta, b_qid, b_full, pos_q,
-                m_q, p_k, p_kt, p_v, p_e, p_kid, stride_kt, stride_vt, tl.cdiv(hi, BLOCK_N) * BLOCK_N, Tk, Tk,
+                m_q, p_k, p_kt, p_v, p_kid, stride_kt, stride_vt, tl.cdiv(hi, BLOCK_N) * BLOCK_N, Tk, Tk,
                 qk_scale, slope,
                 D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, HAS_SEG, HAS_ALIBI, True, DOT_F32, PREC, SPLIT_V)
 
@@ -514,13 +516,13 @@ def _launch_fwd(p: Prepared, store_s: bool):
         ebar = alloc((B * H, Tq), torch.float32, q.device)
         lse = alloc((B * H, Tq), torch.float32, q.device)
         full = alloc((B * H, Tq), torch.int8, q.device)
-    slopes, qid, kid, kc = launch_args(p)
+    slopes, qid, kid, kc, e = launch_args(p)
 
     def grid(meta):
         return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
 
     lorentz_attention_fwd_kernel[grid](
-        q, p.qt, k, p.kt, v, p.e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
+        q, p.qt, k, p.kt, v, e, p.c, p.scale, slopes, kc, qid, kid, o, s if store_s else o, ebar if store_s else kc,
         lse if store_s else kc, full if store_s else kc,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, Tq, Tk,
@@ -532,7 +534,7 @@ def _launch_fwd(p: Prepared, store_s: bool):
 
 
 def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
-    """Launch the three backward kernels. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H] | None,
+    """Launch the three backward kernels. Returns ``(dq, dqt, dk, dkt, dw, dscale [H], dslopes [H] | None,
     dkc [1])``."""
     q, k, v = p.q, p.k, p.v
     B, H, Tq, D = q.shape
@@ -550,20 +552,19 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
         s, ebar, p.c, do, p.kc, ds_t, ds_s, de_row, delta, dkc_row, *s.stride()[:3], *do.stride()[:3], H, Tq,
         DV=DV, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_d(DV), num_warps=4,
     )
-    slopes, qid, kid, _ = launch_args(p)
+    slopes, qid, kid, _, _ = launch_args(p)
     flags = dict(D=D, DV=DV, BLOCK_D=block_d(D), BLOCK_DV=block_d(DV), CAUSAL=p.causal,
                  HAS_SEG=p.qid is not None, HAS_ALIBI=p.slopes is not None, DOT_F32=INTERPRET,
                  PREC=dot_precision(q.dtype), SPLIT_V=v.dtype == torch.float32)
     dk = alloc(k.shape, k.dtype, dev)
     dkt = alloc((B * H, Tk), torch.float32, dev)
     dv = alloc(v.shape, v.dtype, dev)
-    de = alloc(p.e.shape, torch.float32, dev)
 
     def grid_kv(meta):
         return triton.cdiv(Tk, meta["BLOCK_N"]), B * H
 
     lorentz_attention_bwd_dkdv_kernel[grid_kv](
-        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dkt, dv, de,
+        q, p.qt, k, p.kt, v, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dk, dkt, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, Tq, Tk, **flags,
     )
     dq = alloc(q.shape, q.dtype, dev)
@@ -575,13 +576,13 @@ def _launch_bwd(p: Prepared, s, ebar, lse, full, do):
         return triton.cdiv(Tq, meta["BLOCK_M"]), B * H
 
     lorentz_attention_bwd_dq_kernel[grid_q](
-        q, p.qt, k, p.kt, v, p.e, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dqt,
+        q, p.qt, k, p.kt, v, p.scale, slopes, qid, kid, ds_t, ds_s, de_row, lse, delta, full, dq, dqt,
         dscale_row, dslope_row,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], H, Tq, Tk, **flags,
     )
     dscale = dscale_row.view(B, H, Tq).sum(dim=(0, 2))
     dslopes = dslope_row.view(B, H, Tq).sum(dim=(0, 2)) if p.slopes is not None else None
-    return dq, dqt, dk, dkt, dv, de, dscale, dslopes, dkc_row.sum().reshape(1)
+    return dq, dqt, dk, dkt, dv, dscale, dslopes, dkc_row.sum().reshape(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -594,15 +595,15 @@ T = torch.Tensor
 
 
 @torch.library.custom_op("helm::lorentz_attention_fwd", mutates_args=())
-def lorentz_attention_fwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, slopes: Optional[T], kc: T,
+def lorentz_attention_fwd(q: T, qt: T, k: T, kt: T, w: T, e: Optional[T], c: T, scale: T, slopes: Optional[T], kc: T,
                           qid: Optional[T], kid: Optional[T], causal: bool, centred: bool,
                           store_stats: bool) -> Tuple[T, T, T, T, T]:
     """Forward kernel on prepared inputs (:func:`~.common.prepare`): the space parts ``q [B, H, Tq, d]``,
     ``k [B, H, Tk, d]`` in the GEMM dtype (unit last stride) with their time coordinates ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32,
-    centred values ``w [B, H, Tk, 1+dv]`` (unit last stride), ``e [B, H, Tk]``, row centres ``c [B, H, Tq, 1+dv]``,
-    ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids ``qid [B, Tq]``, ``kid [B, Tk]`` (int32)
-    or None. ``centred=False``: ``w`` holds plain values and ``e`` their norms about one centre ``c`` (a cache's,
-    forward only).
+    centred values ``w [B, H, Tk, 1+dv]`` (unit last stride; the kernels compute their ``e_j = <w_j, w_j>_L``), row
+    centres ``c [B, H, Tq, 1+dv]``, ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids
+    ``qid [B, Tq]``, ``kid [B, 3, Tk]`` (int32) or None. ``centred=False``: ``w`` holds plain values and ``e``
+    ``[B, H, Tk]`` their norms about one centre ``c`` (a cache's, forward only); ``e`` is None otherwise.
 
     Returns ``(O, S, EBAR, LSE, FULL)``: ``O [B, H, Tq, 1+dv]`` fp32 and, with ``store_stats``, what the backward
     reads: the centred sums ``S = D [B, H, Tq, 1+dv]``, ``EBAR = E``, base-2 ``LSE`` ``[B*H, Tq]`` fp32 and the
@@ -629,27 +630,26 @@ def _lorentz_attention_fwd_fake(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, k
 
 
 @torch.library.custom_op("helm::lorentz_attention_bwd", mutates_args=())
-def lorentz_attention_bwd(q: T, qt: T, k: T, kt: T, w: T, e: T, c: T, scale: T, slopes: Optional[T], kc: T,
+def lorentz_attention_bwd(q: T, qt: T, k: T, kt: T, w: T, c: T, scale: T, slopes: Optional[T], kc: T,
                           qid: Optional[T], kid: Optional[T], s: T, ebar: T, lse: T, full: T, do: T,
-                          causal: bool) -> Tuple[T, T, T, T, T, T, T, T, T]:
-    """Backward kernels: inputs of :func:`lorentz_attention_fwd`, its saved ``S, EBAR, LSE, FULL`` and ``dO``
-    ``[B, H, Tq, 1+dv]``. Returns ``(dq, dqt, dk, dkt, dw, de, dscale [H], dslopes [H], dkc [1])``: ``dq, dk, dw``
-    contiguous in the dtypes of ``q, k, w`` (space parts: the time gradients are ``dqt, dkt``);
-    the rest fp32; ``dslopes`` zeros without slopes."""
-    p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=e, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
+                          causal: bool) -> Tuple[T, T, T, T, T, T, T, T]:
+    """Backward kernels: inputs of :func:`lorentz_attention_fwd` (centred, so without ``e``), its saved ``S, EBAR, LSE,
+    FULL`` and ``dO`` ``[B, H, Tq, 1+dv]``. Returns ``(dq, dqt, dk, dkt, dw, dscale [H], dslopes [H], dkc [1])``:
+    ``dq, dk, dw`` contiguous in the dtypes of ``q, k, w`` (space parts: the time gradients are ``dqt, dkt``; ``dw``
+    includes what reaches ``w`` through ``e``); the rest fp32; ``dslopes`` zeros without slopes."""
+    p = Prepared(q=q, qt=qt, k=k, kt=kt, v=w, e=None, c=c, scale=scale, slopes=slopes, kc=kc, qid=qid, kid=kid,
                  causal=causal, centred=True)
-    dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc = _launch_bwd(p, s, ebar, lse, full, do)
+    dq, dqt, dk, dkt, dw, dscale, dslopes, dkc = _launch_bwd(p, s, ebar, lse, full, do)
     if dslopes is None:
         dslopes = torch.zeros_like(dscale)
-    return dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc
+    return dq, dqt, dk, dkt, dw, dscale, dslopes, dkc
 
 
 @lorentz_attention_bwd.register_fake
-def _lorentz_attention_bwd_fake(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, causal):
+def _lorentz_attention_bwd_fake(q, qt, k, kt, w, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, causal):
     H = q.shape[1]
     return (q.new_empty(q.shape), torch.empty_like(qt, dtype=torch.float32), k.new_empty(k.shape),
-            torch.empty_like(kt, dtype=torch.float32), w.new_empty(w.shape),
-            e.new_empty(e.shape, dtype=torch.float32), q.new_empty((H,), dtype=torch.float32),
+            torch.empty_like(kt, dtype=torch.float32), w.new_empty(w.shape), q.new_empty((H,), dtype=torch.float32),
             q.new_empty((H,), dtype=torch.float32), q.new_empty((1,), dtype=torch.float32))
 
 
@@ -658,22 +658,22 @@ def _fwd_setup_context(ctx, inputs, output):
     o, s, ebar, lse, full = output
     if not (store_stats and centred):
         raise RuntimeError("helm::lorentz_attention_fwd is differentiable only with centred=True, store_stats=True")
-    ctx.save_for_backward(q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
+    ctx.save_for_backward(q, qt, k, kt, w, c, scale, slopes, kc, qid, kid, s, ebar, lse, full)
     ctx.causal = causal
     ctx.has_slopes = slopes is not None
     ctx.mark_non_differentiable(s, ebar, lse, full)
 
 
 def _fwd_backward(ctx, do, *_stats):
-    """Gradients of ``q, k`` (space parts) and their time coordinates ``qt, kt``, the centred values ``w`` and their
-    ``e = <w, w>_L`` (all made from the inputs in torch by :func:`~.common.prepare`, so autograd carries them back to
-    the query, key and value points), ``scale = 2/τ``, the ALiBi slopes and ``kc``; the row centres ``c`` are
-    constants (detached), the ids integers."""
-    q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
-    dq, dqt, dk, dkt, dw, de, dscale, dslopes, dkc = lorentz_attention_bwd(
-        q, qt, k, kt, w, e, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, ctx.causal)
-    return (dq, dqt, dk, dkt, dw, de, None, dscale, dslopes if ctx.has_slopes else None, dkc, None, None, None, None,
-            None)
+    """Gradients of ``q, k`` (space parts) and their time coordinates ``qt, kt``, the centred values ``w`` (all made
+    from the inputs in torch by :func:`~.common.prepare`, so autograd carries them back to the query, key and value
+    points), ``scale = 2/τ``, the ALiBi slopes and ``kc``; ``e`` is None (centred), the row centres ``c`` constants
+    (detached), the ids integers."""
+    q, qt, k, kt, w, c, scale, slopes, kc, qid, kid, s, ebar, lse, full = ctx.saved_tensors
+    dq, dqt, dk, dkt, dw, dscale, dslopes, dkc = lorentz_attention_bwd(
+        q, qt, k, kt, w, c, scale, slopes, kc, qid, kid, s, ebar, lse, full, do, ctx.causal)
+    return (dq, dqt, dk, dkt, dw, None, None, dscale, dslopes if ctx.has_slopes else None, dkc, None, None, None,
+            None, None)
 
 
 lorentz_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

@@ -19,7 +19,7 @@ from tests.ops.lorentz_attention_triton.device import DEVICE, ON_GPU
 
 def _prepared(lk, *, Tq=63, Tk=63, d=16, dv=32, segments=True, alibi=True, grad=True, seed=0, qk_dtype=None):
     """Kernel-ready inputs (:func:`~helm.ops.lorentz_attention_triton.common.prepare`) of a packed, padded, ALiBi
-    problem, as leaves where gradients flow (``q, qt, k, kt, w, e``, scale, slopes, curvature)."""
+    problem, as leaves where gradients flow (``q, qt, k, kt, w``, scale, slopes, curvature; ``e`` is None: centred)."""
     gen = torch.Generator().manual_seed(seed)
     B, H = 2, 2
     q = lift(torch.randn(B, H, Tq, d, generator=gen) * 0.4, k=0.7)
@@ -58,7 +58,9 @@ def test_opcheck_backward(lk, qk_dtype):
     args = _prepared(lk, grad=False, qk_dtype=qk_dtype)
     o, s, ebar, lse, full = torch.ops.helm.lorentz_attention_fwd(*args, True, True)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default, (*args[:12], s, ebar, lse, full, do, args[12]))
+    # the backward takes the forward's inputs but e (centred values: the kernels compute it)
+    torch.library.opcheck(torch.ops.helm.lorentz_attention_bwd.default,
+                          (*args[:5], *args[6:12], s, ebar, lse, full, do, args[12]))
 
 
 def test_opcheck_decode(lk):

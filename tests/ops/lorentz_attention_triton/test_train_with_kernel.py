@@ -1,9 +1,13 @@
 """A full HELM-D model trained with the Triton kernel (interpreter on CPU) follows the sdpa losses."""
 
+from collections import Counter
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import helm
+from tests.test_precision import recorded_step
 
 
 def _train(impl, state, ids, steps):
@@ -38,3 +42,14 @@ def test_tiny_helm_d_trains_identically_with_triton_and_sdpa(lk, monkeypatch):
     assert len(calls) == 20  # one attention layer, one call per step: the kernel really ran
     assert sdpa[-1] < sdpa[0] - 0.5  # it actually learns
     assert max(abs(a - b) for a, b in zip(sdpa, triton)) <= 1e-4, (sdpa, triton)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_training_step_with_the_kernel_runs_nothing_in_fp64(lk, autocast):
+    """The kernel's preparation has no fp64 op (``e_j`` is computed inside the kernels): over one training step of
+    HELM-D with ``attn_implementation="triton"``, no aten op outside the kernels touches an fp64 tensor
+    (``tests/test_precision.py``'s check, here with the kernel)."""
+    _, _, rec = recorded_step("helm_d", autocast=autocast, model_kwargs={"attn_implementation": "triton"})
+    assert any(op[0] == "lorentz_attention_fwd" for op in rec.ops), "the kernel did not run"
+    fp64 = Counter(op[0] for op in rec.ops if torch.float64 in rec.dtypes(op))
+    assert not fp64, f"ops on fp64 tensors: {dict(fp64)}"
