@@ -210,6 +210,12 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     final_proj: bool = field(boolean, False)
     fused_lm_loss: bool = field(boolean, True)
 
+    def __post_init__(self, **kwargs):
+        self.upgrade_old_fields(kwargs)
+        self.refuse_unknown_keys(kwargs)
+        self.validate_architecture()  # (fills the derived defaults first: head_dim, routed_curvatures)
+        super().__post_init__(**kwargs)
+
     @property
     def k(self) -> float:
         """geoopt's curvature parameter ``k = -1/K > 0`` (``<x, x>_L = -k``)."""
@@ -341,10 +347,12 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"unknown config field {key!r} for {type(self).__name__}{hint}")
 
-    def default_head_dim(self) -> None:
-        """``head_dim = 1 + ⌊(hidden_size - 1) / num_attention_heads⌋`` when not given (the paper's 115M model:
-        390 ambient, 6 heads of 1 + 64). A derived width a head or the positional encoding cannot use is refused
-        naming ``hidden_size`` and ``num_attention_heads`` (the user never set ``head_dim``), and left None."""
+    def derive_defaults(self) -> None:
+        """Fill the fields whose default None means "derived from other fields": ``head_dim = 1 + ⌊(hidden_size - 1)
+        / num_attention_heads⌋`` (the paper's 115M model: 390 ambient, 6 heads of 1 + 64). Run by
+        :meth:`validate_architecture`, so a None assigned after construction is derived again exactly as a
+        constructor keyword None is; a field given a value is kept. A derived width a head or the positional encoding
+        cannot use is refused naming ``hidden_size`` and ``num_attention_heads`` (the user never set ``head_dim``)."""
         hidden, heads = self.hidden_size, self.num_attention_heads
         if self.head_dim is not None:
             return
@@ -355,13 +363,6 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
             raise ValueError(f"head_dim must be {need} for positional={self.positional!r}, got {head_dim} = 1 + "
                              f"(hidden_size={hidden} - 1) // num_attention_heads={heads}; set head_dim or change them")
         self.head_dim = head_dim
-
-    def derive_defaults(self) -> None:
-        """Fill the fields whose default None means "derived from other fields": ``head_dim``
-        (:meth:`default_head_dim`). Run by :meth:`validate_architecture`, so a None assigned after construction
-        (``config.head_dim = None`` after a ``hidden_size`` change) is derived again exactly as a constructor keyword
-        None is, when the model is built or the config saved; a field given a value is kept."""
-        self.default_head_dim()
 
     def positional_dims(self) -> dict[str, int]:
         """Config field -> space dims the attention's positional encoding acts on (per head)."""

@@ -25,7 +25,6 @@ from ..nn.head import LorentzLMHead
 from ..nn.linear import LorentzLinear
 from ..nn.norm import LorentzRMSNorm
 from ..nn.positional import PositionalEncoding, PositionalTables
-from ..nn.positional.base import work_dtype
 from ..nn.positional.registry import build_positional_encoding, positional_encoding_class
 from ..nn.residual import LorentzResidual
 from ..ops.attention import (
@@ -219,7 +218,7 @@ class HelmDecoderModel(HelmPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = LorentzEmbedding(config.vocab_size, config.hidden_size, k=config.k,
                                              mode=config.embedding_mode, init_std=config.initializer_range)
-        self.pos_encoding = positional_encoding(config, head_dim=self.rotary_space_dim(config))
+        self.pos_encoding = positional_encoding(config)
         self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         # the official models' extra HLT before the final norm (config.final_proj; not in the paper)
         self.final_proj = (LorentzLinear(config.hidden_size, config.hidden_size, k=config.k) if config.final_proj
@@ -227,14 +226,6 @@ class HelmDecoderModel(HelmPreTrainedModel):
         self.norm = LorentzRMSNorm(config.hidden_size, k=config.k, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable, as on Llama's decoder
         self.post_init()
-
-    @staticmethod
-    def rotary_space_dim(config) -> int:
-        """The space dims per head that the positional encoding acts on in attention."""
-        return config.head_dim - 1
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
 
     @can_return_tuple
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
@@ -286,7 +277,7 @@ class HelmDecoderModel(HelmPreTrainedModel):
             # the biases compare index positions, whose differences within a request are position differences
             position_embeddings = self.pos_encoding.tables(
                 position_ids, paged.query_index.view(1, seq_len),
-                torch.arange(paged.kv_len, device=device).view(1, paged.kv_len), work_dtype(hidden_states.dtype))
+                torch.arange(paged.kv_len, device=device).view(1, paged.kv_len), stat_dtype(hidden_states.dtype))
             mask = AttentionMask(1, seq_len, paged.kv_len, dense=attention_mask, device=device,
                                  segment_ids=paged.key_request.view(1, paged.kv_len), query_index=paged.query_index)
         else:
@@ -328,12 +319,6 @@ class HelmCausalLMBase(HelmPreTrainedModel, GenerationMixin):
         self.lm_head = LorentzLMHead(config.hidden_size, config.vocab_size, k=config.k, mode=config.lm_head_mode,
                                      init_std=config.initializer_range)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self):
-        return self.lm_head
 
     @torch.no_grad()
     def init_continuous_batching(self, *args, **kwargs):
@@ -398,12 +383,14 @@ class HelmCausalLMBase(HelmPreTrainedModel, GenerationMixin):
                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
 
 
-def positional_encoding(config, *, head_dim: int) -> PositionalEncoding:
-    """The model's positional encoding from ``config``: ``head_dim`` space dims per head get it in attention;
+def positional_encoding(config) -> PositionalEncoding:
+    """The model's positional encoding from ``config``: the space dims per head of ``config.positional_dims()`` get
+    it in attention;
     ``absolute`` kinds act on the token stream, whose ``hidden_size - 1`` space dims they receive as
     ``hidden_space_dim`` (BiPE kinds do both). Other kind-specific options come from the config fields the kind
     names in its ``options``."""
     kind = positional_encoding_class(config.positional)
+    (head_dim,) = config.positional_dims().values()
     options = {name: getattr(config, field) for name, field in kind.options.items() if field is not None}
     if "hidden_space_dim" in kind.options:
         options["hidden_space_dim"] = config.hidden_size - 1

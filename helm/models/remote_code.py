@@ -17,8 +17,6 @@ import json
 from pathlib import Path
 from typing import Dict
 
-PACKAGE = "helm"
-
 
 def _module_file(name: str) -> Path:
     return Path(importlib.import_module(name).__file__)

@@ -73,14 +73,11 @@ def answer_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start: tor
 
 
 class HelmTaskHead:
-    """Shared by the heads: the base model under ``model`` (``base_model_class``), its embeddings, and the
-    checkpoint keys a causal-LM checkpoint brings that a task head does not use (its LM head)."""
+    """Shared by the heads: the base model under ``model`` (``base_model_class``) and the checkpoint keys a
+    causal-LM checkpoint brings that a task head does not use (its LM head)."""
 
     base_model_class: type
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
 
     def base_forward(self, input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds, use_cache,
                      kwargs):

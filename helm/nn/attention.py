@@ -321,15 +321,6 @@ class PagedBatch:
         return (keys.reshape(1, Tk, hk, wk).transpose(1, 2).to(key.dtype),
                 values.reshape(1, Tk, hv, wv).transpose(1, 2).to(value.dtype))
 
-    def first_of_request(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, h, Tq, W]``: for each new token, the row of its request's first key in ``x [1, h, Tk, W]`` (what
-        :meth:`update` returned)."""
-        return x.index_select(2, self.first_index)
-
-    def replace_new(self, read: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``read [1, h, Tk, W]`` with the new tokens' rows replaced by ``new [1, h, Tq, W]``."""
-        return read.index_copy(2, self.query_index, new.to(read.dtype))
-
 
 def cached_key_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
     """The dtype layer ``layer_idx`` of ``cache`` holds its keys in once written (a static cache's buffers take

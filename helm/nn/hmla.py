@@ -13,13 +13,11 @@ from transformers.cache_utils import StaticLayer
 from ..manifold.math import lift
 from ..ops.attention import AttentionMask, _normalise, alibi_bias, resolve_attention
 from ..precision import HALF, no_autocast, split_hi_lo, stat_dtype, to_stat
-from .attention import LorentzAttentionBase, PagedBatch, extends_cache, first_cached
+from .attention import _NO_POSITIONS, LorentzAttentionBase, PagedBatch, extends_cache, first_cached
 from .linear import linear_space, lorentz_linear, space_linear
 from .norm import LorentzRMSNorm
 from .positional import PositionalTables
 from .validation import check_dim
-
-_NO_POSITIONS = PositionalTables()
 
 
 class HMLA(LorentzAttentionBase):
@@ -188,12 +186,12 @@ class HMLA(LorentzAttentionBase):
         L, H = self.kv_lora_rank, self.num_heads
         columns = _pack(c_kv.new_zeros(*c_kv.shape[:-1], 3 * H, dtype=stat_dtype(c_kv)), c_kv.dtype)
         keys, rope_keys = batch.update(torch.cat([c_kv, columns], dim=-1), k_rope, self.layer_idx)
-        first = batch.first_of_request(keys[..., :L]).detach()
+        first = keys[..., :L].index_select(2, batch.first_index).detach()  # each new token's request's first key
         centre = lift(self._kv_heads(first)[..., self.dn:], k=self.k)
         scalars = self._token_scalars(c_kv, k_rope, first, centre)
         c_kv = torch.cat([c_kv, _pack(scalars, c_kv.dtype)], dim=-1)
         batch.update(c_kv, k_rope, self.layer_idx, write_only=True)
-        return batch.replace_new(keys, c_kv), rope_keys, first, centre
+        return keys.index_copy(2, batch.query_index, c_kv.to(keys.dtype)), rope_keys, first, centre
 
     def cache_payload(self) -> tuple[int, str]:
         """What one token costs this layer in continuous batching's paged cache, in numbers of the statistics dtype,

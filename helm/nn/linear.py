@@ -74,10 +74,6 @@ class LorentzLinear(RealignAfterLoading, nn.Module):
         self.k_out = self.k if k_out is None or float(k_out) == self.k else float(k_out)
         self.linear = space_linear(in_features, out_features, bias=bias)
 
-    def space(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x + b``: the output space part before lifting (``[..., m]``, in the weight's dtype)."""
-        return linear_space(self.linear, x)
-
     def forward(self, x: torch.Tensor, *, k: Optional[Curv] = None, k_out: Optional[Curv] = None) -> torch.Tensor:
         """``k`` / ``k_out`` override the constructor's curvatures (MiCE experts pass their own). An output
         curvature not given follows the input one for a layer built with ``k_out == k`` (a map within one

@@ -316,10 +316,6 @@ class MiCE(RealignAfterLoading, nn.Module):
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
         return weights, scores, selected
 
-    def balance_loss(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        """Sequence-wise balance loss (DeepSeek-V3), averaged over the batch; ``scores, selected [B, T, N_r]``."""
-        return sequence_balance_loss(scores, selected, top_k=self.top_k, alpha=self.aux_loss_alpha)
-
     def update_bias(self) -> None:
         """Aux-loss-free balancing: ``b_j += γ · sign(mean load - load_j)`` from the last batch's load."""
         update_routing_bias_(self.e_score_correction_bias, self.last_expert_load, self.bias_update_speed)
@@ -382,7 +378,8 @@ class MiCE(RealignAfterLoading, nn.Module):
             scores.register_hook(self._note_backward)
         with torch.no_grad():
             self.last_expert_load.copy_(selected.to(self.last_expert_load.dtype).sum((0, 1)))
-        self.aux_loss = self.balance_loss(scores, selected) if self.training and self.aux_loss_alpha > 0 else None
+        self.aux_loss = (sequence_balance_loss(scores, selected, top_k=self.top_k, alpha=self.aux_loss_alpha)
+                         if self.training and self.aux_loss_alpha > 0 else None)
         if self.expert_combine == "lresnet_official":
             return self.combine_lresnet_official(x, weights, selected)
         if self.sparse_dispatch():

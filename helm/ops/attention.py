@@ -256,17 +256,6 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int,
     return -(slopes.float().view(1, -1, 1, 1) * (qi - kj).float())
 
 
-def _floor(k):
-    """Floor for ``N = |<s, s>_L|`` of a softmax-weighted sum of values.
-
-    The exact bound is ``k (Σν)² = k``, and a row with a single key attains it, so rounding can put the norm
-    a hair below ``k``; clamping there would zero that row's gradient at random. Half the bound never binds
-    for valid inputs and still keeps degenerate ones (e.g. values off the manifold) finite; the Triton
-    kernel uses the same rule.
-    """
-    return k / 2
-
-
 def _centred_values(v: torch.Tensor, mask: "AttentionMask"):
     """``(c_rows, [w | e])``: the centred values ``w_j = v_j - c_j`` (:func:`~helm.ops.centring.value_centres`, one
     centre per document of the mask) with ``e_j = <w_j, w_j>_L`` (:func:`~helm.manifold.math.sqnorm`) appended as
@@ -285,14 +274,14 @@ def _normalise(de: torch.Tensor, c: torch.Tensor, k) -> torch.Tensor:
     """``O = lift(sqrt(k) (c_s + D_s) / sqrt(max(N, k/2)))``, ``N = k + (E - <D, D>_L)``, from ``de = [D | E]``.
 
     ``E - <D, D>_L`` is formed first (``k`` would be lost in ``k + E`` when ``E ~ |v|²``), in the statistics dtype
-    (``de`` is promoted to it). The floor: the exact ``N >= k`` (a one-key row attains it), so ``k/2`` never binds for values on the
-    manifold and keeps degenerate inputs finite (see :func:`_floor`)."""
+    (``de`` is promoted to it). The floor: the exact ``N >= k`` (a one-key row attains it, so rounding can put it a
+    hair below ``k``, where a clamp at ``k`` would zero that row's gradient at random), so ``k/2`` never binds for values
+    on the manifold and keeps degenerate inputs finite; the Triton kernel uses the same rule."""
     de = to_stat(de)
     d, e = de[..., :-1], de[..., -1:]
     kk = k.to(dtype=d.dtype, device=d.device) if isinstance(k, torch.Tensor) else float(k)
     n = (e - sqnorm(d, keepdim=True)) + kk
-    floor = _floor(kk)
-    n = n.clamp_min(floor) if not isinstance(floor, torch.Tensor) else torch.maximum(n, floor)
+    n = n.clamp_min(kk / 2) if not isinstance(kk, torch.Tensor) else torch.maximum(n, kk / 2)
     scale = n.rsqrt() * (kk.sqrt() if isinstance(kk, torch.Tensor) else kk ** 0.5)
     return lift((c[..., 1:] + d[..., 1:]) * scale, k=k)
 

@@ -21,11 +21,5 @@ class HelmDConfig(HelmConfigBase):
 
     model_type = "helm_d"
 
-    def __post_init__(self, **kwargs):
-        self.upgrade_old_fields(kwargs)
-        self.refuse_unknown_keys(kwargs)
-        self.validate_architecture()  # (fills the derived head_dim first)
-        super().__post_init__(**kwargs)
-
 
 __all__ = ["HelmDConfig"]

@@ -72,12 +72,6 @@ class HelmMiCEConfig(HelmConfigBase):
     moe_dispatch: str = field(one_of(MOE_DISPATCHES), "auto")
     hmla_absorb: bool = field(boolean, True)
 
-    def __post_init__(self, **kwargs):
-        self.upgrade_old_fields(kwargs)
-        self.refuse_unknown_keys(kwargs)
-        self.validate_architecture()  # (fills the derived head_dim and routed_curvatures first)
-        super().__post_init__(**kwargs)
-
     def derive_defaults(self) -> None:
         """``head_dim`` as :class:`HelmConfigBase` derives it, with ``attention_type="mha"`` only (HMLA's widths are
         ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), and ``routed_curvatures`` spread over
@@ -85,7 +79,7 @@ class HelmMiCEConfig(HelmConfigBase):
         validated, so ``attention_type="mha"`` or a None assigned after construction builds what the keywords
         would."""
         if self.attention_type == "mha":
-            self.default_head_dim()
+            super().derive_defaults()
         if self.routed_curvatures is None:
             self.routed_curvatures = self.spread_curvatures(self.n_routed_experts)
 

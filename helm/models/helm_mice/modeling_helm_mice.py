@@ -78,10 +78,6 @@ class HelmMiCEModel(HelmDecoderModel, HelmMiCEPreTrainedModel):
     decoder_layer_class = HelmMiCEDecoderLayer
     output_class = MoeModelOutputWithPast
 
-    @staticmethod
-    def rotary_space_dim(config) -> int:
-        return config.qk_rope_head_dim - 1 if config.attention_type == "hmla" else config.head_dim - 1
-
 
 class HelmMiCEForCausalLM(HelmCausalLMBase, HelmMiCEPreTrainedModel):
     """HELM-MiCE with the LM head (:class:`~helm.models.modeling_common.HelmCausalLMBase`); in training the summed

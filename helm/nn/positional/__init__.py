@@ -40,7 +40,7 @@ from .registry import (
     positional_encoding_class,
     register_positional_encoding,
 )
-from .rotary import HoPE, RoPE3D, rotate_pairs
+from .rotary import HoPE, RoPE3D
 from .sinusoidal import SinusoidalPositionalEncoding
 
 __all__ = [
@@ -65,5 +65,4 @@ __all__ = [
     "inverse_frequencies",
     "positional_encoding_class",
     "register_positional_encoding",
-    "rotate_pairs",
 ]

@@ -40,7 +40,7 @@ class PositionalTables:
             return x_s
         x = x_s.to(self.cos.dtype)
         cos, signed_sin = (_per_token(t, x) for t in self.pair_tables(x.shape[-1] // 2))
-        # x_{2l} cos - x_{2l+1} sin, x_{2l+1} cos + x_{2l} sin: rotate_pairs' products and sum, bitwise, with the
+        # x_{2l} cos - x_{2l+1} sin, x_{2l+1} cos + x_{2l} sin (RoFormer / HELM Eq. 4 on interleaved pairs), with the
         # per-coordinate tables (their negation and interleaving) built once per forward instead of in every call
         swapped = x.unflatten(-1, (-1, 2)).roll(1, -1).flatten(-2)  # (x1, x0) per pair; roll is the cheapest swap
         return (x * cos + swapped * signed_sin).to(x_s.dtype)
@@ -66,18 +66,6 @@ class PositionalTables:
         return None if self.bias is None else self.bias(q_s, k_s, scale)
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x_{2l}, x_{2l+1})`` by the angle whose cosine/sine are given.
-
-    ``[x_{2l}, x_{2l+1}] ↦ [x_{2l} cos - x_{2l+1} sin, x_{2l} sin + x_{2l+1} cos]`` (RoFormer / HELM Eq. 4).
-    Shapes: ``x [..., T, d]``, ``cos, sin`` broadcastable to ``[..., T, d/2]``; returns ``[..., T, d]`` in
-    the dtype of ``x · cos``.
-    """
-    pairs = x.unflatten(-1, (-1, 2))
-    # [x0 cos + x1 (-sin), x1 cos + x0 sin]: bitwise the same, in fewer kernels (forward and backward)
-    return (pairs * cos.unsqueeze(-1) + pairs.roll(1, -1) * torch.stack((-sin, sin), dim=-1)).flatten(-2)
-
-
 def inverse_frequencies(dim: int, base: float) -> torch.Tensor:
     """``θ_l = base^(-2l/d)`` for ``l = 0 .. ⌈d/2⌉ - 1`` (``d = dim``; ``max θ_l = θ_0 = 1``), float64 ``[⌈d/2⌉]`` on
     the host: RoPE's angles for ``d`` rotated dims and the sinusoidal table's ``ω_i`` (odd ``d`` allowed there)."""
@@ -98,12 +86,6 @@ def index_positions(batch: int, q_len: int, kv_len: int, device,
     if q_offset is None:
         return k_pos[:, kv_len - q_len:], k_pos
     return (torch.arange(q_len, device=device) + q_offset).expand(batch, q_len), k_pos
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The statistics dtype of :mod:`helm.precision`: fp64 stays fp64 (gradcheck, references); everything else is
-    encoded in fp32."""
-    return stat_dtype(dtype)
 
 
 def check_position_ids(x: torch.Tensor, position_ids: torch.Tensor, name: str = "position_ids") -> None:
@@ -166,7 +148,7 @@ class PositionalEncoding(nn.Module):
         queries in a static cache's ``kv_len`` slots)."""
         B, T = position_ids.shape
         q_pos, k_pos = index_positions(B, T, kv_len, position_ids.device, q_offset)
-        return self.tables(position_ids, q_pos, k_pos, work_dtype(dtype))
+        return self.tables(position_ids, q_pos, k_pos, stat_dtype(dtype))
 
     def rotate(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Stand-alone use: rotate space parts ``[B, H, T, d]`` at ``position_ids [B, T]``."""
@@ -174,7 +156,7 @@ class PositionalEncoding(nn.Module):
             return x_s
         check_position_ids(x_s, position_ids)
         pos = position_ids.to(x_s.device)
-        return self.tables(pos, pos, pos, work_dtype(x_s.dtype)).rotate(x_s)
+        return self.tables(pos, pos, pos, stat_dtype(x_s.dtype)).rotate(x_s)
 
     def score_bias(self, q_s: torch.Tensor, k_s: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
                    scale: Scale) -> torch.Tensor | None:
@@ -182,7 +164,7 @@ class PositionalEncoding(nn.Module):
         if not self.has_score_bias:
             return None
         q_pos, k_pos = q_pos.to(q_s.device), k_pos.to(q_s.device)
-        return self.tables(q_pos, q_pos, k_pos, work_dtype(q_s.dtype)).score_bias(q_s, k_s, scale)
+        return self.tables(q_pos, q_pos, k_pos, stat_dtype(q_s.dtype)).score_bias(q_s, k_s, scale)
 
     def embed(self, x_s: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Token space parts ``[B, T, n]`` -> ``[B, T, n]`` (the caller lifts); identity unless ``absolute``."""
@@ -196,4 +178,4 @@ class NoPositionalEncoding(PositionalEncoding):
 
 
 __all__ = ["NoPositionalEncoding", "PositionalEncoding", "PositionalTables", "Scale", "ScoreBias",
-           "check_position_ids", "index_positions", "inverse_frequencies", "rotate_pairs", "work_dtype"]
+           "check_position_ids", "index_positions", "inverse_frequencies"]

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from ..validation import check, check_dim, greater_than, integer, positive
-from .base import PositionalEncoding, PositionalTables, inverse_frequencies, rotate_pairs
+from .base import PositionalEncoding, PositionalTables, inverse_frequencies
 from .scaling import RopeScaling
 
 _DIGIT_BITS = 8
@@ -218,4 +218,4 @@ def interpolated_chunk_size(chunk_size: int, factor: float, original_max_positio
     return chunk_size + (extended - original_max_position_embeddings) // n
 
 
-__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "interpolated_chunk_size", "rotate_pairs"]
+__all__ = ["AngleTable", "HoPE", "RoPE3D", "check_pairs", "interpolated_chunk_size"]

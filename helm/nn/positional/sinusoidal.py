@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ...precision import stat_dtype
 from ..validation import check, check_dim, positive
-from .base import PositionalEncoding, check_position_ids, inverse_frequencies, work_dtype
+from .base import PositionalEncoding, check_position_ids, inverse_frequencies
 from .rotary import AngleTable
 
 
@@ -53,7 +54,7 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         if x_s.shape[-1] != self.hidden_space_dim:
             raise ValueError(f"sinusoidal: x_s has space dim {x_s.shape[-1]}, expected hidden_space_dim="
                              f"{self.hidden_space_dim}")
-        acc = work_dtype(x_s.dtype)
+        acc = stat_dtype(x_s.dtype)
         pe = self.table(position_ids.to(x_s.device), acc)
         return (x_s.to(acc) + self.scale * pe).to(x_s.dtype)
 
