@@ -167,7 +167,10 @@ class LorentzSelfAttention(LorentzAttentionBase):
                 past_key_values, self.layer_idx, values=True, plain_width=self.head_dim):
             centre = first_cached(past_key_values, self.layer_idx, value, values=True).detach()
             value = torch.cat([value, sqnorm(value - centre, keepdim=True), key[..., :1]], dim=-1)
-            key = key[..., 1:].to(cached_key_dtype(past_key_values, self.layer_idx, q_s.dtype))
+            # the dtype of the cache's first write from then on (a static cache's buffers take no other)
+            layers = past_key_values.layers
+            written = self.layer_idx < len(layers) and layers[self.layer_idx].is_initialized
+            key = key[..., 1:].to(layers[self.layer_idx].keys.dtype if written else q_s.dtype)
             key, value = past_key_values.update(key, value, self.layer_idx)
             key_time, value = value[..., -1], value[..., :-1]
         elif past_key_values is not None:
@@ -320,15 +323,6 @@ class PagedBatch:
         keys, values = read.split([hk * wk, hv * wv], dim=-1)
         return (keys.reshape(1, Tk, hk, wk).transpose(1, 2).to(key.dtype),
                 values.reshape(1, Tk, hv, wv).transpose(1, 2).to(value.dtype))
-
-
-def cached_key_dtype(cache, layer_idx: int, dtype: torch.dtype) -> torch.dtype:
-    """The dtype layer ``layer_idx`` of ``cache`` holds its keys in once written (a static cache's buffers take
-    no other), ``dtype`` before the first write."""
-    layers = cache.layers
-    if layer_idx < len(layers) and layers[layer_idx].is_initialized:
-        return layers[layer_idx].keys.dtype
-    return dtype
 
 
 def first_cached(cache, layer_idx: int, new: torch.Tensor, *, values: bool) -> torch.Tensor:

@@ -117,7 +117,7 @@ class AttentionMask:
     """
 
     __slots__ = ("batch", "q_len", "kv_len", "causal", "padding", "segment_ids", "device", "q_offset", "dense",
-                 "_query_index", "_keep", "_groups")
+                 "_query_index", "_keep", "_groups", "_kernel_ids")
 
     def __init__(self, batch: int, q_len: int, kv_len: int, *, causal: bool = True,
                  padding: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None, device=None,
@@ -149,6 +149,7 @@ class AttentionMask:
             self.padding = written.expand(batch, kv_len) if self.padding is None else self.padding & written
         self._keep = None
         self._groups = False
+        self._kernel_ids = None
 
     @property
     def is_plain_causal(self) -> bool:
@@ -186,6 +187,14 @@ class AttentionMask:
         if self._groups is False:
             self._groups = key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
         return self._groups
+
+    def kernel_ids(self, make: Callable[..., tuple]) -> tuple:
+        """What the Triton kernel masks with, ``make(segment_ids, padding, q_len, device)``
+        (:func:`helm.ops.lorentz_attention_triton.common.kernel_ids`): computed on first use, then shared by every
+        layer."""
+        if self._kernel_ids is None:
+            self._kernel_ids = make(self.segment_ids, self.padding, self.q_len, self.device)
+        return self._kernel_ids
 
     def __repr__(self) -> str:
         return (f"AttentionMask(B={self.batch}, Tq={self.q_len}, Tk={self.kv_len}, causal={self.causal}, "
@@ -449,7 +458,7 @@ def _pad_heads(*xs: torch.Tensor) -> tuple:
 
 
 def _load_kernel():
-    """The Triton kernel's public function, or the reason it cannot be imported.
+    """The Triton kernel's package (:mod:`helm.ops.lorentz_attention_triton`), or the reason it cannot be imported.
 
     The imports stay inside ``try`` and the kernel package is imported by its absolute name: ``transformers``
     ignores imports inside ``try`` when it lists a remote-code file's requirements, and
@@ -461,10 +470,10 @@ def _load_kernel():
     except ImportError:
         return None, "attn_implementation='triton' needs the 'triton' package: pip install 'helm-zoo[triton]'"
     try:
-        from helm.ops.lorentz_attention_triton import lorentz_flash_attention
+        from helm.ops import lorentz_attention_triton
     except ImportError as err:
         return None, f"attn_implementation='triton': the Lorentz attention kernel is not available ({err})"
-    return lorentz_flash_attention, None
+    return lorentz_attention_triton, None
 
 
 def _triton_unavailable(device: torch.device) -> Optional[str]:
@@ -500,11 +509,13 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
     if value_centre is not None and torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, tau, k, alibi_slopes)):
         value, value_centre = value[..., :-1], None
-    kernel, _ = _load_kernel()
-    return kernel(query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
-                  segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
-                  qk_dtype=compute_dtype(query) if dtype is None else dtype,
-                  groups=mask.groups() if value_centre is None else None, key_time=key_time)
+    kernels, _ = _load_kernel()
+    return kernels.lorentz_flash_attention(
+        query, key, value, k=k, tau=tau, causal=mask.causal, attention_mask=mask.padding,
+        segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
+        qk_dtype=compute_dtype(query) if dtype is None else dtype,
+        groups=mask.groups() if value_centre is None else None, key_time=key_time,
+        ids=mask.kernel_ids(kernels.common.kernel_ids))
 
 
 # The zoo's own registry (transformers' AttentionInterface pattern, kept out of transformers' global one): a name

@@ -26,6 +26,7 @@ import os
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -34,7 +35,7 @@ import triton.language as tl
 from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare", "centre_values", "document_runs", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
+           "launch_args", "needs_grad", "prepare", "centre_values", "document_runs", "kernel_ids", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
            "autotune_configs", "estimate_resources", "prune_configs"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
@@ -165,7 +166,8 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mask, segment_ids,
             alibi_slopes, value_centre: Optional[torch.Tensor] = None,
             qk_dtype: Optional[torch.dtype] = None, groups: Optional[KeyGroups] = None,
-            key_time: Optional[torch.Tensor] = None) -> Prepared:
+            key_time: Optional[torch.Tensor] = None, ids: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> Prepared:
     """Validate the public arguments and turn them into what the kernels read.
 
     * The space parts of ``q, k``, ``[B, H, T, d]`` in the GEMM dtype ``qk_dtype`` (default: the promoted dtype of
@@ -192,6 +194,8 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
       masking is then ``causal & (qid_i == kid_j)``. Ids are shifted to start at 0 per row and stored as
       int32, so the ids of one row must span less than 2^31. ``kid`` is ``[B, 3, Tk]``: the ids, then each
       position's document span (:func:`document_runs`), which the kernels use to skip the blocks of other documents.
+      ``ids``: ``(qid, kid)`` of this mask when the caller has them (:func:`kernel_ids`; a model computes them once
+      per forward for all its layers).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -256,19 +260,10 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
             raise ValueError(f"alibi_slopes must be [H={H}], got {tuple(alibi_slopes.shape)}")
         slopes = alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
 
-    qid = kid = None
-    if segment_ids is not None or attention_mask is not None:
-        for name, m in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
-            if m is not None and tuple(m.shape) != (B, Tk):
-                raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
-        if segment_ids is not None:
-            seg = segment_ids.to(device=device, dtype=torch.int64)
-            seg = seg - seg.amin(dim=1, keepdim=True)
-        else:
-            seg = torch.zeros(B, Tk, dtype=torch.int64, device=device)
-        qid = seg[:, Tk - Tq:].to(torch.int32).contiguous()
-        kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
-        kid = torch.stack([kid, *document_runs(seg)], dim=1).to(torch.int32).contiguous()
+    for name, m in (("attention_mask", attention_mask), ("segment_ids", segment_ids)):
+        if m is not None and tuple(m.shape) != (B, Tk):
+            raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
+    qid, kid = kernel_ids(segment_ids, attention_mask, Tq, device) if ids is None else ids
     if cached_norms is None:
         (w, c), e = centre_values(v, segment_ids, attention_mask, Tq, groups), None
     else:
@@ -278,6 +273,23 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
                     causal=bool(causal), centred=cached_norms is None)
 
 
+def kernel_ids(segment_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], q_len: int, device
+               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(qid [B, Tq], kid [B, 3, Tk])`` int32, the rows the kernels mask with (:func:`prepare`), or ``(None, None)``
+    without ``segment_ids`` and ``attention_mask`` ``[B, Tk]``."""
+    if segment_ids is None and attention_mask is None:
+        return None, None
+    B, Tk = (segment_ids if segment_ids is not None else attention_mask).shape
+    if segment_ids is not None:
+        seg = segment_ids.to(device=device, dtype=torch.int64)
+        seg = seg - seg.amin(dim=1, keepdim=True)
+    else:
+        seg = torch.zeros(B, Tk, dtype=torch.int64, device=device)
+    qid = seg[:, Tk - q_len:].to(torch.int32).contiguous()
+    kid = seg if attention_mask is None else torch.where(attention_mask.to(device).bool(), seg, -1)
+    return qid, torch.stack([kid, *document_runs(seg)], dim=1).to(torch.int32).contiguous()
+
+
 def document_runs(seg: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(first, end)`` ``[B, T]``: for each position of a row of document ids ``seg [B, T]``, the first position of
     its document and the position after its last, where the row's ids never decrease (documents packed one after
@@ -285,10 +297,9 @@ def document_runs(seg: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     may then come back later). Scans on the device, no host synchronisation."""
     B, T = seg.shape
     pos = torch.arange(T, device=seg.device).expand(B, T)
-    change = seg[:, 1:] != seg[:, :-1]
-    edge = torch.ones(B, 1, dtype=torch.bool, device=seg.device)
-    first = torch.where(torch.cat([edge, change], 1), pos, 0).cummax(dim=1).values
-    end = torch.where(torch.cat([change, edge], 1), pos + 1, T).flip(1).cummin(dim=1).values.flip(1)
+    change = seg[:, 1:] != seg[:, :-1]  # a document starts after each change and at 0, ends before each and at T
+    first = torch.where(F.pad(change, (1, 0), value=True), pos, 0).cummax(dim=1).values
+    end = torch.where(F.pad(change, (0, 1), value=True), pos + 1, T).flip(1).cummin(dim=1).values.flip(1)
     runs = (seg[:, 1:] >= seg[:, :-1]).all(dim=1, keepdim=True)
     return torch.where(runs, first, 0), torch.where(runs, end, T)
 

@@ -699,6 +699,7 @@ def lorentz_flash_attention(
     qk_dtype: Optional[torch.dtype] = None,
     groups=None,
     key_time: Optional[torch.Tensor] = None,
+    ids=None,
 ) -> torch.Tensor:
     """Fused Lorentz attention (HELM Eq. 3): ``O_i = centroid({v_j}, softmax_j(-d²(q_i, k_j)/τ + b_ij))``.
 
@@ -726,6 +727,8 @@ def lorentz_flash_attention(
             when the caller has them (a model's layers share one mask's); computed here otherwise.
         key_time: ``[B, H, Tk]`` fp32: ``key`` is then the keys' space parts ``[B, H, Tk, d]`` (a cache's, stored
             in ``qk_dtype``) and these their time coordinates; the kernels read both as they are.
+        ids: the kernels' id rows for this ``attention_mask`` and ``segment_ids`` when the caller has them
+            (:func:`~.common.kernel_ids`); computed here otherwise.
 
     Returns:
         ``[B, H, Tq, 1+dv]`` points of ``H_k`` in fp32 (also for fp16/bf16 inputs, like eager). A query row
@@ -739,7 +742,7 @@ def lorentz_flash_attention(
     """
     p = prepare(query, key, value, k=k, tau=tau, causal=causal, attention_mask=attention_mask,
                 segment_ids=segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre, qk_dtype=qk_dtype,
-                groups=groups, key_time=key_time)
+                groups=groups, key_time=key_time, ids=ids)
     args = (p.q, p.qt, p.k, p.kt, p.v, p.e, p.c, p.scale, p.slopes, p.kc, p.qid, p.kid, p.causal, p.centred)
     if needs_grad(p):
         if not p.centred:

@@ -399,18 +399,20 @@ def test_autotuned_choices_persist_across_processes(lk):
 
 
 def test_the_layers_share_one_mask_groups_with_the_kernel(lk, monkeypatch):
-    """The keys' groups (documents and padding, for the value centres) come from the model's one mask
-    (``AttentionMask.groups``, computed once per forward), not recomputed by the kernel in every layer: a segmented
-    scan of ~7 small ops per doubling step that each layer would otherwise launch again."""
+    """The keys' groups (documents and padding, for the value centres) and the kernel's id rows (documents, padding
+    and document spans) come from the model's one mask (``AttentionMask.groups``, ``.kernel_ids``, computed once per
+    forward), not recomputed in every layer: segmented scans of small ops that each layer would otherwise launch
+    again."""
     import helm.ops.attention as attention
 
-    calls = {"mask": 0, "kernel": 0}
-    for module, name in ((attention, "mask"), (lk.common, "kernel")):
-        real = module.key_groups
-        monkeypatch.setattr(module, "key_groups",
+    calls = {"mask": 0, "kernel": 0, "ids": 0}
+    for module, attr, name in ((attention, "key_groups", "mask"), (lk.common, "key_groups", "kernel"),
+                               (lk.common, "kernel_ids", "ids")):
+        real = getattr(module, attr)
+        monkeypatch.setattr(module, attr,
                             lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1) or _real(*a))
     model = tiny_model("helm_d", train=True, num_hidden_layers=3, vocab_size=64,
                        model_kwargs={"attn_implementation": "triton"})
     ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     _step(model, model, ids, torch.tensor([[0] * 7 + [1] * 9, [0] * 16]))
-    assert calls == {"mask": 1, "kernel": 0}
+    assert calls == {"mask": 1, "kernel": 0, "ids": 1}
