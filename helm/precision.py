@@ -21,8 +21,8 @@ nearby points (:func:`helm.manifold.sqdist`, the residual), centred sums (attent
 :func:`helm.manifold.inner` and a :func:`helm.manifold.normalize` without ``norm2`` carry fp32's rounding of
 their two cancelling terms; no layer evaluates them where that matters.
 
-**Activations.** A point between layers (hidden states, the residual stream, the KV cache) is stored in the
-statistics dtype, its time coordinate derived from its space part in fp32 (``lift``), so it lies on the
+**Activations.** A point between layers (hidden states, the residual stream, the KV cache's values) is stored in
+the statistics dtype, its time coordinate derived from its space part in fp32 (``lift``), so it lies on the
 hyperboloid to fp32 rounding by construction; the space parts a half-precision GEMM produced are exact in fp32,
 so storing them beside an fp32 time coordinate loses nothing. Under autocast this is ``LlamaForCausalLM``'s
 layout (fp32 master weights: fp32 hidden states, logits in the compute dtype from the linear LM head). A model

@@ -66,25 +66,7 @@ def known_keys(config_class: type) -> frozenset:
     return frozenset(names | {"model_type", "auto_map", "attn_implementation", "experts_implementation"})
 
 
-class RemoteCodeConfigMixin:
-    """Saved HELM configs get ``auto_map`` from the model's code bundle; see ``HelmPreTrainedModel``."""
-
-    @classmethod
-    def register_for_auto_class(cls, auto_class="AutoConfig"):
-        if (auto_class if isinstance(auto_class, str) else auto_class.__name__) != "AutoConfig":
-            raise ValueError(f"auto_class must be 'AutoConfig', got {auto_class!r}")
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``transformers``' loader, after :func:`helm.models.loading.check_config_folder`: a local folder without
-        ``config.json`` is an ``OSError`` naming it (``transformers`` would return a default config)."""
-        from .loading import check_config_folder
-
-        check_config_folder(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "")
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-
-class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
+class HelmConfigBase(PreTrainedConfig):
     r"""Fields shared by both families: Llama names first, then the HELM-specific ones.
 
     Dimensions are *ambient*: they count the time coordinate, like the paper (the 115M model has
@@ -209,6 +191,21 @@ class HelmConfigBase(RemoteCodeConfigMixin, PreTrainedConfig):
     head_merge: str = field(one_of(HEAD_MERGES), "hcat")
     final_proj: bool = field(boolean, False)
     fused_lm_loss: bool = field(boolean, True)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """Saved HELM configs get ``auto_map`` from the model's code bundle; see ``HelmPreTrainedModel``."""
+        if (auto_class if isinstance(auto_class, str) else auto_class.__name__) != "AutoConfig":
+            raise ValueError(f"auto_class must be 'AutoConfig', got {auto_class!r}")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``transformers``' loader, after :func:`helm.models.loading.check_config_folder`: a local folder without
+        ``config.json`` is an ``OSError`` naming it (``transformers`` would return a default config)."""
+        from .loading import check_config_folder
+
+        check_config_folder(cls.__name__, pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or "")
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     def __post_init__(self, **kwargs):
         self.upgrade_old_fields(kwargs)

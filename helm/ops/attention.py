@@ -188,12 +188,12 @@ class AttentionMask:
             self._groups = key_groups(self.batch, self.kv_len, self.segment_ids, self.padding, self.device)
         return self._groups
 
-    def kernel_ids(self, make: Callable[..., tuple]) -> tuple:
-        """What the Triton kernel masks with, ``make(segment_ids, padding, q_len, device)``
-        (:func:`helm.ops.lorentz_attention_triton.common.kernel_ids`): computed on first use, then shared by every
-        layer."""
+    def kernel_ids(self, make: Callable[..., tuple], device) -> tuple:
+        """What the Triton kernel masks with on ``device`` (the attention's), ``make(segment_ids, padding, q_len,
+        device)`` (:func:`helm.ops.lorentz_attention_triton.common.kernel_ids`): computed on first use, then shared by
+        every layer."""
         if self._kernel_ids is None:
-            self._kernel_ids = make(self.segment_ids, self.padding, self.q_len, self.device)
+            self._kernel_ids = make(self.segment_ids, self.padding, self.q_len, device)
         return self._kernel_ids
 
     def __repr__(self) -> str:
@@ -284,8 +284,8 @@ def _normalise(de: torch.Tensor, c: torch.Tensor, k) -> torch.Tensor:
 
     ``E - <D, D>_L`` is formed first (``k`` would be lost in ``k + E`` when ``E ~ |v|²``), in the statistics dtype
     (``de`` is promoted to it). The floor: the exact ``N >= k`` (a one-key row attains it, so rounding can put it a
-    hair below ``k``, where a clamp at ``k`` would zero that row's gradient at random), so ``k/2`` never binds for values
-    on the manifold and keeps degenerate inputs finite; the Triton kernel uses the same rule."""
+    hair below ``k``, where a clamp at ``k`` would zero that row's gradient at random), so ``k/2`` never binds for
+    values on the manifold and keeps degenerate inputs finite; the Triton kernel uses the same rule."""
     de = to_stat(de)
     d, e = de[..., :-1], de[..., -1:]
     kk = k.to(dtype=d.dtype, device=d.device) if isinstance(k, torch.Tensor) else float(k)
@@ -515,7 +515,7 @@ def triton_attention(query, key, value, *, k, tau, mask: AttentionMask, position
         segment_ids=mask.segment_ids, alibi_slopes=alibi_slopes, value_centre=value_centre,
         qk_dtype=compute_dtype(query) if dtype is None else dtype,
         groups=mask.groups() if value_centre is None else None, key_time=key_time,
-        ids=mask.kernel_ids(kernels.common.kernel_ids))
+        ids=mask.kernel_ids(kernels.common.kernel_ids, query.device))
 
 
 # The zoo's own registry (transformers' AttentionInterface pattern, kept out of transformers' global one): a name
@@ -696,8 +696,12 @@ def lorentz_attention(
                          f"{tuple(value_centre.shape)} for {tuple(value.shape)}")
     key_shape = key.shape
     if key_time is not None:
-        if tuple(key_time.shape) != tuple(key.shape[:3]):
-            raise ValueError(f"key_time must be [B, H, Tk] = {tuple(key.shape[:3])}, got {tuple(key_time.shape)}")
+        if tuple(key_time.shape) != tuple(key.shape[:3]) or not key_time.is_floating_point():
+            raise ValueError(f"key_time must be floating [B, H, Tk] = {tuple(key.shape[:3])}, got "
+                             f"{tuple(key_time.shape)} {key_time.dtype}")
+        if key.shape[3] != query.shape[3] - 1:
+            raise ValueError(f"with key_time, key must be the keys' space parts [B, H, Tk, d = {query.shape[3] - 1}] "
+                             f"(query is 1+d = {query.shape[3]}), got {tuple(key.shape)}")
         key_shape = torch.Size((*key.shape[:3], 1 + key.shape[3]))
     _validate(query, key_shape, value, tau, mask, position_bias, alibi_slopes)
     name = resolve_attention(impl, query.device, mask=mask, dense_bias=position_bias is not None,
@@ -707,7 +711,8 @@ def lorentz_attention(
         if name == "triton":
             extra["key_time"] = key_time
         else:
-            key = torch.cat([key_time.unsqueeze(-1), key.to(key_time.dtype)], dim=-1)
+            stat = torch.promote_types(key_time.dtype, torch.float32)  # the points' dtype, never the GEMM's
+            key = torch.cat([key_time.unsqueeze(-1).to(stat), key.to(stat)], dim=-1)
     if value_centre is not None:
         # eager as requested, the reference, centres the values itself; as a half-precision fallback it reads them
         if name != "eager" or ATTENTION_ALIASES.get(impl, impl) != "eager":

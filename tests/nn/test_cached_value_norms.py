@@ -53,6 +53,24 @@ def test_value_centre_shape_is_checked():
         lorentz_attention(q, kk, v, k=0.5, tau=1.0, value_centre=v[:, :, :1])
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_keys_given_as_space_parts_and_times(impl):
+    """``key_time=``: the keys' space parts and time coordinates apart, as the cache holds them, give the points' result;
+    the points are rebuilt in the statistics dtype whatever ``key_time``'s dtype (a bf16 one does not round the space
+    parts); a key with its time coordinate, or an integer ``key_time``, is refused naming ``key_time``."""
+    q, kk, v = points(1, 2, 3, 5, dtype=torch.float32), points(1, 2, 4, 5, dtype=torch.float32), \
+        points(1, 2, 4, 5, dtype=torch.float32)
+    want = lorentz_attention(q, kk, v, k=0.5, tau=1.0, impl=impl)
+    assert torch.equal(lorentz_attention(q, kk[..., 1:], v, k=0.5, tau=1.0, impl=impl, key_time=kk[..., 0]), want)
+    rounded = kk[..., 0].bfloat16()
+    assert torch.equal(lorentz_attention(q, kk[..., 1:], v, k=0.5, tau=1.0, impl=impl, key_time=rounded),
+                       lorentz_attention(q, torch.cat([rounded.float()[..., None], kk[..., 1:]], -1), v, k=0.5,
+                                         tau=1.0, impl=impl))
+    for key, time in ((kk, kk[..., 0]), (kk[..., 1:], kk[..., 0].long())):
+        with pytest.raises(ValueError, match="key_time"):
+            lorentz_attention(q, key, v, k=0.5, tau=1.0, impl=impl, key_time=time)
+
+
 def make_layer(impl="sdpa", dtype=torch.float32):
     torch.manual_seed(0)
     layer = LorentzSelfAttention(HIDDEN, HEADS, HEAD, k=1.0, config=PreTrainedConfig(attn_implementation=impl),

@@ -8,9 +8,9 @@ row ``i`` sits at position ``pos_i = Tk - Tq + i``)::
     O_i  = lift(sqrt(k) S_i,s / sqrt(max(N_i, k/2)))      N_i = k + (E_i - <D_i, D_i>_L)   (= |<S_i, S_i>_L|)
     D_i  = Σ_j P_ij w_j,  E_i = Σ_j P_ij e_j,  S_i = c_i + D_i   with  w_j = v_j - c_j,  e_j = <w_j, w_j>_L
 
-The kernels only ever see the centred values ``w`` (passed as ``V``), ``e`` and the row centres ``c`` (or, from a
-cache, plain values with their norms about one centre), all made by :func:`prepare` (:func:`centre_values` explains
-the centres and ``README.md`` next to this file the pairwise form of ``N``).
+The kernels only ever see the centred values ``w`` (passed as ``V``; they compute ``e`` from them) and the row centres
+``c`` (or, from a cache, plain values with their norms ``e`` about one centre), made by :func:`prepare`
+(:func:`centre_values` explains the centres and ``README.md`` next to this file the pairwise form of ``N``).
 
 The kernels work in base 2 (``exp2``/``log2``) with ``z`` pre-multiplied by ``log2(e)``. A point row
 ``[x_t, x_s]`` is always loaded as two blocks: the time coordinate ``[BT]`` in fp32 (for queries and keys from
@@ -35,8 +35,8 @@ import triton.language as tl
 from ..centring import KeyGroups, key_groups, value_centres
 
 __all__ = ["DEBUG_NAN_FILL", "INTERPRET", "LOG2E", "MAX_HEAD_DIM", "Prepared", "alloc", "block_d", "dot_precision",
-           "launch_args", "needs_grad", "prepare", "centre_values", "document_runs", "kernel_ids", "SM90_SMEM_BYTES", "REG_BUDGET", "AUTOTUNE",
-           "autotune_configs", "estimate_resources", "prune_configs"]
+           "launch_args", "needs_grad", "prepare", "centre_values", "document_runs", "kernel_ids", "SM90_SMEM_BYTES",
+           "REG_BUDGET", "AUTOTUNE", "autotune_configs", "estimate_resources", "prune_configs"]
 
 # ``triton.jit`` picks compiled or interpreted functions when a kernel module is imported; record the
 # same decision so launchers choose interpreter-friendly blocks and fp32 dots consistently.
@@ -213,9 +213,11 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
     if key_time is not None and tuple(key_time.shape) != (B, H, Tk):
         raise ValueError(f"key_time must be [B, H, Tk] = {(B, H, Tk)}, got {tuple(key_time.shape)}")
-    if key.shape[3] + (key_time is not None) != Dq:
-        raise ValueError(f"query and key must have the same head dim 1+d: got {Dq} and {key.shape[3]}"
-                         + (" space coordinates" if key_time is not None else ""))
+    if key_time is not None and key.shape[3] != Dq - 1:
+        raise ValueError(f"with key_time, key must be the keys' space parts [B, H, Tk, d = {Dq - 1}] (query is "
+                         f"1+d = {Dq}), got {tuple(key.shape)}")
+    if key_time is None and key.shape[3] != Dq:
+        raise ValueError(f"query and key must have the same head dim 1+d: got {Dq} and {key.shape[3]}")
     if value.shape[2] != Tk:
         raise ValueError(f"key and value must have the same length: got {Tk} and {value.shape[2]}")
     if Tq > Tk or Tq == 0:
@@ -264,6 +266,10 @@ def prepare(query, key, value, *, k: Curv, tau: Tau, causal: bool, attention_mas
         if m is not None and tuple(m.shape) != (B, Tk):
             raise ValueError(f"{name} must be [B, Tk] = {(B, Tk)}, got {tuple(m.shape)}")
     qid, kid = kernel_ids(segment_ids, attention_mask, Tq, device) if ids is None else ids
+    want = [None] * 2 if segment_ids is None and attention_mask is None else [((B, Tq), device), ((B, 3, Tk), device)]
+    if ids is not None and [t if t is None else (tuple(t.shape), t.device) for t in ids] != want:
+        raise ValueError(f"ids must be kernel_ids() of this call's masks, {want}; got "
+                         f"{[getattr(t, 'shape', t) for t in ids]}")
     if cached_norms is None:
         (w, c), e = centre_values(v, segment_ids, attention_mask, Tq, groups), None
     else:
@@ -435,12 +441,7 @@ def _load_points(p_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.cons
     """Rows ``o_t`` of a ``[T, 1+D]`` array of points: time ``[BT]`` in fp32, space ``[BT, BLOCK_D]`` as stored
     (zero beyond ``D`` and for masked rows)."""
     b_t = tl.load(p_x + o_t * stride_t, mask=m_t, other=0.0).to(tl.float32)
-    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
-    if D == BLOCK_D:
-        b_s = tl.load(p_s, mask=m_t[:, None], other=0.0)
-    else:
-        b_s = tl.load(p_s, mask=m_t[:, None] & (o_d[None, :] < D), other=0.0)
-    return b_t, b_s
+    return b_t, _load_rows(p_x + 1, o_t, m_t, stride_t, o_d, D, BLOCK_D)
 
 
 @triton.jit
@@ -475,17 +476,13 @@ def _store_rows(p_x, b_x, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.
 def _store_points(p_x, b_t, b_s, o_t, m_t, stride_t, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Store time ``[BT]`` and space ``[BT, BLOCK_D]`` blocks into rows ``o_t`` of a ``[T, 1+D]`` array."""
     tl.store(p_x + o_t * stride_t, b_t.to(p_x.dtype.element_ty), mask=m_t)
-    p_s = p_x + o_t[:, None] * stride_t + 1 + o_d[None, :]
-    if D == BLOCK_D:
-        tl.store(p_s, b_s.to(p_x.dtype.element_ty), mask=m_t[:, None])
-    else:
-        tl.store(p_s, b_s.to(p_x.dtype.element_ty), mask=m_t[:, None] & (o_d[None, :] < D))
+    _store_rows(p_x + 1, b_s, o_t, m_t, stride_t, o_d, D, BLOCK_D)
 
 
 @triton.jit
 def _lorentz_sqnorm(b_t, b_s):
-    """``<x, x>_L = |x_s|² - x_t²`` of each row of a block (time ``[BT]``, space ``[BT, BLOCK_D]``), accumulated in fp64
-    and rounded to fp32: the named fp64 exception (:func:`_centroid_normalise` says why)."""
+    """``<x, x>_L = |x_s|² - x_t²`` of each row of a block (time ``[BT]``, space ``[BT, BLOCK_D]``), accumulated in
+    fp64 and rounded to fp32: the named fp64 exception (:func:`_centroid_normalise` says why)."""
     b_s64 = b_s.to(tl.float64)
     b_t64 = b_t.to(tl.float64)
     return (tl.sum(b_s64 * b_s64, 1) - b_t64 * b_t64).to(tl.float32)

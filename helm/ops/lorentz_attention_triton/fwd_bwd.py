@@ -88,9 +88,10 @@ def lorentz_attention_fwd_kernel(
     PREC: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
     """Grid ``(cdiv(Tq, BLOCK_M), B*H)``. Reads the space parts of ``Q``, ``K`` (GEMM dtype) and their time
-    coordinates ``QT [B*H, Tq]``, ``KT [B*H, Tk]`` (fp32), the centred values ``V`` (``w``), ``E [B*H, Tk]``
-    (``e``) and the row centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's, with
-    ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``) and the epilogue takes ``D = Σ P v - c``. Writes the
+    coordinates ``QT [B*H, Tq]``, ``KT [B*H, Tk]`` (fp32), the centred values ``V`` (``w``, whose ``e`` it computes)
+    and the row centres ``C [B*H, Tq, 1+DV]``; without ``CENTRED`` ``V`` holds the plain values ``v`` (a cache's) and
+    ``E [B*H, Tk]`` their ``e_j = <v_j - c, v_j - c>_L`` for one centre ``c``, and the epilogue takes
+    ``D = Σ P v - c``. Writes the
     output ``OUT [B, H, Tq, 1+DV]``; with ``STORE_S`` also ``S`` (the centred sums ``D``, same layout, fp32),
     ``EBAR [B*H, Tq]`` (``E``), ``LSE [B*H, Tq]`` (base 2) and ``FULL [B*H, Tq]`` (int8: the row attends to every
     key)."""
@@ -599,10 +600,10 @@ def lorentz_attention_fwd(q: T, qt: T, k: T, kt: T, w: T, e: Optional[T], c: T, 
                           qid: Optional[T], kid: Optional[T], causal: bool, centred: bool,
                           store_stats: bool) -> Tuple[T, T, T, T, T]:
     """Forward kernel on prepared inputs (:func:`~.common.prepare`): the space parts ``q [B, H, Tq, d]``,
-    ``k [B, H, Tk, d]`` in the GEMM dtype (unit last stride) with their time coordinates ``qt [B*H, Tq]``, ``kt [B*H, Tk]`` fp32,
-    centred values ``w [B, H, Tk, 1+dv]`` (unit last stride; the kernels compute their ``e_j = <w_j, w_j>_L``), row
-    centres ``c [B, H, Tq, 1+dv]``, ``scale = 2/τ [H]``, ``slopes [H]`` or None, ``kc [1]`` (fp32), ids
-    ``qid [B, Tq]``, ``kid [B, 3, Tk]`` (int32) or None. ``centred=False``: ``w`` holds plain values and ``e``
+    ``k [B, H, Tk, d]`` in the GEMM dtype (unit last stride) with their time coordinates ``qt [B*H, Tq]``,
+    ``kt [B*H, Tk]`` fp32, centred values ``w [B, H, Tk, 1+dv]`` (unit last stride; the kernels compute their
+    ``e_j = <w_j, w_j>_L``), row centres ``c [B, H, Tq, 1+dv]``, ``scale = 2/τ [H]``, ``slopes [H]`` or None,
+    ``kc [1]`` (fp32), ids ``qid [B, Tq]``, ``kid [B, 3, Tk]`` (int32) or None. ``centred=False``: ``w`` holds plain values and ``e``
     ``[B, H, Tk]`` their norms about one centre ``c`` (a cache's, forward only); ``e`` is None otherwise.
 
     Returns ``(O, S, EBAR, LSE, FULL)``: ``O [B, H, Tq, 1+dv]`` fp32 and, with ``store_stats``, what the backward

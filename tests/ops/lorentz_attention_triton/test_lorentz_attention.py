@@ -317,6 +317,12 @@ def test_invalid_arguments_raise(lk):
         lk.lorentz_flash_attention(q, q, q, k=1.0, tau=torch.ones(3))
     with pytest.raises(ValueError, match="Tq <= Tk"):
         lk.lorentz_flash_attention(q, q[:, :, :4], q[:, :, :4], k=1.0, tau=1.0)
+    with pytest.raises(ValueError, match="key_time"):  # the keys' points where their space parts belong
+        lk.lorentz_flash_attention(q, q, q, k=1.0, tau=1.0, key_time=q[..., 0])
+    am = torch.ones(1, 8, dtype=torch.long, device=DEVICE)
+    other = lk.common.kernel_ids(None, am[:, :6], 6, DEVICE)  # the id rows of another mask
+    with pytest.raises(ValueError, match="ids"):
+        lk.lorentz_flash_attention(q, q, q, k=1.0, tau=1.0, attention_mask=am, ids=other)
     with pytest.raises(RuntimeError, match="forward only"):
         lk.lorentz_decode_attention(q.requires_grad_(), q, q, k=1.0, tau=1.0)
 
