@@ -119,20 +119,20 @@ class LorentzSelfAttention(LorentzAttentionBase):
     ``forward(x [B, T, 1+n], *, position_embeddings: PositionalTables | None, attention_mask: AttentionMask |
     None, past_key_values: Cache | None) -> [B, T, 1+n]``; the model builds the tables and the mask once per
     forward (None: no positional encoding; plain causal attention over the new tokens and the cache).
-    The cache stores per-head Lorentz keys (after the positional rotation) as their space parts ``[B, H, T, d]`` in
-    the compute dtype (that of the projections' outputs: bf16 under bf16 autocast; the dtype of the cache's first
-    write from then on), the form the ``q·k`` products read, and values with two more columns
-    ``[B, H, T, 1+d+2] = [v | e | k_t]``: the centred norm ``e = <v - c, v - c>_L`` for the centre ``c`` = the value
-    of the cache's first key (per batch row and head, fixed for the life of the cache) and the key's time coordinate
-    ``k_t``, both in the values' dtype (fp32). Not in training mode, whose forward with a cache stays that of
-    ``helm.ops``. A decode step then reads the cache as it is: the kernel takes the keys' space parts and ``k_t``
-    without a cast over the cache, and normalises the centroid from ``Σ ν [v | e]`` (``sdpa`` too, and ``eager`` as a
-    half-precision fallback; requested, ``eager`` recomputes its centres, the reference), instead of re-centring the
-    whole cache every step (:func:`helm.ops.lorentz_attention`, ``value_centre``, ``key_time``). Caches other than
-    ``transformers``' dynamic and static ones, and a cache written without the columns, keep plain keys and values:
-    among them continuous batching's paged cache (a :class:`PagedBatch`), whose rows hold exactly the keys and values
-    (:meth:`cache_payload`).
-    """
+    The cache stores per-head Lorentz keys (after the positional rotation) and values with one more column
+    ``[B, H, T, 1+d+1] = [v | e]``: the centred norm ``e = <v - c, v - c>_L`` for the centre ``c`` = the value of
+    the cache's first key (per batch row and head, fixed for the life of the cache). Where the compute dtype (that
+    of the projections' outputs) is not the points' (bf16 under bf16 autocast), the keys are stored as the ``q·k``
+    products read them, their space parts ``[B, H, T, d]`` in the compute dtype, and their time coordinates ``k_t``
+    as a last value column, ``[v | e | k_t]`` in the values' dtype (fp32); the first write fixes the layout and
+    dtype. Not in training mode, whose forward with a cache stays that of ``helm.ops``. A decode step then reads the
+    cache as it is: the kernel takes the keys' space parts and ``k_t`` without a cast over the cache, and normalises
+    the centroid from ``Σ ν [v | e]`` (``sdpa`` too, and ``eager`` as a half-precision fallback; requested,
+    ``eager`` recomputes its centres, the reference), instead of re-centring the whole cache every step
+    (:func:`helm.ops.lorentz_attention`, ``value_centre``, ``key_time``). Caches other than ``transformers``'
+    dynamic and static ones, and a cache written without the columns, keep plain keys and values: among them
+    continuous batching's paged cache (a :class:`PagedBatch`), whose rows hold exactly the keys and values
+    (:meth:`cache_payload`)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, k: float = 1.0,
                  tau_init: Optional[float] = None, layer_idx: Optional[int] = None, bias: bool = True,
@@ -166,13 +166,15 @@ class LorentzSelfAttention(LorentzAttentionBase):
         if past_key_values is not None and not self.training and extends_cache(
                 past_key_values, self.layer_idx, values=True, plain_width=self.head_dim):
             centre = first_cached(past_key_values, self.layer_idx, value, values=True).detach()
-            value = torch.cat([value, sqnorm(value - centre, keepdim=True), key[..., :1]], dim=-1)
-            # the dtype of the cache's first write from then on (a static cache's buffers take no other)
-            layers = past_key_values.layers
-            written = self.layer_idx < len(layers) and layers[self.layer_idx].is_initialized
-            key = key[..., 1:].to(layers[self.layer_idx].keys.dtype if written else q_s.dtype)
+            # keys as q·k reads them where its dtype is not the points' (autocast), in the layout and dtype of the
+            # cache's first write from then on (a static cache's buffers take no other)
+            stored = past_key_values.layers[self.layer_idx] if self.layer_idx < len(past_key_values.layers) else None
+            written = stored is not None and stored.is_initialized
+            split = stored.keys.shape[-1] < self.head_dim if written else q_s.dtype != key.dtype
+            value = torch.cat([value, sqnorm(value - centre, keepdim=True), *([key[..., :1]] if split else [])], -1)
+            key = key[..., 1:].to(stored.keys.dtype if written else q_s.dtype) if split else key
             key, value = past_key_values.update(key, value, self.layer_idx)
-            key_time, value = value[..., -1], value[..., :-1]
+            key_time, value = (value[..., -1], value[..., :-1]) if split else (None, value)
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         out = self.attend(q, key, value, q_pe=q[..., 1:], k_pe=key if key_time is not None else key[..., 1:],

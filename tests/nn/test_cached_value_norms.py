@@ -55,9 +55,9 @@ def test_value_centre_shape_is_checked():
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_keys_given_as_space_parts_and_times(impl):
-    """``key_time=``: the keys' space parts and time coordinates apart, as the cache holds them, give the points' result;
-    the points are rebuilt in the statistics dtype whatever ``key_time``'s dtype (a bf16 one does not round the space
-    parts); a key with its time coordinate, or an integer ``key_time``, is refused naming ``key_time``."""
+    """``key_time=``: the keys' space parts and time coordinates apart, as an autocast cache holds them, give the
+    points' result; the points are rebuilt in the statistics dtype whatever ``key_time``'s dtype (a bf16 one does not
+    round the space parts); a key with its time coordinate, or an integer ``key_time``, is refused naming it."""
     q, kk, v = points(1, 2, 3, 5, dtype=torch.float32), points(1, 2, 4, 5, dtype=torch.float32), \
         points(1, 2, 4, 5, dtype=torch.float32)
     want = lorentz_attention(q, kk, v, k=0.5, tau=1.0, impl=impl)
@@ -116,15 +116,15 @@ def test_decoding_with_cached_norms_equals_the_reference(dtype, static):
     fast_cache = cache()
     got = decode(make_layer("sdpa", dtype), x, fast_cache, prefill=6, padding=padding)
     want = decode(make_layer("eager", dtype), x, cache(), prefill=6, padding=padding)
-    assert fast_cache.layers[0].values.shape[-1] == HEAD + 2 and fast_cache.layers[0].keys.shape[-1] == HEAD - 1
+    assert fast_cache.layers[0].values.shape[-1] == HEAD + 1 and fast_cache.layers[0].keys.shape[-1] == HEAD
     assert_close(got[padding], want[padding], rtol=1e-12 if dtype == torch.float64 else 1e-5)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_the_cache_holds_the_keys_space_parts_in_the_compute_dtype_and_their_times(autocast, monkeypatch):
-    """A prefill writes each key's space part in the compute dtype (what ``q·k`` reads) and its time coordinate,
-    unrounded, beside the value: bit for bit the key the same forward attends to without a cache. The attention
-    over them gives the forward's output."""
+    """Under autocast a prefill writes each key's space part in the compute dtype (what ``q·k`` reads) and its time
+    coordinate, unrounded, beside the value; in fp32 the keys stay points (the compute dtype already): bit for bit
+    the key the same forward attends to without a cache. The attention over them gives the forward's output."""
     x = lift(torch.randn(2, 9, HIDDEN - 1, generator=torch.Generator().manual_seed(3)), k=1.0)
     layer, seen = make_layer(), []
     real = layer.attend
@@ -136,8 +136,11 @@ def test_the_cache_holds_the_keys_space_parts_in_the_compute_dtype_and_their_tim
         want = layer(x, position_embeddings=tables, attention_mask=mask)
         got = layer(x, position_embeddings=tables, attention_mask=mask, past_key_values=cache)
     keys, values = cache.layers[0].keys, cache.layers[0].values
-    assert keys.dtype == (torch.bfloat16 if autocast else torch.float32) and keys.shape == (2, HEADS, 9, HEAD - 1)
-    assert torch.equal(keys, seen[0][..., 1:].to(keys.dtype)) and torch.equal(values[..., -1], seen[0][..., 0])
+    if autocast:
+        assert keys.dtype == torch.bfloat16 and keys.shape == (2, HEADS, 9, HEAD - 1) and values.shape[-1] == HEAD + 2
+        assert torch.equal(keys, seen[0][..., 1:].to(keys.dtype)) and torch.equal(values[..., -1], seen[0][..., 0])
+    else:
+        assert torch.equal(keys, seen[0]) and values.shape[-1] == HEAD + 1
     assert_close(got, want, dtype=torch.bfloat16 if autocast else torch.float32)
 
 
