@@ -122,6 +122,21 @@ def lk():
     return _MODULE
 
 
+@pytest.fixture
+def prepared(lk, monkeypatch):
+    """The :class:`~helm.ops.lorentz_attention_triton.common.Prepared` inputs of every ``lorentz_flash_attention`` call
+    the test makes, in order (what the kernels read)."""
+    calls = []
+    real = lk.fwd_bwd.prepare
+
+    def spy(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(lk.fwd_bwd, "prepare", spy)
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def _kernel_env(monkeypatch, lk):
     """Interpreter flag for helm's dispatcher, NaN-filled kernel buffers to expose unwritten reads, and on a GPU

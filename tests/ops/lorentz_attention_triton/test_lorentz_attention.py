@@ -232,7 +232,7 @@ def test_space_parts_reach_the_kernel_aligned_in_the_compute_dtype(lk):
     assert same.q.data_ptr() == q[..., 1:].data_ptr() and same.k.data_ptr() == kk[..., 1:].data_ptr()
 
 
-def test_cached_keys_reach_the_kernel_as_they_are(lk, monkeypatch):
+def test_cached_keys_reach_the_kernel_as_they_are(lk, prepared):
     """A cache's keys (:class:`helm.nn.LorentzSelfAttention`): space parts stored in bf16, fp32 time coordinates
     beside them (``key_time``). The kernel reads the stored space parts without a copy and gives exactly what it
     gives for the points, which its preparation casts: outputs and gradients, and on the decoding kernel."""
@@ -242,17 +242,9 @@ def test_cached_keys_reach_the_kernel_as_they_are(lk, monkeypatch):
     points = kk.to(DEVICE).requires_grad_()
     space = kk[..., 1:].to(device=DEVICE, dtype=torch.bfloat16).requires_grad_()
     time = kk[..., 0].to(DEVICE).requires_grad_()
-    read = []
-    real = lk.fwd_bwd.prepare
-
-    def spy(*args, **kwargs):
-        read.append(real(*args, **kwargs))
-        return read[-1]
-
-    monkeypatch.setattr(lk.fwd_bwd, "prepare", spy)
     want = lk.lorentz_flash_attention(q, points, v, tau=tau, qk_dtype=torch.bfloat16, **kw)
     got = lk.lorentz_flash_attention(q, space, v, tau=tau, qk_dtype=torch.bfloat16, key_time=time, **kw)
-    assert read[-1].k.data_ptr() == space.data_ptr()
+    assert prepared[-1].k.data_ptr() == space.data_ptr()
     assert torch.equal(got, want)
     do = torch.randn(want.shape, generator=torch.Generator().manual_seed(17)).to(DEVICE)
     (dpoints,) = torch.autograd.grad(want, points, do)

@@ -30,17 +30,9 @@ def test_triton_model_built_on_cpu_saves_reloads_and_runs(lk, tmp_path, monkeypa
     assert relative_error(triton, sdpa) <= 1e-5
 
 
-def test_decode_steps_read_the_cached_keys_as_stored(lk, monkeypatch):
+def test_decode_steps_read_the_cached_keys_as_stored(lk, prepared):
     """Under bf16 autocast each HELM-D decode step hands the kernel the cache's keys as they are stored, space parts
     in bf16 (no cast of the cache per step), and gives the logits of the forward over the whole sequence."""
-    read = []
-    real = lk.fwd_bwd.prepare
-
-    def spy(*args, **kwargs):
-        read.append(real(*args, **kwargs))
-        return read[-1]
-
-    monkeypatch.setattr(lk.fwd_bwd, "prepare", spy)
     torch.manual_seed(0)
     cfg = helm.load_config("tiny-helm-d", num_hidden_layers=1, hidden_size=33, num_attention_heads=2, head_dim=17,
                            intermediate_size=65, vocab_size=64, max_position_embeddings=64)
@@ -52,5 +44,5 @@ def test_decode_steps_read_the_cached_keys_as_stored(lk, monkeypatch):
         steps = [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(9, 12)]
     keys = cache.layers[0].keys
     assert keys.dtype == torch.bfloat16 and keys.shape[-1] == 16
-    assert read[-1].k.data_ptr() == keys.data_ptr()
+    assert prepared[-1].k.data_ptr() == keys.data_ptr()
     assert relative_error(torch.cat(steps, 1), whole[:, 9:]) <= 2e-2
