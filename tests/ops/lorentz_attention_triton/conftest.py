@@ -127,6 +127,8 @@ def prepared(lk, monkeypatch):
     """The :class:`~helm.ops.lorentz_attention_triton.common.Prepared` inputs of every ``lorentz_flash_attention`` call
     the test makes, in order (what the kernels read)."""
     calls = []
+    if lk is None:  # out of process: the test body runs in the child (module docstring)
+        return calls
     real = lk.fwd_bwd.prepare
 
     def spy(*args, **kwargs):
