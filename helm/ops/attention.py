@@ -711,7 +711,7 @@ def lorentz_attention(
         if name == "triton":
             extra["key_time"] = key_time
         else:
-            stat = torch.promote_types(key_time.dtype, torch.float32)  # the points' dtype, never the GEMM's
+            stat = stat_dtype(key_time)  # the points' dtype, never the GEMM's
             key = torch.cat([key_time.unsqueeze(-1).to(stat), key.to(stat)], dim=-1)
     if value_centre is not None:
         # eager as requested, the reference, centres the values itself; as a half-precision fallback it reads them
